@@ -1,0 +1,44 @@
+# tracestore — the two commands of the README: `make demo` and `make test`.
+# Both create .venv on first use and install the package with its extras
+# (torch is pinned to the CPU build that pip finds locally: a bare `torch`
+# requirement would pull a multi-GB CUDA build).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench bench-traces clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[ray,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job on the embedded default server.
+demo: $(STAMP)
+	$(VENV)/bin/tracestore demo
+
+## The full test suite (starts its own servers; Debian redis-server and Docker are used when present).
+test: $(STAMP)
+	$(VENV)/bin/ruff check tracestore trainer tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tracestore trainer tests benchmarks
+	$(VENV)/bin/mypy
+
+## Benchmarks (not part of the test suite); figures go to benchmarks/results/.
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

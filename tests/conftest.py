@@ -1,0 +1,170 @@
+"""Test fixtures: real servers for every reachable backend.
+
+``backend`` is parametrised over:
+
+* ``valkey``: the embedded ``valkey-server`` (always);
+* ``cluster``: a local 3-primary cluster from the same binary (always);
+* ``redis7``: Debian's ``redis-server`` when installed (skipped with a reason otherwise);
+* ``container``: testcontainers' Redis when a Docker engine is reachable (skipped otherwise).
+
+``TRACESTORE_TEST_BACKENDS=valkey,cluster`` narrows the list (for quick local loops).
+Servers are started once per test session and stopped at its end. Every test
+gets its own run id, so tests never see each other's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tracestore import AsyncTraceStore, TraceStore
+from tracestore.servers import EmbeddedServer, LocalCluster, redis_server_binary
+
+ALL_BACKENDS = ("valkey", "cluster", "redis7", "container")
+
+
+def _selected() -> list[str]:
+    raw = os.environ.get("TRACESTORE_TEST_BACKENDS", "")
+    chosen = [b.strip() for b in raw.split(",") if b.strip()] or list(ALL_BACKENDS)
+    unknown = set(chosen) - set(ALL_BACKENDS)
+    if unknown:
+        raise pytest.UsageError(f"unknown backends {sorted(unknown)}; choose from {ALL_BACKENDS}")
+    return chosen
+
+
+def _docker_reason() -> str | None:
+    try:
+        import docker  # installed with testcontainers
+    except ImportError:
+        return "testcontainers/docker SDK not installed"
+    try:
+        client = docker.from_env(timeout=3)
+        client.ping()
+        client.close()
+    except Exception as exc:  # no engine: the SDK raises several kinds
+        return f"no Docker engine reachable ({type(exc).__name__})"
+    return None
+
+
+class _Servers:
+    """Starts each backend on first use; stops them all at session end."""
+
+    def __init__(self) -> None:
+        self._urls: dict[str, str] = {}
+        self._stoppers: list[Any] = []
+
+    def url(self, backend: str) -> str:
+        if backend in self._urls:
+            return self._urls[backend]
+        if backend == "valkey":
+            s = EmbeddedServer().start()
+            self._stoppers.append(s.stop)
+            url = s.url
+        elif backend == "cluster":
+            c = LocalCluster(primaries=3).start()
+            self._stoppers.append(c.stop)
+            url = c.url
+        elif backend == "redis7":
+            binary = redis_server_binary()
+            if binary is None:
+                pytest.skip("Debian redis-server is not installed (apt-get install redis-server)")
+            s = EmbeddedServer(binary=binary).start()
+            self._stoppers.append(s.stop)
+            url = s.url
+        elif backend == "container":
+            reason = _docker_reason()
+            if reason:
+                pytest.skip(reason)
+            from testcontainers.redis import RedisContainer
+
+            ctr = RedisContainer("redis:7.4").start()
+            self._stoppers.append(ctr.stop)
+            url = f"redis://{ctr.get_container_host_ip()}:{ctr.get_exposed_port(6379)}"
+        else:  # pragma: no cover
+            raise AssertionError(backend)
+        self._urls[backend] = url
+        return url
+
+    def stop(self) -> None:
+        for stop in reversed(self._stoppers):
+            stop()
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[_Servers]:
+    s = _Servers()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(params=_selected())
+def backend(request: pytest.FixtureRequest) -> str:
+    """Name of the backend this test runs on."""
+    return str(request.param)
+
+
+@pytest.fixture
+def url(servers: _Servers, backend: str) -> str:
+    """URL of a running server of ``backend``."""
+    return servers.url(backend)
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A run id no other test uses."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def store(url: str, run_id: str) -> Iterator[TraceStore]:
+    """A sync store on a fresh run of ``backend``."""
+    st = TraceStore.connect(url, run=run_id)
+    yield st
+    st.close()
+
+
+@pytest.fixture
+def store_factory(url: str, run_id: str) -> Iterator[Any]:
+    """Make more sync clients of the same run (``store_factory(**opts)``)."""
+    made: list[TraceStore] = []
+
+    def make(**opts: Any) -> TraceStore:
+        st = TraceStore.connect(url, run=run_id, **opts)
+        made.append(st)
+        return st
+
+    yield make
+    for st in made:
+        st.close()
+
+
+@pytest.fixture
+def arun() -> Any:
+    """Run a coroutine to completion in a fresh event loop (no pytest-asyncio needed)."""
+
+    def run(coro: Any) -> Any:
+        return asyncio.run(coro)
+
+    return run
+
+
+async def connect_async(url: str, run: str, **opts: Any) -> AsyncTraceStore:
+    """Open an async store (helper for tests that drive coroutines with ``arun``)."""
+    return await AsyncTraceStore.connect(url, run=run, **opts)
+
+
+@pytest.fixture(scope="session")
+def standalone_url(servers: _Servers) -> str:
+    """The embedded standalone server (for tests that need exactly one node)."""
+    return servers.url("valkey")
+
+
+@pytest.fixture(scope="session")
+def cluster_url(servers: _Servers) -> str:
+    """The embedded 3-primary cluster."""
+    return servers.url("cluster")

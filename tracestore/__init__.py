@@ -1,0 +1,54 @@
+"""tracestore: a Redis-backed distributed trace store for agentic RL of LLMs.
+
+Start with :func:`connect` (or :meth:`TraceStore.connect`); see README.md and
+DESIGN in docs/ for the model. The core imports without Ray or torch; the Ray
+integration lives in :mod:`tracestore.ray` (extra ``tracestore[ray]``).
+"""
+
+from .errors import (
+    ConfigError,
+    GatePoisoned,
+    GateSealed,
+    InvalidId,
+    InvalidInput,
+    NodeConflict,
+    NotDrained,
+    NotOwner,
+    PromptMismatch,
+    ScriptError,
+    ServerError,
+    SessionExists,
+    SessionReleased,
+    SessionRetired,
+    StaleVersion,
+    StorageError,
+    TracestoreError,
+)
+from .keys import Keys
+from .store import AsyncTraceStore, TraceStore, connect
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncTraceStore",
+    "ConfigError",
+    "GatePoisoned",
+    "GateSealed",
+    "InvalidId",
+    "InvalidInput",
+    "Keys",
+    "NodeConflict",
+    "NotDrained",
+    "NotOwner",
+    "PromptMismatch",
+    "ScriptError",
+    "ServerError",
+    "SessionExists",
+    "SessionReleased",
+    "SessionRetired",
+    "StaleVersion",
+    "StorageError",
+    "TraceStore",
+    "TracestoreError",
+    "connect",
+]

@@ -1,0 +1,53 @@
+"""What every operation receives: the run's keys, its configuration, its caches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .errors import ConfigError
+from .keys import Keys
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Per-client configuration of a store; every field has a safe default.
+
+    ``store_text``: keep each node's text in ``ts:{R/sid}:txt`` (diagnostics,
+    ``redis-cli``, PromptMismatch windows); off saves memory.
+    ``max_payload_bytes``: refuse a single node payload above this size.
+    ``cache_bytes``: bound of the client-side cache of immutable nodes.
+    ``op_ttl_s``: how long the reply of a mutating script is kept for retries.
+    """
+
+    store_text: bool = True
+    max_payload_bytes: int = 32 * 1024 * 1024
+    cache_bytes: int = 64 * 1024 * 1024
+    op_ttl_s: int = 600
+
+    def __post_init__(self) -> None:
+        if self.max_payload_bytes <= 0:
+            raise ConfigError("max_payload_bytes must be positive")
+        if self.cache_bytes < 0:
+            raise ConfigError("cache_bytes must be >= 0")
+        if self.op_ttl_s <= 0:
+            raise ConfigError("op_ttl_s must be positive")
+
+    def to_json(self) -> bytes:
+        """The configuration as JSON (stored, informational, in ``ts:{R}:meta``)."""
+        return orjson.dumps(self.__dict__)
+
+
+@dataclass
+class Context:
+    """Shared by the sync and async layers of one store; holds no connection."""
+
+    keys: Keys
+    cluster: bool
+    config: StoreConfig
+    #: Client-side caches keyed by name (the data plane keeps its node cache here).
+    caches: dict[str, Any] = field(default_factory=dict)

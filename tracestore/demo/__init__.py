@@ -1,0 +1,51 @@
+"""``tracestore demo``: a short scripted scenario that shows what the store does.
+
+Each section is a module ``tracestore/demo/sNN_<topic>.py`` exposing
+``TITLE: str`` and ``run(store: TraceStore) -> list[tuple[str, object]]``
+(rows of "what happened", "result"). Sections run in file-name order, each
+on its own run id, and print one table each, so a feature adds its part of
+the demo by adding a module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import time
+import uuid
+from collections.abc import Callable
+from types import ModuleType
+
+from .._table import format_table
+from ..store import TraceStore
+
+
+def sections() -> list[ModuleType]:
+    """The demo section modules, in order."""
+    mods = [m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("s")]
+    return [importlib.import_module(f"{__name__}.{name}") for name in sorted(mods)]
+
+
+def run_demo(
+    url: str | None,
+    *,
+    only: str | None = None,
+    echo: Callable[[str], None] = print,
+    run_prefix: str = "demo",
+) -> dict[str, list[tuple[str, object]]]:
+    """Run every section (or those whose name contains ``only``); return their rows."""
+    results: dict[str, list[tuple[str, object]]] = {}
+    stamp = uuid.uuid4().hex[:6]
+    for mod in sections():
+        name = mod.__name__.rsplit(".", 1)[1]
+        if only and only not in name:
+            continue
+        run = f"{run_prefix}-{name.split('_', 1)[-1]}-{stamp}"
+        start = time.perf_counter()
+        with TraceStore.connect(url, run=run) as store:
+            rows = mod.run(store)
+        took = time.perf_counter() - start
+        echo(f"\n== {mod.TITLE}  (run {run}, {took:.2f}s)")
+        echo(format_table(["what happened", "result"], rows))
+        results[name] = rows
+    return results

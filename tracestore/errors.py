@@ -1,0 +1,240 @@
+"""Typed errors (DESIGN section 9).
+
+Every error carries the ids involved and, where there is one, what to do
+next. Lua scripts report failures as result codes (``{"ERR", code, ...}``),
+never as free-form error strings, so nothing here parses Redis error text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class TracestoreError(Exception):
+    """Base class of every error tracestore raises."""
+
+
+class InvalidId(TracestoreError, ValueError):
+    """An id (run, session, owner, group, task, lease) is malformed.
+
+    Raised before any I/O. ``kind`` names what the id is, ``value`` is the
+    offending value (repr-truncated in the message).
+    """
+
+    def __init__(self, kind: str, value: object, rule: str) -> None:
+        self.kind = kind
+        self.value = value
+        self.rule = rule
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"invalid {kind} {shown}: {rule}")
+
+
+class InvalidInput(TracestoreError, ValueError):
+    """An argument other than an id is invalid; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class ConfigError(TracestoreError, ValueError):
+    """A connection URL or option is invalid."""
+
+
+class ServerError(TracestoreError):
+    """A local server (embedded, cluster, redis-server) could not start or stop."""
+
+
+class SessionExists(TracestoreError):
+    """``open_session`` of a session id that is already open."""
+
+    def __init__(self, sid: str, owner: str) -> None:
+        self.sid = sid
+        self.owner = owner
+        super().__init__(f"session {sid!r} is already open, owned by {owner!r}")
+
+
+class SessionReleased(TracestoreError):
+    """The session was released (tombstoned); its id cannot be reused or written."""
+
+    def __init__(self, sid: str, detail: str = "") -> None:
+        self.sid = sid
+        msg = f"session {sid!r} was released"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class NotOwner(TracestoreError):
+    """The caller does not own the session it tried to change."""
+
+    def __init__(self, sid: str, owner: str, actual: str | None) -> None:
+        self.sid = sid
+        self.owner = owner
+        self.actual = actual
+        super().__init__(
+            f"session {sid!r} is owned by {actual!r}, not {owner!r}"
+            if actual
+            else f"session {sid!r} is not open (caller {owner!r})"
+        )
+
+
+class NodeConflict(TracestoreError):
+    """A node with this key exists with a different payload; nothing was written.
+
+    The caller should drop the expert ref it created for the rejected write.
+    """
+
+    def __init__(self, sid: str, digest: str, detail: str = "") -> None:
+        self.sid = sid
+        self.digest = digest
+        super().__init__(
+            f"session {sid!r}: node {digest} already exists with a different payload"
+            + (f" ({detail})" if detail else "")
+        )
+
+
+class PromptMismatch(TracestoreError):
+    """``export_training_trace`` found no stored node whose key equals the prompt."""
+
+    def __init__(
+        self,
+        sid: str,
+        matched_len: int,
+        prompt_len: int,
+        nearest_ends: Sequence[int],
+        window: str | None,
+    ) -> None:
+        self.sid = sid
+        self.matched_len = matched_len
+        self.prompt_len = prompt_len
+        self.nearest_ends = list(nearest_ends)
+        self.window = window
+        msg = (
+            f"session {sid!r}: prompt of {prompt_len} chars matches a stored key only up to "
+            f"{matched_len} chars; nearest stored ends {self.nearest_ends}"
+        )
+        if window is not None:
+            msg += f"; around the first difference: {window}"
+        super().__init__(msg)
+
+
+class GateSealed(TracestoreError):
+    """The request gate is sealed for a weight update; retry after ``retry_after_ms``."""
+
+    def __init__(self, version: int, retry_after_ms: int) -> None:
+        self.version = version
+        self.retry_after_ms = retry_after_ms
+        super().__init__(
+            f"gate sealed at version {version}; retry in about {retry_after_ms} ms"
+        )
+
+
+class GatePoisoned(TracestoreError):
+    """Leases with an unknown outcome block the weight update; resolve with ``clear_poison``."""
+
+    def __init__(self, lease_ids: Sequence[str]) -> None:
+        self.lease_ids = list(lease_ids)
+        super().__init__(
+            f"{len(self.lease_ids)} poisoned lease(s) {self.lease_ids[:5]} block install; "
+            "resolve them with gate.clear_poison(...)"
+        )
+
+
+class NotDrained(TracestoreError):
+    """``install`` while the gate is open or leases are still live."""
+
+    def __init__(self, state: str, live: int) -> None:
+        self.state = state
+        self.live = live
+        super().__init__(
+            f"cannot install: gate is {state} with {live} live lease(s); seal() and drain() first"
+        )
+
+
+class StaleVersion(TracestoreError):
+    """``install`` of a version not larger than the current one."""
+
+    def __init__(self, current: int, requested: int) -> None:
+        self.current = current
+        self.requested = requested
+        super().__init__(
+            f"cannot install version {requested}: current version is {current} "
+            "(versions must increase)"
+        )
+
+
+class SessionRetired(TracestoreError):
+    """The session was retired by the router (an HTTP front end answers 410 Gone)."""
+
+    def __init__(self, sid: str) -> None:
+        self.sid = sid
+        super().__init__(f"session {sid!r} was retired (410 Gone)")
+
+
+class StorageError(TracestoreError):
+    """The Redis server could not be reached or answered with an error.
+
+    Always raised ``from`` the underlying redis-py exception.
+    """
+
+
+class ScriptError(StorageError):
+    """A Lua script failed on the server; ``script`` names it."""
+
+    def __init__(self, script: str, detail: str) -> None:
+        self.script = script
+        super().__init__(f"script {script!r} failed: {detail}")
+
+
+def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
+    """Turn a script's error result ``{"ERR", code, *fields}`` into a typed error.
+
+    Codes are defined by tracestore's own scripts (see each ``lua/*.lua``
+    contract header), so this mapping is the single place where they are read.
+    """
+    f = [x.decode() if isinstance(x, bytes) else x for x in fields]
+    if code == "SESSION_EXISTS":
+        raise SessionExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
+    if code == "SESSION_RELEASED":
+        raise SessionReleased(str(f[0]), str(f[1]) if len(f) > 1 else "")
+    if code == "NOT_OWNER":
+        raise NotOwner(str(f[0]), str(f[1]), (str(f[2]) or None) if len(f) > 2 else None)
+    if code == "NODE_CONFLICT":
+        raise NodeConflict(str(f[0]), str(f[1]), str(f[2]) if len(f) > 2 else "")
+    if code == "GATE_SEALED":
+        raise GateSealed(int(f[0]), int(f[1]))
+    if code == "GATE_POISONED":
+        raise GatePoisoned([str(x) for x in f])
+    if code == "NOT_DRAINED":
+        raise NotDrained(str(f[0]), int(f[1]))
+    if code == "STALE_VERSION":
+        raise StaleVersion(int(f[0]), int(f[1]))
+    if code == "SESSION_RETIRED":
+        raise SessionRetired(str(f[0]))
+    if code == "INVALID_INPUT":
+        raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
+    raise ScriptError(script, f"unknown result code {code!r} {f!r}")
+
+
+__all__ = [
+    "TracestoreError",
+    "InvalidId",
+    "InvalidInput",
+    "ConfigError",
+    "ServerError",
+    "SessionExists",
+    "SessionReleased",
+    "NotOwner",
+    "NodeConflict",
+    "PromptMismatch",
+    "GateSealed",
+    "GatePoisoned",
+    "NotDrained",
+    "StaleVersion",
+    "SessionRetired",
+    "StorageError",
+    "ScriptError",
+    "raise_for_code",
+]

@@ -1,0 +1,243 @@
+"""The one module that builds key names (DESIGN section 3).
+
+Nothing else in tracestore concatenates key strings. Every builder validates
+its ids first and raises :class:`~tracestore.errors.InvalidId` before any I/O.
+
+Control-plane keys of a run share the hash tag ``{R}`` (one slot per run);
+the data keys of a session share ``{R/sid}`` (one slot per session), so every
+script's KEYS land in one slot on a Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from redis.crc import key_slot as _key_slot
+
+from .errors import InvalidId
+
+_RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}\Z")
+# Printable ASCII (0x21..0x7e) without braces: no whitespace, no hash-tag breakers.
+_ID_RE = re.compile(r"[\x21-\x7a\x7c\x7e]{1,200}\Z")
+
+
+def validate_run(run: str) -> str:
+    """Return ``run`` if it is a valid run id (``[A-Za-z0-9._-]{1,64}``)."""
+    if not isinstance(run, str) or not _RUN_RE.match(run):
+        raise InvalidId("run id", run, "must match [A-Za-z0-9._-]{1,64}")
+    return run
+
+
+def validate_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is a valid key prefix (``[A-Za-z0-9._-]{1,32}``)."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise InvalidId("key prefix", prefix, "must match [A-Za-z0-9._-]{1,32}")
+    return prefix
+
+
+def validate_id(kind: str, value: str) -> str:
+    """Validate a session id, owner tag, group id, task name or lease id.
+
+    Rule: 1..200 bytes of printable ASCII without ``{``, ``}`` or whitespace.
+    """
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidId(
+            kind, value, "must be 1..200 printable ASCII characters without '{', '}' or whitespace"
+        )
+    return value
+
+
+def validate_ids(kind: str, values: Iterable[str]) -> list[str]:
+    """Validate every id of ``values`` (a str alone is refused, not iterated)."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidId(kind, values, f"expected a list of {kind}s, got a single string")
+    return [validate_id(kind, v) for v in values]
+
+
+def key_slot(key: str | bytes) -> int:
+    """Redis Cluster hash slot of ``key`` (CRC16 of its hash tag, mod 16384)."""
+    return int(_key_slot(key.encode() if isinstance(key, str) else key))
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder of one run: ``Keys(prefix="ts", run="R")``."""
+
+    prefix: str
+    run: str
+
+    def __post_init__(self) -> None:
+        validate_prefix(self.prefix)
+        validate_run(self.run)
+
+    # -- control plane: slot of {R} ------------------------------------------------
+
+    @property
+    def _c(self) -> str:
+        return f"{self.prefix}:{{{self.run}}}"
+
+    @property
+    def meta(self) -> str:
+        """``ts:{R}:meta`` hash: schema version, created, config."""
+        return f"{self._c}:meta"
+
+    def session(self, sid: str) -> str:
+        """``ts:{R}:s:<sid>`` hash: owner, state, born, opened_ms, group."""
+        return f"{self._c}:s:{validate_id('session id', sid)}"
+
+    def owner(self, owner: str) -> str:
+        """``ts:{R}:o:<owner>`` set of sids owned by ``owner``."""
+        return f"{self._c}:o:{validate_id('owner tag', owner)}"
+
+    @property
+    def owners(self) -> str:
+        """``ts:{R}:owners`` zset owner -> last heartbeat (ms)."""
+        return f"{self._c}:owners"
+
+    @property
+    def events(self) -> str:
+        """``ts:{R}:events`` stream of release events."""
+        return f"{self._c}:events"
+
+    @property
+    def released(self) -> str:
+        """``ts:{R}:released`` zset sid -> released ms (tombstones)."""
+        return f"{self._c}:released"
+
+    def op(self, op_id: str) -> str:
+        """``ts:{R}:op:<op_id>`` string: cached reply of a mutating script (retry idempotency)."""
+        return f"{self._c}:op:{validate_id('operation id', op_id)}"
+
+    @property
+    def gate(self) -> str:
+        """``ts:{R}:gate`` hash: state, version, sealed_ms."""
+        return f"{self._c}:gate"
+
+    @property
+    def gate_leases(self) -> str:
+        """``ts:{R}:gate:leases`` zset lease -> deadline ms."""
+        return f"{self._c}:gate:leases"
+
+    def gate_lease(self, lease: str) -> str:
+        """``ts:{R}:gate:l:<lease>`` hash: sid, version, holder, admitted_ms."""
+        return f"{self._c}:gate:l:{validate_id('lease id', lease)}"
+
+    @property
+    def gate_poison(self) -> str:
+        """``ts:{R}:gate:poison`` hash lease -> reason (json)."""
+        return f"{self._c}:gate:poison"
+
+    @property
+    def gate_signal(self) -> str:
+        """``ts:{R}:gate:signal`` list pushed by the settle that empties the gate (drain wakes on it)."""
+        return f"{self._c}:gate:signal"
+
+    @property
+    def gate_receipts(self) -> str:
+        """``ts:{R}:gate:receipts`` hash lease -> first settlement receipt (json)."""
+        return f"{self._c}:gate:receipts"
+
+    @property
+    def route(self) -> str:
+        """``ts:{R}:route`` hash sid -> entrypoint."""
+        return f"{self._c}:route"
+
+    @property
+    def route_load(self) -> str:
+        """``ts:{R}:route:load`` zset entrypoint -> sessions routed to it."""
+        return f"{self._c}:route:load"
+
+    @property
+    def route_retired(self) -> str:
+        """``ts:{R}:route:retired`` zset sid -> retired ms."""
+        return f"{self._c}:route:retired"
+
+    def rb_group(self, gid: str) -> str:
+        """``ts:{R}:rb:g:<gid>`` hash: one replay group."""
+        return f"{self._c}:rb:g:{validate_id('group id', gid)}"
+
+    def rb_queue(self, task: str, status: str) -> str:
+        """``ts:{R}:rb:q:<task>:<status>`` zset gid -> seq (FIFO order)."""
+        return f"{self._c}:rb:q:{validate_id('task', task)}:{validate_id('status', status)}"
+
+    def rb_versions(self, task: str, status: str) -> str:
+        """``ts:{R}:rb:v:<task>:<status>`` zset gid -> min_version (staleness order)."""
+        return f"{self._c}:rb:v:{validate_id('task', task)}:{validate_id('status', status)}"
+
+    @property
+    def rb_seq(self) -> str:
+        """``ts:{R}:rb:seq`` counter giving each put group its FIFO sequence number."""
+        return f"{self._c}:rb:seq"
+
+    @property
+    def rb_tasks(self) -> str:
+        """``ts:{R}:rb:tasks`` set of task names seen by the replay buffer."""
+        return f"{self._c}:rb:tasks"
+
+    # -- data plane: slot of {R/sid} -------------------------------------------------
+
+    def _d(self, sid: str) -> str:
+        return f"{self.prefix}:{{{self.run}/{validate_id('session id', sid)}}}"
+
+    def idx(self, sid: str) -> str:
+        """``ts:{R/sid}:idx`` hash digest -> node index record."""
+        return f"{self._d(sid)}:idx"
+
+    def tok(self, sid: str) -> str:
+        """``ts:{R/sid}:tok`` hash digest -> packed token payload."""
+        return f"{self._d(sid)}:tok"
+
+    def txt(self, sid: str) -> str:
+        """``ts:{R/sid}:txt`` hash digest -> node text."""
+        return f"{self._d(sid)}:txt"
+
+    def dead(self, sid: str) -> str:
+        """``ts:{R/sid}:dead`` tombstone written when the session's data is purged."""
+        return f"{self._d(sid)}:dead"
+
+    def data_keys(self, sid: str) -> list[str]:
+        """Every data-plane key of ``sid`` except the tombstone (all in one slot)."""
+        d = self._d(sid)
+        return [f"{d}:idx", f"{d}:tok", f"{d}:txt"]
+
+    # -- patterns for SCAN (operators, gc, info) ----------------------------------------
+
+    @property
+    def control_pattern(self) -> str:
+        """SCAN pattern of every control-plane key of the run."""
+        return f"{self.prefix}:{{{self.run}}}:*"
+
+    @property
+    def data_pattern(self) -> str:
+        """SCAN pattern of every data-plane key of the run."""
+        return f"{self.prefix}:{{{self.run}/*}}:*"
+
+    def sid_of_data_key(self, key: str) -> str | None:
+        """Session id of a data-plane key of this run, or None for other keys."""
+        head = f"{self.prefix}:{{{self.run}/"
+        if not key.startswith(head):
+            return None
+        end = key.find("}", len(head))
+        return key[len(head) : end] if end > 0 else None
+
+    @property
+    def control_slot(self) -> int:
+        """Hash slot of the run's control plane."""
+        return key_slot(self.meta)
+
+
+def meta_pattern(prefix: str = "ts") -> str:
+    """SCAN pattern matching the ``meta`` key of every run under ``prefix``."""
+    return f"{validate_prefix(prefix)}:{{*}}:meta"
+
+
+def run_of_meta_key(key: str, prefix: str = "ts") -> str | None:
+    """Run id of a ``ts:{R}:meta`` key, or None."""
+    head = f"{prefix}:{{"
+    if key.startswith(head) and key.endswith("}:meta"):
+        run = key[len(head) : -len("}:meta")]
+        return run if _RUN_RE.match(run) else None
+    return None

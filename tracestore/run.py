@@ -1,0 +1,91 @@
+"""Run-level operations: create the run's meta record, ping, server facts, run discovery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .context import SCHEMA_VERSION, Context
+from .keys import meta_pattern, run_of_meta_key, validate_ids
+from .scripts import Cmd, Eval, Op, ScanAll, script, variadic_evals, Batch
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The run's meta record as created by the first client."""
+
+    run: str
+    schema: int
+    created_ms: int
+    created_now: bool
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What ``tracestore info`` shows about a server."""
+
+    engine: str  # "valkey" or "redis"
+    version: str
+    mode: str  # "standalone" or "cluster"
+    nodes: int
+    runs: tuple[str, ...]
+
+
+def init_run(ctx: Context) -> Op[RunInfo]:
+    """Create ``ts:{R}:meta`` if absent. One round trip. Raises InvalidInput on a schema clash."""
+    reply = yield Eval(
+        script("init_run"), (ctx.keys.meta,), (SCHEMA_VERSION, ctx.config.to_json())
+    )
+    schema, created_ms, created = reply
+    return RunInfo(ctx.keys.run, int(schema), int(created_ms), bool(created))
+
+
+def ping(ctx: Context) -> Op[bool]:
+    """PING the node of the run's control plane. One round trip."""
+    reply = yield Cmd(("PING",), key=ctx.keys.meta)
+    return bool(reply)
+
+
+def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str] | None]]:
+    """Owner and state of each session (None when unknown).
+
+    Raises InvalidId before I/O. One round trip per 4,000 sessions (pipelined).
+    """
+    sids = validate_ids("session id", sids)
+    evals = variadic_evals("session_states", (), [ctx.keys.session(s) for s in sids])
+    replies = yield Batch(tuple(evals))
+    flat: list[Any] = [x for r in replies for x in r]
+    out: dict[str, tuple[str, str] | None] = {}
+    for i, sid in enumerate(sids):
+        owner, state = _s(flat[2 * i]), _s(flat[2 * i + 1])
+        out[sid] = (owner, state) if state else None
+    return out
+
+
+def server_info(ctx: Context, prefix: str = "ts") -> Op[ServerInfo]:
+    """Engine, version, mode and the runs found under ``prefix`` (SCAN on every primary)."""
+    info = yield Cmd(("INFO", "server"), key=ctx.keys.meta)
+    text = _s(info) if not isinstance(info, dict) else ""
+    fields = info if isinstance(info, dict) else _parse_info(text)
+    engine = "valkey" if "valkey_version" in fields or fields.get("server_name") == "valkey" else "redis"
+    version = str(fields.get("valkey_version") or fields.get("redis_version") or "?")
+    keys = yield ScanAll(meta_pattern(prefix), count=1000)
+    runs = sorted({r for k in keys if (r := run_of_meta_key(k, prefix))})
+    nodes = 1
+    if ctx.cluster:
+        slots = yield Cmd(("CLUSTER", "SHARDS"), key=ctx.keys.meta)
+        nodes = len(slots) if isinstance(slots, list) else 1
+    return ServerInfo(engine, version, "cluster" if ctx.cluster else "standalone", nodes, tuple(runs))
+
+
+def _parse_info(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if ":" in line and not line.startswith("#"):
+            k, v = line.split(":", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)

@@ -1,0 +1,229 @@
+"""Lua script registry and the requests that operations yield (pure core, no I/O).
+
+Each ``lua/<name>.lua`` file opens with a contract header::
+
+    #!lua flags=no-writes          (optional; read-only scripts)
+    -- script: <name>
+    -- KEYS: 3                      (exact count) or 2+ (2 fixed, then a variadic tail)
+    -- CHUNK: 4000                  (optional: max variadic items per call)
+    -- KEYS[1] = ...                (one line per key, free text)
+    -- ARGV[1] = ...
+    -- returns: ...
+    -- errors: CODE (fields), ...
+
+Every script returns a flat array whose first element is an integer status:
+``0`` then the result, or ``1`` then an error code and its fields (mapped
+to exceptions by :func:`tracestore.errors.raise_for_code`). The executor
+strips the status, so an operation sees only the result.
+
+Operations are written once as generators that yield requests
+(:class:`Eval`, :class:`Batch`, :class:`Cmd`, :class:`ScanAll`) and receive
+their replies; the sync and asyncio I/O layers drive the same generator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import InvalidInput, ScriptError
+
+#: Lua's ``unpack`` fails somewhere above 8000 values; stay well below it.
+LUA_UNPACK_LIMIT = 7999
+DEFAULT_CHUNK = 4000
+
+_KEYS_RE = re.compile(r"^--\s*KEYS:\s*(\d+)(\+?)\s*$", re.M)
+_CHUNK_RE = re.compile(r"^--\s*CHUNK:\s*(\d+)\s*$", re.M)
+_NAME_RE = re.compile(r"^--\s*script:\s*([a-z0-9_]+)\s*$", re.M)
+
+
+@dataclass(frozen=True)
+class Script:
+    """One loaded Lua script and its contract."""
+
+    name: str
+    source: str
+    sha: str
+    nkeys: int
+    variadic: bool
+    chunk: int
+    readonly: bool
+
+    def check_keys(self, keys: Sequence[str]) -> None:
+        """Raise ScriptError unless ``keys`` matches the declared KEYS count."""
+        n = len(keys)
+        if (self.variadic and n < self.nkeys) or (not self.variadic and n != self.nkeys):
+            want = f"{self.nkeys}{'+' if self.variadic else ''}"
+            raise ScriptError(self.name, f"called with {n} KEYS, contract declares {want}")
+
+
+def parse_script(name: str, source: str) -> Script:
+    """Parse a script's contract header; raise ScriptError if it is missing or wrong."""
+    m_name = _NAME_RE.search(source)
+    if not m_name or m_name.group(1) != name:
+        raise ScriptError(name, "contract header must contain '-- script: <file name>'")
+    m_keys = _KEYS_RE.search(source)
+    if not m_keys:
+        raise ScriptError(name, "contract header must declare '-- KEYS: <n>' or '<n>+'")
+    m_chunk = _CHUNK_RE.search(source)
+    chunk = int(m_chunk.group(1)) if m_chunk else DEFAULT_CHUNK
+    if not 0 < chunk <= LUA_UNPACK_LIMIT:
+        raise ScriptError(name, f"CHUNK must be in 1..{LUA_UNPACK_LIMIT}")
+    first = source.split("\n", 1)[0]
+    return Script(
+        name=name,
+        source=source,
+        sha=hashlib.sha1(source.encode()).hexdigest(),
+        nkeys=int(m_keys.group(1)),
+        variadic=m_keys.group(2) == "+",
+        chunk=chunk,
+        readonly=first.startswith("#!lua") and "no-writes" in first,
+    )
+
+
+def lua_dir() -> Path:
+    """Directory holding the ``*.lua`` files.
+
+    A built wheel carries them as package data (``tracestore/lua``); an
+    editable install or a source checkout reads the top-level ``lua/``.
+    """
+    packaged = resources.files("tracestore").joinpath("lua")
+    if packaged.is_dir():
+        return Path(str(packaged))
+    source = Path(__file__).resolve().parent.parent / "lua"
+    if source.is_dir():
+        return source
+    raise ScriptError("*", f"no lua/ directory found (looked in {packaged} and {source})")
+
+
+@cache
+def registry() -> dict[str, Script]:
+    """All scripts by name, loaded once per process."""
+    out: dict[str, Script] = {}
+    for path in sorted(lua_dir().glob("*.lua")):
+        out[path.stem] = parse_script(path.stem, path.read_text(encoding="utf-8"))
+    return out
+
+
+def script(name: str) -> Script:
+    """The script called ``name``."""
+    try:
+        return registry()[name]
+    except KeyError:
+        raise ScriptError(name, "no such script in lua/") from None
+
+
+# -- requests yielded by operations ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Eval:
+    """Run ``script`` with ``keys`` and ``args`` (EVALSHA, reloaded on NOSCRIPT)."""
+
+    script: Script
+    keys: tuple[str, ...]
+    args: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.script.check_keys(self.keys)
+
+
+@dataclass(frozen=True)
+class Cmd:
+    """A plain Redis command; ``key`` routes it on a cluster (None: any primary).
+
+    ``block_s`` marks a blocking command (BLPOP, XREADGROUP BLOCK) that may wait
+    that many seconds: the I/O layer runs it on a connection whose read timeout
+    allows for it.
+    """
+
+    args: tuple[Any, ...]
+    key: str | None = None
+    block_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ScanAll:
+    """SCAN ``pattern`` on every primary; the reply is a list of key names (str)."""
+
+    pattern: str
+    count: int = 1000
+    type: str | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Several Eval/Cmd requests pipelined (grouped by node on a cluster).
+
+    The reply is the list of their replies in order. Requests in a batch are
+    not atomic together; each script is atomic on its own.
+    """
+
+    requests: tuple[Eval | Cmd, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class ServerTime:
+    """The server clock in milliseconds (``TIME`` on the node of ``key``)."""
+
+    key: str | None = None
+
+
+Request = Eval | Cmd | ScanAll | Batch | ServerTime
+R = TypeVar("R")
+#: An operation: a generator yielding requests and returning its result.
+Op = Generator[Request, Any, R]
+
+T = TypeVar("T")
+
+
+def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """Split ``items`` into consecutive slices of at most ``size`` (none if empty)."""
+    if size <= 0:
+        raise InvalidInput("size", "chunk size must be positive")
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def variadic_evals(
+    name: str,
+    fixed_keys: Sequence[str],
+    item_keys: Sequence[str],
+    fixed_args: Sequence[Any] = (),
+    item_args: Sequence[Any] = (),
+    *,
+    args_per_item: int = 1,
+) -> list[Eval]:
+    """Build the Evals of a variadic script, chunked below Lua's unpack limit.
+
+    ``item_keys`` (one key per item, may be empty) and ``item_args``
+    (``args_per_item`` values per item, may be empty) are split together into
+    chunks of the script's CHUNK size. Each chunk is one atomic call.
+    """
+    sc = script(name)
+    if not sc.variadic:
+        raise ScriptError(name, "not a variadic script")
+    n_items = len(item_keys) if item_keys else len(item_args) // max(args_per_item, 1)
+    if item_keys and item_args and len(item_args) != n_items * args_per_item:
+        raise ScriptError(name, "item_keys and item_args disagree in length")
+    out: list[Eval] = []
+    for start in range(0, n_items, sc.chunk):
+        stop = min(start + sc.chunk, n_items)
+        ks = tuple(fixed_keys) + tuple(item_keys[start:stop])
+        a = tuple(fixed_args) + tuple(item_args[start * args_per_item : stop * args_per_item])
+        out.append(Eval(sc, ks, a))
+    return out
+
+
+def group_by_slot(keys_of: Iterable[tuple[int, T]]) -> dict[int, list[T]]:
+    """Group items by hash slot: ``[(slot, item), ...] -> {slot: [item, ...]}``."""
+    out: dict[int, list[T]] = {}
+    for slot, item in keys_of:
+        out.setdefault(slot, []).append(item)
+    return out

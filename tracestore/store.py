@@ -1,0 +1,182 @@
+"""``TraceStore`` (sync) and ``AsyncTraceStore`` (asyncio): the public entry points.
+
+Both are thin: each public method is an operation from a domain module
+(``run``, ``traces``, ``ownership``, ...) driven by the matching I/O layer,
+so a method has the same name, arguments and docstring in both classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import run as run_ops
+from ._io import AsyncIO, SyncIO, async_op, sync_op
+from .connection import ConnectionOptions, async_client, sync_client
+from .context import Context, StoreConfig
+from .keys import Keys
+
+
+def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig]:
+    conn_fields = set(ConnectionOptions.__dataclass_fields__)
+    store_fields = set(StoreConfig.__dataclass_fields__)
+    unknown = set(opts) - conn_fields - store_fields
+    if unknown:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"unknown option(s) {sorted(unknown)}; connection options: {sorted(conn_fields)}, "
+            f"store options: {sorted(store_fields)}"
+        )
+    return (
+        ConnectionOptions(**{k: v for k, v in opts.items() if k in conn_fields}),
+        StoreConfig(**{k: v for k, v in opts.items() if k in store_fields}),
+    )
+
+
+class _Base:
+    _ctx: Context
+    url: str
+
+    @property
+    def run(self) -> str:
+        """The run id this store works on."""
+        return self._ctx.keys.run
+
+    @property
+    def keys(self) -> Keys:
+        """The key builder of this run (for operators and tests)."""
+        return self._ctx.keys
+
+    @property
+    def cluster(self) -> bool:
+        """True when connected to a Redis Cluster."""
+        return self._ctx.cluster
+
+    @property
+    def config(self) -> StoreConfig:
+        """This client's store configuration."""
+        return self._ctx.config
+
+
+class TraceStore(_Base):
+    """Synchronous client of one run. Create it with :meth:`TraceStore.connect`.
+
+    Thread-safe: the connection pool and the node cache may be shared by threads.
+    """
+
+    def __init__(self, io: SyncIO, ctx: Context, url: str) -> None:
+        self._io = io
+        self._ctx = ctx
+        self.url = url
+
+    @classmethod
+    def connect(
+        cls,
+        url: str | None = None,
+        run: str = "default",
+        *,
+        prefix: str = "ts",
+        create_run: bool = True,
+        **opts: Any,
+    ) -> TraceStore:
+        """Connect to ``url`` (else ``$TRACESTORE_URL``, else the embedded server).
+
+        ``opts`` are :class:`~tracestore.connection.ConnectionOptions` fields
+        (``retries``, ``socket_timeout_s``, ...) and
+        :class:`~tracestore.context.StoreConfig` fields (``store_text``,
+        ``cache_bytes``, ...). Raises ConfigError (bad URL/option), InvalidId
+        (bad run or prefix), StorageError (unreachable). Two round trips:
+        cluster detection and the run's meta record (skipped with
+        ``create_run=False``, for tools that only inspect a server).
+        """
+        keys = Keys(prefix, run)
+        copts, config = _split_opts(opts)
+        client, cluster, display = sync_client(url, copts)
+        store = cls(SyncIO(client, cluster=cluster), Context(keys, cluster, config), display)
+        try:
+            store.init_run() if create_run else store.ping()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._io.close()
+
+    def __enter__(self) -> TraceStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def redis(self) -> Any:
+        """The underlying redis-py client (operators and tests; not needed for the API)."""
+        return self._io.client
+
+    # -- run ------------------------------------------------------------------------
+    init_run = sync_op(run_ops.init_run)
+    ping = sync_op(run_ops.ping)
+    session_states = sync_op(run_ops.session_states)
+    server_info = sync_op(run_ops.server_info)
+
+
+class AsyncTraceStore(_Base):
+    """asyncio client of one run; same methods as :class:`TraceStore`, as coroutines.
+
+    Create it with ``await AsyncTraceStore.connect(...)``.
+    """
+
+    def __init__(self, io: AsyncIO, ctx: Context, url: str) -> None:
+        self._io = io
+        self._ctx = ctx
+        self.url = url
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | None = None,
+        run: str = "default",
+        *,
+        prefix: str = "ts",
+        create_run: bool = True,
+        **opts: Any,
+    ) -> AsyncTraceStore:
+        """Async counterpart of :meth:`TraceStore.connect` (same arguments and errors)."""
+        keys = Keys(prefix, run)
+        copts, config = _split_opts(opts)
+        client, cluster, display = async_client(url, copts)
+        store = cls(AsyncIO(client, cluster=cluster), Context(keys, cluster, config), display)
+        try:
+            await (store.init_run() if create_run else store.ping())
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._io.close()
+
+    async def __aenter__(self) -> AsyncTraceStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def redis(self) -> Any:
+        """The underlying redis-py asyncio client."""
+        return self._io.client
+
+    # -- run ------------------------------------------------------------------------
+    init_run = async_op(run_ops.init_run)
+    ping = async_op(run_ops.ping)
+    session_states = async_op(run_ops.session_states)
+    server_info = async_op(run_ops.server_info)
+
+
+def connect(url: str | None = None, run: str = "default", **opts: Any) -> TraceStore:
+    """Shorthand for :meth:`TraceStore.connect`."""
+    return TraceStore.connect(url, run, **opts)
