@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -41,6 +42,15 @@ DEFAULT_CHUNK = 4000
 _KEYS_RE = re.compile(r"^--\s*KEYS:\s*(\d+)(\+?)\s*$", re.M)
 _CHUNK_RE = re.compile(r"^--\s*CHUNK:\s*(\d+)\s*$", re.M)
 _NAME_RE = re.compile(r"^--\s*script:\s*([a-z0-9_]+)\s*$", re.M)
+
+
+def new_op_id() -> str:
+    """A fresh operation id: the idempotency token of one mutating call.
+
+    Generated once per call, before the first attempt, so redis-py's retries
+    of the same command carry the same id and the script replays its reply.
+    """
+    return uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -102,12 +112,33 @@ def lua_dir() -> Path:
     raise ScriptError("*", f"no lua/ directory found (looked in {packaged} and {source})")
 
 
+_INCLUDE_RE = re.compile(r"^--\s*include:\s*([a-z0-9_]+)\s*$", re.M)
+
+
+def expand_includes(name: str, source: str, lib: Path) -> str:
+    """Inline ``-- include: <lib>`` lines with ``lua/_lib/<lib>.lua`` (one level).
+
+    Shared Lua helpers (idempotent replies, session moves and releases) live
+    once in ``lua/_lib``; the SHA of a script is taken over the expanded text.
+    """
+
+    def sub(m: re.Match[str]) -> str:
+        path = lib / f"{m.group(1)}.lua"
+        if not path.is_file():
+            raise ScriptError(name, f"include {m.group(1)!r} not found in {lib}")
+        return f"-- begin include {m.group(1)}\n{path.read_text(encoding='utf-8').rstrip()}\n-- end include {m.group(1)}"
+
+    return _INCLUDE_RE.sub(sub, source)
+
+
 @cache
 def registry() -> dict[str, Script]:
-    """All scripts by name, loaded once per process."""
+    """All scripts by name (``lua/*.lua``, includes expanded), loaded once per process."""
     out: dict[str, Script] = {}
-    for path in sorted(lua_dir().glob("*.lua")):
-        out[path.stem] = parse_script(path.stem, path.read_text(encoding="utf-8"))
+    root = lua_dir()
+    for path in sorted(root.glob("*.lua")):
+        text = expand_includes(path.stem, path.read_text(encoding="utf-8"), root / "_lib")
+        out[path.stem] = parse_script(path.stem, text)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import purge as purge_ops
 from . import run as run_ops
 from ._io import AsyncIO, SyncIO, async_op, sync_op
 from .connection import ConnectionOptions, async_client, sync_client
@@ -121,6 +122,20 @@ class TraceStore(_Base):
     session_states = sync_op(run_ops.session_states)
     server_info = sync_op(run_ops.server_info)
 
+    # -- data plane (traces.py, purge.py) -------------------------------------------
+    drop_session_data = sync_op(purge_ops.drop_session_data)
+    drop_sessions_data = sync_op(purge_ops.drop_sessions_data)
+    # (end data plane)
+
+    # -- control plane: ownership and release (ownership.py) ------------------------
+    # (end control plane)
+
+    # -- gate and router (gate.py, router.py) ---------------------------------------
+    # (end gate)
+
+    # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
+    # (end replay)
+
 
 class AsyncTraceStore(_Base):
     """asyncio client of one run; same methods as :class:`TraceStore`, as coroutines.
@@ -175,6 +190,20 @@ class AsyncTraceStore(_Base):
     ping = async_op(run_ops.ping)
     session_states = async_op(run_ops.session_states)
     server_info = async_op(run_ops.server_info)
+
+    # -- data plane (traces.py, purge.py) -------------------------------------------
+    drop_session_data = async_op(purge_ops.drop_session_data)
+    drop_sessions_data = async_op(purge_ops.drop_sessions_data)
+    # (end data plane)
+
+    # -- control plane: ownership and release (ownership.py) ------------------------
+    # (end control plane)
+
+    # -- gate and router (gate.py, router.py) ---------------------------------------
+    # (end gate)
+
+    # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
+    # (end replay)
 
 
 def connect(url: str | None = None, run: str = "default", **opts: Any) -> TraceStore:
