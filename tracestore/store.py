@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import ownership as own_ops
 from . import purge as purge_ops
 from . import run as run_ops
 from ._io import AsyncIO, SyncIO, async_op, sync_op
@@ -128,6 +129,8 @@ class TraceStore(_Base):
     # (end data plane)
 
     # -- control plane: ownership and release (ownership.py) ------------------------
+    open_session = sync_op(own_ops.open_session)
+    owner_of = sync_op(own_ops.owner_of)
     # (end control plane)
 
     # -- gate and router (gate.py, router.py) ---------------------------------------
@@ -197,6 +200,8 @@ class AsyncTraceStore(_Base):
     # (end data plane)
 
     # -- control plane: ownership and release (ownership.py) ------------------------
+    open_session = async_op(own_ops.open_session)
+    owner_of = async_op(own_ops.owner_of)
     # (end control plane)
 
     # -- gate and router (gate.py, router.py) ---------------------------------------
