@@ -80,6 +80,22 @@ class NotOwner(TracestoreError):
         )
 
 
+class OwnerLost(TracestoreError):
+    """``gc`` declared this owner lost (heartbeat expired) and released its sessions.
+
+    The owner tag cannot heartbeat, open or receive sessions again; start the
+    process under a new owner tag.
+    """
+
+    def __init__(self, owner: str, lost_ms: int) -> None:
+        self.owner = owner
+        self.lost_ms = lost_ms
+        super().__init__(
+            f"owner {owner!r} was declared lost at {lost_ms} ms (heartbeat expired) and its "
+            "sessions were released; use a new owner tag"
+        )
+
+
 class NodeConflict(TracestoreError):
     """A node with this key exists with a different payload; nothing was written.
 
@@ -213,6 +229,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise StaleVersion(int(f[0]), int(f[1]))
     if code == "SESSION_RETIRED":
         raise SessionRetired(str(f[0]))
+    if code == "OWNER_LOST":
+        raise OwnerLost(str(f[0]), int(f[1]) if len(f) > 1 else 0)
     if code == "INVALID_INPUT":
         raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
     raise ScriptError(script, f"unknown result code {code!r} {f!r}")
@@ -238,3 +256,4 @@ __all__ = [
     "ScriptError",
     "raise_for_code",
 ]
+    "OwnerLost",

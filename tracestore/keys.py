@@ -134,6 +134,11 @@ class Keys:
     def gate_signal(self) -> str:
         """``ts:{R}:gate:signal`` list pushed by the settle that empties the gate (drain wakes on it)."""
         return f"{self._c}:gate:signal"
+    @property
+    def owners_lost(self) -> str:
+        """``ts:{R}:owners:lost`` zset owner -> ms when gc declared it lost (blocks resurrection)."""
+        return f"{self._c}:owners:lost"
+
 
     @property
     def gate_receipts(self) -> str:
@@ -237,6 +242,16 @@ def meta_pattern(prefix: str = "ts") -> str:
 def run_of_meta_key(key: str, prefix: str = "ts") -> str | None:
     """Run id of a ``ts:{R}:meta`` key, or None."""
     head = f"{prefix}:{{"
+    @property
+    def owner_pattern(self) -> str:
+        """SCAN pattern of every owner set ``ts:{R}:o:*`` of the run."""
+        return f"{self._c}:o:*"
+
+    def owner_of_key(self, key: str) -> str | None:
+        """Owner tag of an owner-set key ``ts:{R}:o:<owner>`` of this run, or None."""
+        head = f"{self._c}:o:"
+        return key[len(head) :] if key.startswith(head) and len(key) > len(head) else None
+
     if key.startswith(head) and key.endswith("}:meta"):
         run = key[len(head) : -len("}:meta")]
         return run if _RUN_RE.match(run) else None

@@ -4,15 +4,41 @@ Every session has exactly one owner tag (``rollout:<worker>``, ``replay``,
 ``train:<step>``, ``eval:<step>``). The scripts in ``lua/`` change a
 session's state, its owner index and the event stream atomically, and replay
 their recorded reply when redis-py retries a call whose reply was lost.
+
+Release has two phases (invariant 4): the control-plane script
+(``lua/release.lua``, one atomic call per chunk of 4,000 sessions: state,
+owner index, tombstone, one event each) and then the idempotent purge of the
+released sessions' data keys (:mod:`tracestore.purge`), pipelined and grouped
+by node. A crash between the phases leaves data that :func:`tracestore.gc.gc`
+purges; it never leaves a live session without data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 from .context import Context
 from .errors import InvalidInput
-from .keys import validate_id
+from .keys import validate_id, validate_ids
+from .purge import purge_evals
 from .run import session_states
-from .scripts import Eval, Op, new_op_id, script
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, new_op_id, script
+
+
+def _version(version: int) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidInput("version", f"must be a non-negative int, got {version!r}")
+    return version
+
+
+def _dedup(items: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def open_session(
@@ -22,21 +48,55 @@ def open_session(
 
     ``version`` is the weight version at open (``born``); ``group`` an optional
     replay group id. Raises InvalidId (before I/O), SessionExists (already
-    open), SessionReleased (the id was released: ids are never reused).
-    Idempotent under client retries. One round trip.
+    open), SessionReleased (the id was released: ids are never reused),
+    OwnerLost (gc declared ``owner`` lost). Idempotent under client retries.
+    One round trip.
     """
     k = ctx.keys
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise InvalidInput("version", f"must be a non-negative int, got {version!r}")
+    _version(version)
     if group is not None:
         validate_id("group id", group)
     op = new_op_id()
     reply = yield Eval(
         script("open_session"),
-        (k.session(sid), k.owner(owner), k.released, k.op(op)),
+        (k.session(sid), k.owner(owner), k.released, k.op(op), k.owners_lost),
         (sid, owner, version, group or "", ctx.config.op_ttl_s * 1000),
     )
     return int(reply[0])
+
+
+def open_sessions(
+    ctx: Context, sids: Sequence[str], owner: str, *, version: int = 0, group: str | None = None
+) -> Op[int]:
+    """Open many sessions owned by ``owner``; returns how many were opened.
+
+    All or nothing per chunk of 4,000 (each chunk is one atomic script that
+    checks every id before writing). Raises the errors of :func:`open_session`
+    (InvalidId before I/O; a duplicate id in ``sids`` is InvalidInput).
+    Idempotent under client retries. One pipelined round trip.
+    """
+    k = ctx.keys
+    sids = validate_ids("session id", sids)
+    if len(set(sids)) != len(sids):
+        raise InvalidInput("sids", "duplicate session ids")
+    okey = k.owner(owner)
+    _version(version)
+    if group is not None:
+        validate_id("group id", group)
+    if not sids:
+        return 0
+    sc = script("open_sessions")
+    ttl = ctx.config.op_ttl_s * 1000
+    evals = [
+        Eval(
+            sc,
+            (okey, k.released, k.owners_lost, k.op(new_op_id()), *(k.session(s) for s in part)),
+            (owner, version, group or "", ttl, *part),
+        )
+        for part in chunks(sids, sc.chunk)
+    ]
+    yield Batch(tuple(evals))
+    return len(sids)
 
 
 def owner_of(ctx: Context, sid: str) -> Op[str | None]:
@@ -44,3 +104,188 @@ def owner_of(ctx: Context, sid: str) -> Op[str | None]:
     states = yield from session_states(ctx, [sid])
     st = states[sid]
     return st[0] if st is not None and st[1] == "live" else None
+
+
+def transfer(ctx: Context, sids: Sequence[str], from_owner: str, to_owner: str) -> Op[list[str]]:
+    """Move the live sessions of ``sids`` that ``from_owner`` owns to ``to_owner``.
+
+    Returns the moved ids in input order; sessions owned by someone else,
+    released or unknown are left untouched and not returned. Raises InvalidId
+    (before I/O) and OwnerLost (``to_owner`` was declared lost by gc).
+    Idempotent under client retries (one op id per chunk of 4,000). One
+    pipelined round trip.
+    """
+    k = ctx.keys
+    sids = _dedup(validate_ids("session id", sids))
+    ofrom, oto = k.owner(from_owner), k.owner(to_owner)
+    if not sids:
+        return []
+    sc = script("transfer")
+    ttl = ctx.config.op_ttl_s * 1000
+    evals = [
+        Eval(
+            sc,
+            (ofrom, oto, k.owners_lost, k.op(new_op_id()), *(k.session(s) for s in part)),
+            (from_owner, to_owner, ttl, *part),
+        )
+        for part in chunks(sids, sc.chunk)
+    ]
+    replies = yield Batch(tuple(evals))
+    return [_s(x) for r in replies for x in r]
+
+
+def release_evals(ctx: Context, sids: Sequence[str], owner: str, reason: str) -> list[Eval]:
+    """The control-plane calls of a release: one ``release`` script per chunk, each with its op id.
+
+    ``sids`` must be validated already. The op id is drawn here, once per
+    chunk, so a retry of the same Eval by redis-py replays its reply.
+    """
+    k = ctx.keys
+    okey = k.owner(owner)
+    sc = script("release")
+    ttl = ctx.config.op_ttl_s * 1000
+    return [
+        Eval(
+            sc,
+            (okey, k.released, k.events, k.op(new_op_id()), *(k.session(s) for s in part)),
+            (owner, reason, ttl, *part),
+        )
+        for part in chunks(sids, sc.chunk)
+    ]
+
+
+def release(
+    ctx: Context, sids: Sequence[str], owner: str, reason: str = "released", *, purge: bool = True
+) -> Op[list[str]]:
+    """Release the sessions of ``sids`` that ``owner`` owns; returns the released ids.
+
+    Release-if-owned: sessions owned by someone else, unknown or already
+    released are untouched and not returned. Each released session gets
+    exactly one event on ``ts:{R}:events`` (fields ``sid``, ``owner``,
+    ``reason``, ``ms``) in the same atomic script that changes its state, and
+    a tombstone that forbids reopening its id. Then (``purge=True``) its data
+    keys are deleted and the data tombstone is written, so later writes fail
+    with SessionReleased. Across all callers and retries each session is
+    returned at most once.
+
+    Raises InvalidId (before I/O), StorageError (if the purge fails after the
+    release became final, gc purges the data later). Idempotent under client
+    retries. Two pipelined round trips (release chunks of 4,000, then purge
+    grouped by node); one when nothing was released or ``purge=False``.
+    """
+    sids = _dedup(validate_ids("session id", sids))
+    validate_id("owner tag", owner)
+    validate_id("reason", reason)
+    if not sids:
+        return []
+    replies = yield Batch(tuple(release_evals(ctx, sids, owner, reason)))
+    released = [_s(x) for r in replies for x in r]
+    if purge and released:
+        yield Batch(tuple(purge_evals(ctx, released)))
+    return released
+
+
+def release_owner(
+    ctx: Context, owner: str, reason: str = "released", *, purge: bool = True
+) -> Op[list[str]]:
+    """Release every session ``owner`` owns at the time of the call; returns their ids.
+
+    The owner set is read with one SMEMBERS, then released with the
+    release-if-owned script in chunks of 4,000 (pipelined), so no single
+    call holds the server for the whole set and a session that moved away
+    in between is not released. Sessions opened for ``owner`` after the
+    snapshot are not included (call again to release them). The scripts
+    take the ids from the client rather than reading the set themselves,
+    because a script may only touch keys it receives in KEYS.
+
+    Raises InvalidId (before I/O), StorageError. Idempotent under client
+    retries. Three round trips (SMEMBERS, release, purge).
+    """
+    okey = ctx.keys.owner(owner)
+    validate_id("reason", reason)
+    members = yield Cmd(("SMEMBERS", okey), key=okey)
+    sids = sorted(_s(m) for m in members)
+    return (yield from release(ctx, sids, owner, reason, purge=purge))
+
+
+def sessions(ctx: Context, owner: str | None = None) -> Op[list[str]]:
+    """Live session ids of ``owner`` (sorted), or of every owner when ``owner`` is None.
+
+    Raises InvalidId (before I/O). One round trip for an owner; for all
+    owners a SCAN of the run's owner sets on every primary, then one
+    pipelined round trip.
+    """
+    k = ctx.keys
+    if owner is not None:
+        okey = k.owner(owner)
+        members = yield Cmd(("SMEMBERS", okey), key=okey)
+        return sorted(_s(m) for m in members)
+    keys = yield ScanAll(k.owner_pattern, type="set")
+    if not keys:
+        return []
+    replies = yield Batch(tuple(Cmd(("SMEMBERS", key), key=key) for key in sorted(set(keys))))
+    return sorted({_s(m) for r in replies for m in r})
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    """One owner tag of a run: live sessions, heartbeat deadline, lost mark."""
+
+    owner: str
+    sessions: int
+    #: Heartbeat deadline (server ms), None when the owner never heart-beat.
+    deadline_ms: int | None
+    #: When gc declared the owner lost (server ms), else None.
+    lost_ms: int | None
+
+
+def owners(ctx: Context) -> Op[list[OwnerInfo]]:
+    """Every owner tag of the run with its live session count and heartbeat state.
+
+    Owners come from a SCAN of the owner sets (every primary), the heartbeat
+    zset and the lost zset. Three round trips plus the SCAN.
+    """
+    k = ctx.keys
+    keys = yield ScanAll(k.owner_pattern, type="set")
+    tags = {t for key in keys if (t := k.owner_of_key(key))}
+    hb, lost = yield Batch(
+        (
+            Cmd(("ZRANGE", k.owners, 0, -1, "WITHSCORES"), key=k.owners),
+            Cmd(("ZRANGE", k.owners_lost, 0, -1, "WITHSCORES"), key=k.owners_lost),
+        )
+    )
+    deadlines = {_s(hb[i]): int(float(hb[i + 1])) for i in range(0, len(hb), 2)}
+    lost_at = {_s(lost[i]): int(float(lost[i + 1])) for i in range(0, len(lost), 2)}
+    names = sorted(tags | set(deadlines) | set(lost_at))
+    if not names:
+        return []
+    counts = yield Batch(tuple(Cmd(("SCARD", k.owner(n)), key=k.owner(n)) for n in names))
+    return [
+        OwnerInfo(n, int(c), deadlines.get(n), lost_at.get(n))
+        for n, c in zip(names, counts, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Reply of :func:`heartbeat`: the owner is alive until ``deadline_ms`` (server clock)."""
+
+    owner: str
+    deadline_ms: int
+
+
+def heartbeat(ctx: Context, owner: str, ttl_s: float) -> Op[Heartbeat]:
+    """Record that ``owner`` is alive for ``ttl_s`` more seconds (server clock).
+
+    Once an owner has heart-beat, ``gc`` releases its sessions (reason
+    ``owner-lost``) when a deadline passes without a new heartbeat, and marks
+    it lost. Raises InvalidId/InvalidInput (before I/O) and OwnerLost when gc
+    already declared this owner lost: its sessions stay released, and the
+    process must continue under a new owner tag. One round trip.
+    """
+    k = ctx.keys
+    validate_id("owner tag", owner)
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= 86400 * 365:
+        raise InvalidInput("ttl_s", f"must be a positive number of seconds, got {ttl_s!r}")
+    reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, max(1, int(ttl_s * 1000))))
+    return Heartbeat(owner, int(reply[0]))

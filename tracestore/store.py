@@ -130,7 +130,14 @@ class TraceStore(_Base):
 
     # -- control plane: ownership and release (ownership.py) ------------------------
     open_session = sync_op(own_ops.open_session)
+    open_sessions = sync_op(own_ops.open_sessions)
     owner_of = sync_op(own_ops.owner_of)
+    transfer = sync_op(own_ops.transfer)
+    release = sync_op(own_ops.release)
+    release_owner = sync_op(own_ops.release_owner)
+    sessions = sync_op(own_ops.sessions)
+    owners = sync_op(own_ops.owners)
+    heartbeat = sync_op(own_ops.heartbeat)
     # (end control plane)
 
     # -- gate and router (gate.py, router.py) ---------------------------------------
@@ -201,7 +208,14 @@ class AsyncTraceStore(_Base):
 
     # -- control plane: ownership and release (ownership.py) ------------------------
     open_session = async_op(own_ops.open_session)
+    open_sessions = async_op(own_ops.open_sessions)
     owner_of = async_op(own_ops.owner_of)
+    transfer = async_op(own_ops.transfer)
+    release = async_op(own_ops.release)
+    release_owner = async_op(own_ops.release_owner)
+    sessions = async_op(own_ops.sessions)
+    owners = async_op(own_ops.owners)
+    heartbeat = async_op(own_ops.heartbeat)
     # (end control plane)
 
     # -- gate and router (gate.py, router.py) ---------------------------------------
