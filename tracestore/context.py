@@ -22,18 +22,22 @@ class StoreConfig:
     ``max_payload_bytes``: refuse a single node payload above this size.
     ``cache_bytes``: bound of the client-side cache of immutable nodes.
     ``op_ttl_s``: how long the reply of a mutating script is kept for retries.
+    ``replay_payload_bytes``: refuse a replay group whose payload JSON is larger.
     """
 
     store_text: bool = True
     max_payload_bytes: int = 32 * 1024 * 1024
     cache_bytes: int = 64 * 1024 * 1024
     op_ttl_s: int = 600
+    replay_payload_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         if self.max_payload_bytes <= 0:
             raise ConfigError("max_payload_bytes must be positive")
         if self.cache_bytes < 0:
             raise ConfigError("cache_bytes must be >= 0")
+        if self.replay_payload_bytes <= 0:
+            raise ConfigError("replay_payload_bytes must be positive")
         if self.op_ttl_s <= 0:
             raise ConfigError("op_ttl_s must be positive")
 
