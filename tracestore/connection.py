@@ -97,7 +97,10 @@ def parse_url(url: str) -> ParsedUrl:
         scheme = scheme.split("+", 1)[0]
     elif scheme == "unix":
         cluster = False
-    rewritten = urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
+    if scheme == "unix":
+        rewritten = url.strip()  # urlunsplit would drop the '//' of an empty netloc
+    else:
+        rewritten = urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
     return ParsedUrl(rewritten, cluster, scheme == "rediss", _mask(url))
 
 

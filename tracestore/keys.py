@@ -62,6 +62,33 @@ def key_slot(key: str | bytes) -> int:
     return int(_key_slot(key.encode() if isinstance(key, str) else key))
 
 
+def hash_tag(key: str) -> str:
+    """The part of ``key`` that Redis Cluster hashes (its ``{tag}``, else the whole key)."""
+    start = key.find("{")
+    if start > -1:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+def same_slot(keys: Iterable[str]) -> bool:
+    """True if every key hashes to one cluster slot (equal tags, else equal slots)."""
+    it = iter(keys)
+    first = next(it, None)
+    if first is None:
+        return True
+    tag = hash_tag(first)
+    slot: int | None = None
+    for k in it:
+        t = hash_tag(k)
+        if t != tag:
+            slot = key_slot(first) if slot is None else slot
+            if key_slot(k) != slot:
+                return False
+    return True
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key builder of one run: ``Keys(prefix="ts", run="R")``."""
@@ -107,6 +134,11 @@ class Keys:
         """``ts:{R}:released`` zset sid -> released ms (tombstones)."""
         return f"{self._c}:released"
 
+    @property
+    def owners_lost(self) -> str:
+        """``ts:{R}:owners:lost`` zset owner -> ms when gc declared it lost (blocks resurrection)."""
+        return f"{self._c}:owners:lost"
+
     def op(self, op_id: str) -> str:
         """``ts:{R}:op:<op_id>`` string: cached reply of a mutating script (retry idempotency)."""
         return f"{self._c}:op:{validate_id('operation id', op_id)}"
@@ -134,11 +166,6 @@ class Keys:
     def gate_signal(self) -> str:
         """``ts:{R}:gate:signal`` list pushed by the settle that empties the gate (drain wakes on it)."""
         return f"{self._c}:gate:signal"
-    @property
-    def owners_lost(self) -> str:
-        """``ts:{R}:owners:lost`` zset owner -> ms when gc declared it lost (blocks resurrection)."""
-        return f"{self._c}:owners:lost"
-
 
     @property
     def gate_receipts(self) -> str:
@@ -157,7 +184,7 @@ class Keys:
 
     @property
     def route_retired(self) -> str:
-        """``ts:{R}:route:retired`` zset sid -> retired ms."""
+        """``ts:{R}:route:retired`` zset sid -> tombstone expiry ms (server clock)."""
         return f"{self._c}:route:retired"
 
     def rb_group(self, gid: str) -> str:
@@ -181,6 +208,35 @@ class Keys:
     def rb_tasks(self) -> str:
         """``ts:{R}:rb:tasks`` set of task names seen by the replay buffer."""
         return f"{self._c}:rb:tasks"
+
+    @property
+    def rb_sids(self) -> str:
+        """``ts:{R}:rb:sids`` hash gid -> sids (json) of every stored group.
+
+        Lets a replay script name the session keys it will need (returned to
+        the client, which passes them in KEYS) before it holds the group's key.
+        """
+        return f"{self._c}:rb:sids"
+
+    @property
+    def rb_bytes(self) -> str:
+        """``ts:{R}:rb:bytes`` hash ``"<status> <task>"`` -> bytes of stored group records."""
+        return f"{self._c}:rb:bytes"
+
+    @property
+    def rb_group_pattern(self) -> str:
+        """SCAN pattern of every replay group hash of the run."""
+        return f"{self._c}:rb:g:*"
+
+    @property
+    def session_pattern(self) -> str:
+        """SCAN pattern of every session hash ``ts:{R}:s:*`` of the run."""
+        return f"{self._c}:s:*"
+
+    def sid_of_session_key(self, key: str) -> str | None:
+        """Session id of a session-hash key ``ts:{R}:s:<sid>`` of this run, or None."""
+        head = f"{self._c}:s:"
+        return key[len(head) :] if key.startswith(head) and len(key) > len(head) else None
 
     # -- data plane: slot of {R/sid} -------------------------------------------------
 
@@ -216,6 +272,16 @@ class Keys:
         return f"{self.prefix}:{{{self.run}}}:*"
 
     @property
+    def owner_pattern(self) -> str:
+        """SCAN pattern of every owner set ``ts:{R}:o:*`` of the run."""
+        return f"{self._c}:o:*"
+
+    def owner_of_key(self, key: str) -> str | None:
+        """Owner tag of an owner-set key ``ts:{R}:o:<owner>`` of this run, or None."""
+        head = f"{self._c}:o:"
+        return key[len(head) :] if key.startswith(head) and len(key) > len(head) else None
+
+    @property
     def data_pattern(self) -> str:
         """SCAN pattern of every data-plane key of the run."""
         return f"{self.prefix}:{{{self.run}/*}}:*"
@@ -242,16 +308,6 @@ def meta_pattern(prefix: str = "ts") -> str:
 def run_of_meta_key(key: str, prefix: str = "ts") -> str | None:
     """Run id of a ``ts:{R}:meta`` key, or None."""
     head = f"{prefix}:{{"
-    @property
-    def owner_pattern(self) -> str:
-        """SCAN pattern of every owner set ``ts:{R}:o:*`` of the run."""
-        return f"{self._c}:o:*"
-
-    def owner_of_key(self, key: str) -> str | None:
-        """Owner tag of an owner-set key ``ts:{R}:o:<owner>`` of this run, or None."""
-        head = f"{self._c}:o:"
-        return key[len(head) :] if key.startswith(head) and len(key) > len(head) else None
-
     if key.startswith(head) and key.endswith("}:meta"):
         run = key[len(head) : -len("}:meta")]
         return run if _RUN_RE.match(run) else None

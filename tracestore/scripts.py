@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import InvalidInput, ScriptError
+from .keys import same_slot
 
 #: Lua's ``unpack`` fails somewhere above 8000 values; stay well below it.
 LUA_UNPACK_LIMIT = 7999
@@ -163,6 +164,10 @@ class Eval:
 
     def __post_init__(self) -> None:
         self.script.check_keys(self.keys)
+        # A script must touch keys of one slot only (cluster-safe by construction);
+        # checked here, before any I/O, on standalone servers too.
+        if not same_slot(self.keys):
+            raise ScriptError(self.script.name, f"KEYS span several hash slots: {list(self.keys)[:4]}")
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,34 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """Certificate, key and CA files for a TLS server (``rediss://``)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    @classmethod
+    def self_signed(cls, directory: str | os.PathLike[str]) -> TlsFiles:
+        """Make a self-signed localhost certificate with ``openssl`` (tests, demos)."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise ServerError("openssl is not installed; cannot make a test certificate")
+        subprocess.run(
+            [
+                openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2",
+                "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        return cls(d / "cert.pem", d / "key.pem", d / "cert.pem")
+
+
 class EmbeddedServer:
     """One standalone (or cluster-enabled) server process.
 
@@ -102,9 +130,13 @@ class EmbeddedServer:
         dir: str | os.PathLike[str] | None = None,
         password: str | None = None,
         cluster_enabled: bool = False,
+        tls: TlsFiles | None = None,
+        unix_socket: bool = False,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 15.0,
     ) -> None:
+        self.tls = tls
+        self.unix_socket = unix_socket
         self.host = host
         self.requested_port = port
         self.port = port or 0
@@ -122,9 +154,24 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
-        """``redis://`` URL of this server."""
+        """``redis://`` URL of this server (``rediss://`` with TLS, CA file in the query)."""
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}{self.host}:{self.port}?ssl_ca_certs={self.tls.ca}"
         return f"redis://{auth}{self.host}:{self.port}"
+
+    @property
+    def socket_path(self) -> Path | None:
+        """Path of the unix socket (``unix_socket=True``)."""
+        return self.dir / "server.sock" if self.unix_socket and self.dir else None
+
+    @property
+    def unix_url(self) -> str:
+        """``unix://`` URL of this server (``unix_socket=True``)."""
+        if self.socket_path is None:
+            raise ServerError("server was not started with unix_socket=True")
+        auth = f":{self.password}@" if self.password else ""
+        return f"unix://{auth}{self.socket_path}"
 
     @property
     def logfile(self) -> Path | None:
@@ -147,7 +194,7 @@ class EmbeddedServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
-            "--port", str(self.port),
+            "--port", "0" if self.tls else str(self.port),
             "--bind", self.host,
             "--dir", str(self.dir),
             "--daemonize", "no",
@@ -160,6 +207,16 @@ class EmbeddedServer:
             args += ["--appendfsync", "always"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            args += [
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls.cert),
+                "--tls-key-file", str(self.tls.key),
+                "--tls-ca-cert-file", str(self.tls.ca),
+                "--tls-auth-clients", "no",
+            ]
+        if self.unix_socket:
+            args += ["--unixsocket", str(self.dir / "server.sock"), "--unixsocketperm", "700"]
         if self.cluster_enabled:
             args += [
                 "--cluster-enabled", "yes",
@@ -225,6 +282,8 @@ class EmbeddedServer:
 
     def client(self, **kwargs: Any) -> redis.Redis:
         """A plain redis-py client for this server (tests, provisioning)."""
+        if self.tls:
+            kwargs.update(ssl=True, ssl_ca_certs=str(self.tls.ca))
         return redis.Redis(
             host=self.host, port=self.port, password=self.password, protocol=2, **kwargs
         )
@@ -369,22 +428,7 @@ class LocalCluster:
 
     def status(self) -> list[dict[str, Any]]:
         """Per node: port, role, state (``ok``/``fail``/``down``), keys."""
-        out = []
-        for s in self.servers:
-            row: dict[str, Any] = {"port": s.port, "role": "?", "state": "down", "keys": 0}
-            try:
-                c = s.client(socket_timeout=2.0)
-                info = c.info("cluster")
-                repl = c.info("replication")
-                row["role"] = "primary" if repl.get("role") == "master" else "replica"
-                row["state"] = _s(c.execute_command("CLUSTER", "INFO")).split("cluster_state:")[1].split()[0]
-                row["keys"] = int(c.dbsize())
-                row["cluster_enabled"] = int(info.get("cluster_enabled", 0))
-                c.close()
-            except (redis.exceptions.RedisError, IndexError):
-                pass
-            out.append(row)
-        return out
+        return [node_status(self.host, s.port) for s in self.servers]
 
     def stop(self) -> None:
         """Stop every node and remove their temp dirs."""
@@ -402,6 +446,23 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def node_status(host: str, port: int, password: str | None = None) -> dict[str, Any]:
+    """Role, cluster state and key count of one cluster node (``state: down`` if unreachable)."""
+    row: dict[str, Any] = {"port": port, "role": "?", "state": "down", "keys": 0}
+    c = redis.Redis(host=host, port=port, password=password, protocol=2, socket_timeout=2.0)
+    try:
+        repl = c.info("replication")
+        row["role"] = "primary" if repl.get("role") == "master" else "replica"
+        info = _s(c.execute_command("CLUSTER", "INFO"))
+        row["state"] = info.split("cluster_state:")[1].split()[0]
+        row["keys"] = int(c.dbsize())
+    except (redis.exceptions.RedisError, IndexError):
+        pass
+    finally:
+        c.close()
+    return row
 
 
 def _s(x: Any) -> str:

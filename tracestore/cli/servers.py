@@ -13,7 +13,7 @@ import click
 import orjson
 
 from .._table import format_table
-from ..servers import EmbeddedServer, LocalCluster, redis_server_binary
+from ..servers import EmbeddedServer, LocalCluster, node_status, redis_server_binary
 from ..store import TraceStore
 from . import fail, guarded, main, run_option, url_option
 
@@ -114,13 +114,7 @@ def cluster_status(state_file: str | None) -> None:
     if not path.exists():
         fail(f"no cluster recorded in {path}; start one with `tracestore cluster up`")
     state = orjson.loads(path.read_bytes())
-    probe = LocalCluster.__new__(LocalCluster)
-    probe.servers = []
-    for node in state["nodes"]:
-        s = EmbeddedServer.__new__(EmbeddedServer)
-        s.host, s.port, s.password = "127.0.0.1", node["port"], None
-        probe.servers.append(s)
-    rows = LocalCluster.status(probe)
+    rows = [node_status("127.0.0.1", node["port"]) for node in state["nodes"]]
     click.echo(state["url"])
     click.echo(format_table(["port", "role", "state", "keys"], [[r["port"], r["role"], r["state"], r["keys"]] for r in rows]))
     if any(r["state"] != "ok" for r in rows):

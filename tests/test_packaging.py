@@ -1,0 +1,68 @@
+"""The built wheel carries the Lua scripts; the core imports without torch or Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+from tracestore.scripts import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_installs_and_finds_its_lua_scripts(tmp_path: Path) -> None:
+    out = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=240,
+    )
+    (wheel,) = out.glob("tracestore-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {f"tracestore/lua/{n}.lua" for n in registry()} <= set(names)
+    assert "tracestore/lua/_lib/op.lua" in names
+    assert "tracestore/py.typed" in names
+
+    # A throwaway venv: the wheel installed by pip, dependencies borrowed from
+    # this environment's site-packages as a plain path (so the editable
+    # install's import hook of the source tree is NOT active there).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
+        check=True, capture_output=True, timeout=240,
+    )
+    probe = (
+        "import sys, tracestore, tracestore.scripts as s\n"
+        "print(tracestore.__file__); print(s.lua_dir()); print(len(s.registry()))\n"
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+    )
+    res = subprocess.run([str(py), "-c", probe], cwd=tmp_path, check=True, capture_output=True, text=True)
+    file, lua, count = res.stdout.split()
+    assert file.startswith(site), file
+    assert lua.startswith(site) and lua.endswith("tracestore/lua")
+    assert int(count) == len(registry())
+
+
+def test_core_imports_without_torch_or_ray() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['ray'] = None; sys.modules['numpy'] = None\n"
+        "import pkgutil, importlib, tracestore\n"
+        "for m in pkgutil.walk_packages(tracestore.__path__, 'tracestore.'):\n"
+        "    if m.name in ('tracestore.ray', 'tracestore.cli.__main__'):\n"
+        "        continue\n"
+        "    importlib.import_module(m.name)\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"

@@ -1,0 +1,5 @@
+"""``python -m tracestore.cli`` runs the ``tracestore`` command."""
+
+from . import main
+
+main()
