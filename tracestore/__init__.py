@@ -26,6 +26,7 @@ from .errors import (
 )
 from .keys import Keys
 from .store import AsyncTraceStore, TraceStore, connect
+from .traces import Node, PrefixMatch, Segment, Trace, Turn
 
 __version__ = "0.1.0"
 
@@ -37,18 +38,23 @@ __all__ = [
     "InvalidId",
     "InvalidInput",
     "Keys",
+    "Node",
     "NodeConflict",
     "NotDrained",
     "NotOwner",
+    "PrefixMatch",
     "PromptMismatch",
     "ScriptError",
+    "Segment",
     "ServerError",
     "SessionExists",
     "SessionReleased",
     "SessionRetired",
     "StaleVersion",
     "StorageError",
+    "Trace",
     "TraceStore",
     "TracestoreError",
+    "Turn",
     "connect",
 ]

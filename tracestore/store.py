@@ -12,6 +12,7 @@ from typing import Any
 from . import ownership as own_ops
 from . import purge as purge_ops
 from . import run as run_ops
+from . import traces as trace_ops
 from ._io import AsyncIO, SyncIO, async_op, sync_op
 from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
@@ -124,6 +125,11 @@ class TraceStore(_Base):
     server_info = sync_op(run_ops.server_info)
 
     # -- data plane (traces.py, purge.py) -------------------------------------------
+    lookup = sync_op(trace_ops.lookup)
+    record_turn = sync_op(trace_ops.record_turn)
+    insert = sync_op(trace_ops.insert)
+    search = sync_op(trace_ops.search)
+    export_training_trace = sync_op(trace_ops.export_training_trace)
     drop_session_data = sync_op(purge_ops.drop_session_data)
     drop_sessions_data = sync_op(purge_ops.drop_sessions_data)
     # (end data plane)
@@ -202,6 +208,11 @@ class AsyncTraceStore(_Base):
     server_info = async_op(run_ops.server_info)
 
     # -- data plane (traces.py, purge.py) -------------------------------------------
+    lookup = async_op(trace_ops.lookup)
+    record_turn = async_op(trace_ops.record_turn)
+    insert = async_op(trace_ops.insert)
+    search = async_op(trace_ops.search)
+    export_training_trace = async_op(trace_ops.export_training_trace)
     drop_session_data = async_op(purge_ops.drop_session_data)
     drop_sessions_data = async_op(purge_ops.drop_sessions_data)
     # (end data plane)

@@ -1,0 +1,29 @@
+-- script: insert_node
+-- Insert one node (XTuner-style insert) under the parent the client chose from
+-- its copy of the index. The parent must be the longest stored key that
+-- prefixes the new key, so the call is conditional on the index version the
+-- client read: when another writer changed the index since, nothing is
+-- written and the client re-reads and retries.
+-- KEYS: 4
+-- KEYS[1] = ts:{R/sid}:idx   hash (see record_turn)
+-- KEYS[2] = ts:{R/sid}:tok   hash
+-- KEYS[3] = ts:{R/sid}:txt   hash
+-- KEYS[4] = ts:{R/sid}:dead  tombstone
+-- ARGV[1] = session id (for error fields)
+-- ARGV[2] = store text (1|0)
+-- ARGV[3] = expected epoch ('' = no data yet)
+-- ARGV[4] = expected index version (int)
+-- ARGV[5..8] = digest, record, payload, text
+-- returns: {0, stale (1: index changed, nothing written), epoch, version_before, version_after, fresh}
+-- errors: SESSION_RELEASED, INVALID_INPUT ('prefix', ...), NODE_CONFLICT (as record_turn)
+-- include: nodes
+local meta = redis.call('HMGET', KEYS[1], '#e', '#v')
+local epoch, version = meta[1] or '', tonumber(meta[2] or '0')
+if redis.call('EXISTS', KEYS[4]) == 0 and (epoch ~= ARGV[3] or version ~= tonumber(ARGV[4])) then
+  return {0, 1, epoch, version, version, 0}
+end
+local nodes = {{ARGV[5], ARGV[6], ARGV[7], ARGV[8]}}
+local fresh, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
+if err then return err end
+local e, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, fresh, ARGV[2] == '1')
+return {0, 0, e, before, after, fresh[1] and 1 or 0}

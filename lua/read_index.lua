@@ -1,0 +1,30 @@
+#!lua flags=no-writes
+-- script: read_index
+-- Validate a client's cached copy of a session index and fetch node payloads,
+-- in one round trip. The whole index (tens of bytes per node) is returned
+-- only when it changed since the version the client holds.
+-- KEYS: 3
+-- KEYS[1] = ts:{R/sid}:idx   hash digest -> record; '#e' epoch, '#v' index version
+-- KEYS[2] = ts:{R/sid}:tok   hash digest -> packed payload
+-- KEYS[3] = ts:{R/sid}:dead  tombstone
+-- ARGV[1] = epoch the client holds ('' = none)
+-- ARGV[2] = index version the client holds (int; -1 = none, always returns the index)
+-- ARGV[3..] = digests whose payloads to return
+-- returns: {0, dead (0|1), epoch, version, changed (0|1), n, field_1, value_1, ..., (n items),
+--           payload_1, ..., payload_m} ('' for a missing payload)
+-- errors: none
+local dead = redis.call('EXISTS', KEYS[3])
+local meta = redis.call('HMGET', KEYS[1], '#e', '#v')
+local epoch, version = meta[1] or '', tonumber(meta[2] or '0')
+local out = {0, dead, epoch, version, 0, 0}
+if epoch ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
+  local all = redis.call('HGETALL', KEYS[1])
+  out[5] = 1
+  out[6] = #all
+  for i = 1, #all do out[#out + 1] = all[i] end
+end
+if #ARGV > 2 then
+  local p = redis.call('HMGET', KEYS[2], unpack(ARGV, 3))
+  for i = 1, #ARGV - 2 do out[#out + 1] = p[i] or '' end
+end
+return out
