@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tracestore import TraceStore
+from tracestore import StorageError, TraceStore
 from tracestore.cli import main
 
 BIN = [sys.executable, "-m", "tracestore.cli"]
@@ -98,7 +98,7 @@ def test_server_runs_in_foreground_until_ctrl_c() -> None:
         data_dir = err.split("# data dir ", 1)[1].split(";", 1)[0]
         assert not Path(data_dir).exists()
         time.sleep(0.2)
-        with pytest.raises(Exception):
+        with pytest.raises(StorageError):
             TraceStore.connect(url, run="fg", retries=0, connect_timeout_s=1)
     finally:
         if proc.poll() is None:

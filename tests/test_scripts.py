@@ -35,7 +35,7 @@ def test_every_script_has_a_valid_contract() -> None:
         assert re.search(r"^-- returns:", sc.source, re.M), f"{name}: returns line"
         assert re.search(r"^-- errors:", sc.source, re.M), f"{name}: errors line"
         # Keys only through KEYS: no key names built inside a script.
-        body = "\n".join(l for l in sc.source.splitlines() if not l.lstrip().startswith("--"))
+        body = "\n".join(ln for ln in sc.source.splitlines() if not ln.lstrip().startswith("--"))
         assert "ts:{" not in body, f"{name} builds a key name inside Lua"
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis
 import redis.asyncio
@@ -429,7 +429,7 @@ def sync_op(
     def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._io.run(f(self._ctx, *args, **kwargs))  # type: ignore[no-any-return]
 
-    return method
+    return cast("Callable[Concatenate[Any, P], R]", method)
 
 
 def async_op(
@@ -441,4 +441,4 @@ def async_op(
     async def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self._io.run(f(self._ctx, *args, **kwargs))  # type: ignore[no-any-return]
 
-    return method
+    return cast("Callable[Concatenate[Any, P], Any]", method)

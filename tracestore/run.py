@@ -7,7 +7,7 @@ from typing import Any
 
 from .context import SCHEMA_VERSION, Context
 from .keys import meta_pattern, run_of_meta_key, validate_ids
-from .scripts import Cmd, Eval, Op, ScanAll, script, variadic_evals, Batch
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, script, variadic_evals
 
 
 @dataclass(frozen=True)
