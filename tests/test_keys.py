@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tracestore import InvalidId
-from tracestore.keys import Keys, hash_tag, key_slot, meta_pattern, run_of_meta_key, same_slot, validate_id
+from tracestore.keys import (
+    Keys,
+    hash_tag,
+    key_slot,
+    meta_pattern,
+    run_of_meta_key,
+    same_slot,
+    validate_id,
+)
 
 
 def test_layout_matches_design() -> None:

@@ -189,6 +189,43 @@ class SessionRetired(TracestoreError):
         super().__init__(f"session {sid!r} was retired (410 Gone)")
 
 
+class UnknownLease(InvalidInput):
+    """A gate lease id that was never admitted, or whose settled record expired."""
+
+    def __init__(self, lease_id: str) -> None:
+        self.lease_id = lease_id
+        super().__init__(
+            "lease",
+            f"unknown lease {lease_id!r} (never admitted, or settled longer ago than the "
+            "receipt retention)",
+        )
+
+
+class GroupExists(TracestoreError):
+    """``replay.put`` of a group id that is already stored in the replay buffer; nothing written."""
+
+    def __init__(self, gid: str, status: str = "") -> None:
+        self.gid = gid
+        self.status = status
+        super().__init__(
+            f"replay group {gid!r} is already stored"
+            + (f" (status {status!r})" if status else "")
+            + "; use a new group id"
+        )
+
+
+class RunNotEmpty(TracestoreError):
+    """``restore`` into a run that already holds keys; restore only into an empty run."""
+
+    def __init__(self, run: str, found: Sequence[str]) -> None:
+        self.run = run
+        self.found = list(found)
+        super().__init__(
+            f"run {run!r} is not empty ({len(self.found)}+ keys, e.g. {self.found[:3]}); "
+            "restore into a new run id or delete this run first"
+        )
+
+
 class StorageError(TracestoreError):
     """The Redis server could not be reached or answered with an error.
 
@@ -217,6 +254,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise SessionReleased(str(f[0]), str(f[1]) if len(f) > 1 else "")
     if code == "NOT_OWNER":
         raise NotOwner(str(f[0]), str(f[1]), (str(f[2]) or None) if len(f) > 2 else None)
+    if code == "OWNER_LOST":
+        raise OwnerLost(str(f[0]), int(f[1]) if len(f) > 1 else 0)
     if code == "NODE_CONFLICT":
         raise NodeConflict(str(f[0]), str(f[1]), str(f[2]) if len(f) > 2 else "")
     if code == "GATE_SEALED":
@@ -229,8 +268,10 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise StaleVersion(int(f[0]), int(f[1]))
     if code == "SESSION_RETIRED":
         raise SessionRetired(str(f[0]))
-    if code == "OWNER_LOST":
-        raise OwnerLost(str(f[0]), int(f[1]) if len(f) > 1 else 0)
+    if code == "UNKNOWN_LEASE":
+        raise UnknownLease(str(f[0]))
+    if code == "GROUP_EXISTS":
+        raise GroupExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
     if code == "INVALID_INPUT":
         raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
     raise ScriptError(script, f"unknown result code {code!r} {f!r}")
@@ -245,6 +286,7 @@ __all__ = [
     "SessionExists",
     "SessionReleased",
     "NotOwner",
+    "OwnerLost",
     "NodeConflict",
     "PromptMismatch",
     "GateSealed",
@@ -252,8 +294,10 @@ __all__ = [
     "NotDrained",
     "StaleVersion",
     "SessionRetired",
+    "UnknownLease",
+    "GroupExists",
+    "RunNotEmpty",
     "StorageError",
     "ScriptError",
     "raise_for_code",
 ]
-    "OwnerLost",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import gc as gc_ops
 from . import ownership as own_ops
 from . import purge as purge_ops
 from . import run as run_ops
@@ -144,9 +145,30 @@ class TraceStore(_Base):
     sessions = sync_op(own_ops.sessions)
     owners = sync_op(own_ops.owners)
     heartbeat = sync_op(own_ops.heartbeat)
+    gc = sync_op(gc_ops.gc)
     # (end control plane)
 
     # -- gate and router (gate.py, router.py) ---------------------------------------
+    @property
+    def gate(self) -> Any:
+        """The run's request gate (:class:`~tracestore.gate.Gate`): admit, settle, weight_update..."""
+        from .gate import Gate
+
+        gate = self._ctx.caches.get("gate")
+        if gate is None:
+            gate = self._ctx.caches["gate"] = Gate(self._io, self._ctx)
+        return gate
+
+    def router(self, entrypoints: Any, *, retention_s: float = 86400.0) -> Any:
+        """Session affinity over ``entrypoints`` (:class:`~tracestore.router.Router`).
+
+        ``retention_s``: lifetime of the tombstones ``retire`` writes. Raises
+        InvalidInput (empty list, duplicates) or InvalidId before any I/O.
+        """
+        from .router import Router
+
+        return Router(self._io, self._ctx, entrypoints, retention_s)
+
     # (end gate)
 
     # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
@@ -227,9 +249,30 @@ class AsyncTraceStore(_Base):
     sessions = async_op(own_ops.sessions)
     owners = async_op(own_ops.owners)
     heartbeat = async_op(own_ops.heartbeat)
+    gc = async_op(gc_ops.gc)
     # (end control plane)
 
     # -- gate and router (gate.py, router.py) ---------------------------------------
+    @property
+    def gate(self) -> Any:
+        """The run's request gate (:class:`~tracestore.gate.AsyncGate`): admit, settle, weight_update..."""
+        from .gate import AsyncGate
+
+        gate = self._ctx.caches.get("gate")
+        if gate is None:
+            gate = self._ctx.caches["gate"] = AsyncGate(self._io, self._ctx)
+        return gate
+
+    def router(self, entrypoints: Any, *, retention_s: float = 86400.0) -> Any:
+        """Session affinity over ``entrypoints`` (:class:`~tracestore.router.AsyncRouter`).
+
+        ``retention_s``: lifetime of the tombstones ``retire`` writes. Raises
+        InvalidInput (empty list, duplicates) or InvalidId before any I/O.
+        """
+        from .router import AsyncRouter
+
+        return AsyncRouter(self._io, self._ctx, entrypoints, retention_s)
+
     # (end gate)
 
     # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------

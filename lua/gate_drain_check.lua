@@ -1,0 +1,37 @@
+-- script: gate_drain_check
+-- One step of drain: move overdue leases to the poison set, then report the
+-- live count. When leases are live it deletes the wake-up token in the same
+-- atomic step (so the token a drainer then blocks on can only come from a
+-- later settle: no stale wake-up, no lost one) and says how long the caller
+-- may block before the earliest deadline needs expiring. When none is live
+-- it leaves a token for any other drainer blocked on the list.
+-- KEYS: 4
+-- KEYS[1] = ts:{R}:gate            hash: state, version
+-- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms
+-- KEYS[3] = ts:{R}:gate:poison     hash: lease id -> reason json
+-- KEYS[4] = ts:{R}:gate:signal     list: drain wake-up token
+-- ARGV[1] = max poisoned ids to return
+-- returns: {0, state, version (int), live (int), wait_ms (int, -1 when live = 0),
+--           n_new, new poisoned ids..., n_poisoned (total), poisoned ids (first ARGV[1])...}
+-- errors: none
+-- include: gate
+local gate, leases, poison, signal = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local now = gate_now_ms()
+local swept = gate_sweep(leases, poison, now)
+local live = redis.call('ZCARD', leases)
+local wait = -1
+if live > 0 then
+  redis.call('DEL', signal)
+  local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
+  wait = math.max(1, tonumber(first[2]) - now + 1)
+else
+  gate_signal_if_empty(leases, signal)
+end
+local g = redis.call('HMGET', gate, 'state', 'version')
+local out = {0, g[1] or 'open', tonumber(g[2] or '0'), live, wait, #swept}
+for i = 1, #swept do out[#out + 1] = swept[i] end
+out[#out + 1] = redis.call('HLEN', poison)
+local ids = redis.call('HKEYS', poison)
+local cap = math.min(#ids, tonumber(ARGV[1]))
+for i = 1, cap do out[#out + 1] = ids[i] end
+return out

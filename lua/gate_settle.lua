@@ -1,0 +1,46 @@
+-- script: gate_settle
+-- Settle a lease with its outcome and return the settlement receipt. The
+-- first settlement is final: settling again (a retry, or a second caller)
+-- returns the first receipt unchanged. Outcome `unknown` poisons the lease;
+-- a definite outcome resolves a poison entry left by an expired deadline
+-- (a late settle). The settle that empties the live set signals drainers.
+-- KEYS: 4
+-- KEYS[1] = ts:{R}:gate:leases     zset: lease id -> deadline ms
+-- KEYS[2] = ts:{R}:gate:poison     hash: lease id -> reason json
+-- KEYS[3] = ts:{R}:gate:signal     list: drain wake-up token
+-- KEYS[4] = ts:{R}:gate:l:<lease>  hash of the lease (receipt fields added)
+-- ARGV[1] = lease id
+-- ARGV[2] = outcome: completed | aborted | failed | unknown
+-- ARGV[3] = retention of a settled, unpoisoned lease record (ms)
+-- returns: {0, lease id, outcome, version (int), settled_ms (int), late (0|1), poisoned (0|1), first (0|1)}
+-- errors: UNKNOWN_LEASE (lease id)
+-- include: gate
+local leases, poison, signal, lkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local id, outcome = ARGV[1], ARGV[2]
+local l = redis.call('HMGET', lkey, 'version', 'deadline_ms', 'outcome', 'settled_ms', 'late', 'rpoisoned')
+if not l[1] then
+  return {1, 'UNKNOWN_LEASE', id}
+end
+if l[3] then
+  return {0, id, l[3], tonumber(l[1]), tonumber(l[4]), tonumber(l[5]), tonumber(l[6]), 0}
+end
+local now = gate_now_ms()
+local late = 0
+if now > tonumber(l[2]) then late = 1 end
+local removed = redis.call('ZREM', leases, id)
+local poisoned = 0
+if outcome == 'unknown' then
+  redis.call('HSET', poison, id, cjson.encode({ reason = 'unknown', at_ms = now }))
+  poisoned = 1
+else
+  redis.call('HDEL', poison, id)
+end
+redis.call('HSET', lkey, 'outcome', outcome, 'settled_ms', now, 'late', late, 'rpoisoned', poisoned)
+if poisoned == 0 then
+  redis.call('PEXPIRE', lkey, tonumber(ARGV[3]))
+end
+removed = removed + #gate_sweep(leases, poison, now)
+if removed > 0 then
+  gate_signal_if_empty(leases, signal)
+end
+return {0, id, outcome, tonumber(l[1]), now, late, poisoned, 1}

@@ -1,0 +1,50 @@
+-- script: route_acquire
+-- Session affinity: the entrypoint that serves a session. Sticky: a routed
+-- session keeps its entrypoint while that entrypoint is in the caller's list;
+-- a new session (or one whose entrypoint left the list) goes to the
+-- least-loaded entrypoint of the list (ties: list order). Atomic, so
+-- concurrent acquires of one new session all get the same answer. The list
+-- comes from the caller (ARGV), so routers with different lists share the
+-- routes and the load counts but each only places sessions on its own list.
+-- Idempotent under client retry (a retry finds the route it made).
+-- KEYS: 3
+-- KEYS[1] = ts:{R}:route           hash: sid -> entrypoint
+-- KEYS[2] = ts:{R}:route:load      zset: entrypoint -> sessions routed to it
+-- KEYS[3] = ts:{R}:route:retired   zset: sid -> tombstone expiry ms (server clock)
+-- ARGV[1] = session id
+-- ARGV[2..n+1] = entrypoints (n >= 1, distinct)
+-- returns: {0, entrypoint, how ("sticky" | "new" | "moved"), previous entrypoint ("" unless moved)}
+-- errors: SESSION_RETIRED (sid)
+local route, load, retired = KEYS[1], KEYS[2], KEYS[3]
+local sid = ARGV[1]
+local until_ms = redis.call('ZSCORE', retired, sid)
+if until_ms then
+  local t = redis.call('TIME')
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  if tonumber(until_ms) > now then
+    return {1, 'SESSION_RETIRED', sid}
+  end
+  redis.call('ZREM', retired, sid)
+end
+local cur = redis.call('HGET', route, sid)
+local best, best_load = nil, nil
+for i = 2, #ARGV do
+  local ep = ARGV[i]
+  if cur and ep == cur then
+    return {0, cur, 'sticky', ''}
+  end
+  local l = tonumber(redis.call('ZSCORE', load, ep) or '0')
+  if best_load == nil or l < best_load then
+    best, best_load = ep, l
+  end
+end
+local how, prev = 'new', ''
+if cur then
+  how, prev = 'moved', cur
+  if tonumber(redis.call('ZINCRBY', load, -1, cur)) <= 0 then
+    redis.call('ZREM', load, cur)
+  end
+end
+redis.call('HSET', route, sid, best)
+redis.call('ZINCRBY', load, 1, best)
+return {0, best, how, prev}

@@ -1,0 +1,35 @@
+-- script: route_retire
+-- Retire sessions: drop their routes (and their entrypoints' load) and write
+-- tombstones that make acquire raise SessionRetired (HTTP 410 Gone) until
+-- they expire. Expired tombstones are trimmed on the way (range delete).
+-- Idempotent: retiring a retired session extends nothing and is not returned.
+-- KEYS: 3
+-- CHUNK: 4000
+-- KEYS[1] = ts:{R}:route           hash: sid -> entrypoint
+-- KEYS[2] = ts:{R}:route:load      zset: entrypoint -> sessions routed to it
+-- KEYS[3] = ts:{R}:route:retired   zset: sid -> tombstone expiry ms (server clock)
+-- ARGV[1] = tombstone retention (ms, > 0)
+-- ARGV[2..n+1] = session ids
+-- returns: {0, sids retired by this call...}
+-- errors: none
+local route, load, retired = KEYS[1], KEYS[2], KEYS[3]
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', retired, '-inf', now)
+local expires = now + tonumber(ARGV[1])
+local out = {0}
+for i = 2, #ARGV do
+  local sid = ARGV[i]
+  if not redis.call('ZSCORE', retired, sid) then
+    local ep = redis.call('HGET', route, sid)
+    if ep then
+      redis.call('HDEL', route, sid)
+      if tonumber(redis.call('ZINCRBY', load, -1, ep)) <= 0 then
+        redis.call('ZREM', load, ep)
+      end
+    end
+    redis.call('ZADD', retired, expires, sid)
+    out[#out + 1] = sid
+  end
+end
+return out

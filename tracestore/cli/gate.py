@@ -1,0 +1,179 @@
+"""``tracestore gate status|seal|drain|install|reopen|clear-poison`` and ``tracestore routes``.
+
+Operator commands for the request gate and session affinity of one run
+(DESIGN section 6). They work on a live run: sealing from the shell stops
+admissions for every entrypoint of the run at once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import orjson
+
+from .._table import format_table
+from ..gate import GateStatus
+from ..router import read_routes
+from ..store import TraceStore
+from . import guarded, main, run_option, url_option
+
+
+def _connect(url: str | None, run: str) -> TraceStore:
+    return TraceStore.connect(url, run=run, create_run=False)
+
+
+def _status_rows(st: GateStatus) -> list[list[object]]:
+    return [
+        ["state", st.state],
+        ["version", st.version],
+        ["live leases", st.live],
+        ["poisoned leases", st.poisoned],
+        ["sealed at (ms)", st.sealed_ms if st.sealed_ms is not None else "-"],
+        ["installed at (ms)", st.installed_ms if st.installed_ms is not None else "-"],
+        ["next deadline in (ms)", (st.next_deadline_ms - st.server_ms) if st.next_deadline_ms else "-"],
+        ["install possible now", "yes" if st.installable else "no"],
+    ]
+
+
+def _echo_status(store: TraceStore, st: GateStatus, as_json: bool) -> None:
+    if as_json:
+        click.echo(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode())
+        return
+    click.echo(format_table(["gate", "value"], _status_rows(st)))
+    if st.poison:
+        records = store.gate.lease_records([p.lease_id for p in st.poison])
+        rows = []
+        for p, rec in zip(st.poison, records, strict=True):
+            rows.append([
+                p.lease_id,
+                p.reason,
+                rec.sid if rec else "?",
+                rec.holder if rec else "?",
+                rec.version if rec else "?",
+                rec.outcome or "-" if rec else "?",
+            ])
+        click.echo("")
+        click.echo(format_table(["poisoned lease", "reason", "session", "holder", "version", "outcome"], rows))
+        if st.poisoned > len(st.poison):
+            click.echo(f"... and {st.poisoned - len(st.poison)} more")
+
+
+@main.group()
+def gate() -> None:
+    """Inspect and operate the request gate of a run (weight-update fencing)."""
+
+
+@gate.command("status")
+@url_option
+@run_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--check", is_flag=True, help="Exit 2 unless install would succeed now.")
+@guarded
+def gate_status(url: str | None, run: str, as_json: bool, check: bool) -> None:
+    """State, version, live and poisoned leases (with their sessions and holders)."""
+    with _connect(url, run) as store:
+        st = store.gate.status()
+        _echo_status(store, st, as_json)
+    if check and not st.installable:
+        sys.exit(2)
+
+
+@gate.command("seal")
+@url_option
+@run_option
+@click.option("--retry-after-ms", type=int, default=500, show_default=True,
+              help="Retry hint that refused admissions carry.")
+@guarded
+def gate_seal(url: str | None, run: str, retry_after_ms: int) -> None:
+    """Seal the gate: every admission is refused (GateSealed) until reopen."""
+    with _connect(url, run) as store:
+        st = store.gate.seal(retry_after_ms)
+        _echo_status(store, st, False)
+
+
+@gate.command("drain")
+@url_option
+@run_option
+@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for live leases to settle.")
+@guarded
+def gate_drain(url: str | None, run: str, timeout_s: float) -> None:
+    """Wait until no lease is live (or the timeout); exit 2 unless drained and unpoisoned."""
+    with _connect(url, run) as store:
+        res = store.gate.drain(timeout_s)
+    click.echo(format_table(["drain", "value"], [
+        ["drained", "yes" if res.drained else "no"],
+        ["live leases", res.live],
+        ["poisoned leases", res.poisoned],
+        ["poisoned by this drain", len(res.newly_poisoned)],
+        ["waited (s)", round(res.waited_s, 3)],
+        ["gate", f"{res.state}, version {res.version}"],
+    ]))
+    if res.poisoned_ids:
+        click.echo("poisoned: " + " ".join(res.poisoned_ids))
+    if not res.ok:
+        sys.exit(2)
+
+
+@gate.command("install")
+@url_option
+@run_option
+@click.argument("version", type=int)
+@guarded
+def gate_install(url: str | None, run: str, version: int) -> None:
+    """Install weight VERSION (the gate must be sealed, drained and unpoisoned)."""
+    with _connect(url, run) as store:
+        prev = store.gate.install(version)
+    click.echo(f"installed version {version} (was {prev})")
+
+
+@gate.command("reopen")
+@url_option
+@run_option
+@guarded
+def gate_reopen(url: str | None, run: str) -> None:
+    """Reopen the gate: admissions resume under the current version."""
+    with _connect(url, run) as store:
+        st = store.gate.reopen()
+        _echo_status(store, st, False)
+
+
+@gate.command("clear-poison")
+@url_option
+@run_option
+@click.argument("lease_ids", nargs=-1)
+@click.option("--all", "clear_all", is_flag=True, help="Clear every poisoned lease (up to 100 per call).")
+@click.option("--resolution", required=True,
+              help="What happened to those requests (kept on the lease record), e.g. aborted.")
+@guarded
+def gate_clear_poison(url: str | None, run: str, lease_ids: tuple[str, ...], clear_all: bool,
+                      resolution: str) -> None:
+    """Resolve poisoned leases (LEASE_IDS, or --all) so install can proceed."""
+    with _connect(url, run) as store:
+        ids = list(lease_ids)
+        if clear_all:
+            ids += [p.lease_id for p in store.gate.status().poison]
+        if not ids:
+            click.echo("nothing to clear (give lease ids or --all)")
+            return
+        cleared = store.gate.clear_poison(ids, resolution)
+    click.echo(f"cleared {len(cleared)} of {len(ids)} lease(s): {' '.join(cleared)}")
+
+
+@main.command()
+@url_option
+@run_option
+@click.argument("sids", nargs=-1)
+@guarded
+def routes(url: str | None, run: str, sids: tuple[str, ...]) -> None:
+    """Session affinity: load per entrypoint, and the entrypoint of each of SIDS."""
+    with _connect(url, run) as store:
+        table = read_routes(store, list(sids))
+    click.echo(format_table(["entrypoint", "sessions"], sorted(table.load.items())))
+    click.echo(f"routed sessions: {table.routed}; retired (tombstoned): {table.retired}")
+    if sids:
+        click.echo("")
+        rows = [[s, {None: "(not routed)", "!retired": "(retired: 410 Gone)"}.get(e, e)]
+                for s, e in table.routes.items()]
+        click.echo(format_table(["session", "entrypoint"], rows))

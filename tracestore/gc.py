@@ -1,0 +1,307 @@
+"""Garbage collection of a run's control and data planes (DESIGN section 5, invariants 4, 5).
+
+``gc`` is safe to run at any time, from any process, concurrently with the
+workload: every step either goes through an atomic release-if-owned script
+that re-checks its condition on the server, or only touches state that is
+already final (released sessions, tombstones past their retention, consumer
+groups idle past a limit). It never touches a live session of a live owner.
+
+Steps, in order:
+
+1. **Lost owners**: an owner whose heartbeat deadline passed is recorded as
+   lost and its sessions are released with reason ``owner-lost``; owners
+   already lost are swept again (sessions moved to them later go too). A lost
+   owner's heartbeat raises OwnerLost, so nothing is resurrected.
+2. **Crash leftovers** (``scan_data=True``): SCAN every primary for the run's
+   data keys; a session whose control record says released (or that has a
+   release tombstone) but still has data is purged; data with no control
+   record at all is *reported* (``orphan_sessions``), not deleted: the data
+   plane may legitimately write before the session is opened.
+3. **Tombstones** older than ``tombstone_retention_s``: the released record,
+   the session hash and the data tombstone go; lost-owner marks of owners
+   without sessions go too.
+4. **Consumer groups** of ``ts:{R}:events`` whose consumers were all idle for
+   longer than ``group_idle_limit_s`` are destroyed (their holders are gone;
+   a holder that comes back re-creates its group and reconciles).
+5. **Event stream**: entries below the slowest remaining group (its oldest
+   pending entry, else its last delivered id) are trimmed with XTRIM MINID;
+   with no group left, entries older than ``event_retention_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .context import Context
+from .errors import InvalidInput
+from .purge import purge_evals
+from .run import session_states
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, ServerTime, chunks, new_op_id, script
+
+OWNER_LOST = "owner-lost"
+_SWEEPS = 8  # passes over a lost owner's set; it can only shrink once the owner is lost
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What one ``gc`` pass did."""
+
+    #: Owners declared lost in this pass (heartbeat expired).
+    owners_lost: tuple[str, ...] = ()
+    #: Sessions released with reason ``owner-lost`` in this pass.
+    sessions_released: tuple[str, ...] = ()
+    #: Released sessions whose leftover data (a crash between release and purge) was purged.
+    sessions_purged: tuple[str, ...] = ()
+    #: Sessions with data keys but no control record (reported, not deleted).
+    orphan_sessions: tuple[str, ...] = ()
+    #: Release tombstones removed because they were older than the retention.
+    tombstones_trimmed: int = 0
+    #: Entries removed from ``ts:{R}:events``.
+    events_trimmed: int = 0
+    #: Consumer groups removed because their holders were gone too long.
+    groups_removed: tuple[str, ...] = ()
+
+    def summary(self) -> list[tuple[str, object]]:
+        """(what, count) rows for tables."""
+        return [
+            ("owners declared lost", len(self.owners_lost)),
+            ("sessions released (owner-lost)", len(self.sessions_released)),
+            ("leftover data purged (sessions)", len(self.sessions_purged)),
+            ("orphan data (sessions, reported)", len(self.orphan_sessions)),
+            ("tombstones trimmed", self.tombstones_trimmed),
+            ("events trimmed", self.events_trimmed),
+            ("consumer groups removed", len(self.groups_removed)),
+        ]
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
+    return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+def _id_tuple(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _seconds(name: str, value: float) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise InvalidInput(name, f"must be a non-negative number of seconds, got {value!r}")
+    return int(value * 1000)
+
+
+def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
+    """Release ``owner``'s sessions if its heartbeat expired; ``(lost, released ids)``.
+
+    The deadline is re-checked on the server by ``gc_owner_lost``; an owner
+    alive at that moment is left alone (``lost`` False).
+    """
+    k = ctx.keys
+    okey = k.owner(owner)
+    sc = script("gc_owner_lost")
+    ttl = ctx.config.op_ttl_s * 1000
+    fixed = (k.owners, k.owners_lost, okey, k.released, k.events)
+    released: list[str] = []
+    for _ in range(_SWEEPS):
+        members = yield Cmd(("SMEMBERS", okey), key=okey)
+        sids = sorted(_s(m) for m in members)
+        parts = list(chunks(sids, sc.chunk)) or [[]]
+        evals = [
+            Eval(sc, (*fixed, k.op(new_op_id()), *(k.session(s) for s in p)), (owner, OWNER_LOST, ttl, *p))
+            for p in parts
+        ]
+        replies = yield Batch(tuple(evals))
+        if not int(replies[0][0]):
+            return False, released
+        released.extend(_s(x) for r in replies for x in r[1:])
+        if not sids:
+            break
+    return True, released
+
+
+def _lost_owners(ctx: Context, now: int) -> Op[tuple[list[str], list[str]]]:
+    """(owners whose deadline passed, lost owners that still own sessions)."""
+    k = ctx.keys
+    expired, lost = yield Batch(
+        (
+            Cmd(("ZRANGEBYSCORE", k.owners, "-inf", now), key=k.owners),
+            Cmd(("ZRANGE", k.owners_lost, 0, -1), key=k.owners_lost),
+        )
+    )
+    lost_names = [_s(x) for x in lost]
+    still: list[str] = []
+    if lost_names:
+        counts = yield Batch(tuple(Cmd(("SCARD", k.owner(n)), key=k.owner(n)) for n in lost_names))
+        still = [n for n, c in zip(lost_names, counts, strict=True) if int(c) > 0]
+    return [_s(x) for x in expired], still
+
+
+def _leftover_data(ctx: Context) -> Op[tuple[list[str], list[str]]]:
+    """(released sessions that still have data, sessions with data but no control record)."""
+    k = ctx.keys
+    keys = yield ScanAll(k.data_pattern)
+    with_data = sorted({sid for key in keys if not key.endswith(":dead") and (sid := k.sid_of_data_key(key))})
+    if not with_data:
+        return [], []
+    states = yield from session_states(ctx, with_data)
+    unknown = [s for s in with_data if states[s] is None]
+    tomb: set[str] = set()
+    if unknown:
+        replies = yield Batch(
+            tuple(Cmd(("ZMSCORE", k.released, *part), key=k.released) for part in chunks(unknown, 4000))
+        )
+        scores = [x for r in replies for x in r]
+        tomb = {s for s, sc in zip(unknown, scores, strict=True) if sc is not None}
+    st_released = [s for s in with_data if (st := states[s]) is not None and st[1] == "released"]
+    purge = sorted(set(st_released) | tomb)
+    orphans = [s for s in unknown if s not in tomb]
+    return purge, orphans
+
+
+def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
+    k = ctx.keys
+    sc = script("gc_trim_tombstones")
+    ttl = ctx.config.op_ttl_s * 1000
+    total = 0
+    while True:
+        old = yield Cmd(
+            ("ZRANGEBYSCORE", k.released, "-inf", cutoff, "LIMIT", 0, sc.chunk), key=k.released
+        )
+        sids = [_s(x) for x in old]
+        if not sids:
+            break
+        reply = yield Eval(
+            sc, (k.released, k.op(new_op_id()), *(k.session(s) for s in sids)), (cutoff, ttl, *sids)
+        )
+        trimmed = [_s(x) for x in reply]
+        if trimmed:
+            yield Batch(tuple(Cmd(("DEL", k.dead(s)), key=k.dead(s)) for s in trimmed))
+        total += len(trimmed)
+        if len(sids) < sc.chunk or not trimmed:
+            break
+    # Lost-owner marks past the retention, once the owner has nothing left.
+    lost = yield Cmd(("ZRANGEBYSCORE", k.owners_lost, "-inf", cutoff), key=k.owners_lost)
+    names = [_s(x) for x in lost]
+    if names:
+        counts = yield Batch(tuple(Cmd(("SCARD", k.owner(n)), key=k.owner(n)) for n in names))
+        empty = [n for n, c in zip(names, counts, strict=True) if int(c) == 0]
+        if empty:
+            yield Cmd(("ZREM", k.owners_lost, *empty), key=k.owners_lost)
+    return total
+
+
+def _groups(ctx: Context, now: int, idle_limit_ms: int) -> Op[tuple[list[str], list[dict[str, Any]]]]:
+    """(groups removed, groups kept with their XINFO fields)."""
+    k = ctx.keys
+    exists = yield Cmd(("EXISTS", k.events), key=k.events)
+    if not int(exists):
+        return [], []
+    raw = yield Cmd(("XINFO", "GROUPS", k.events), key=k.events)
+    groups = [_pairs(g) if isinstance(g, list) else {_s(a): b for a, b in g.items()} for g in raw]
+    removed: list[str] = []
+    kept: list[dict[str, Any]] = []
+    for g in groups:
+        name = _s(g["name"])
+        consumers = yield Cmd(("XINFO", "CONSUMERS", k.events, name), key=k.events)
+        idles = [
+            int(_pairs(c)["idle"]) if isinstance(c, list) else int(c["idle"]) for c in consumers
+        ]
+        if idles:
+            idle = min(idles)
+        else:  # never read: judge by the time of the last id it was positioned at
+            idle = now - _id_tuple(_s(g["last-delivered-id"]))[0]
+        if idle > idle_limit_ms:
+            yield Cmd(("XGROUP", "DESTROY", k.events, name), key=k.events)
+            removed.append(name)
+        else:
+            kept.append(g)
+    return removed, kept
+
+
+def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_ms: int) -> Op[int]:
+    k = ctx.keys
+    exists = yield Cmd(("EXISTS", k.events), key=k.events)
+    if not int(exists):
+        return 0
+    if kept:
+        marks: list[tuple[int, int]] = []
+        for g in kept:
+            mark = _id_tuple(_s(g["last-delivered-id"]))
+            if int(g.get("pending", 0)):
+                summary = yield Cmd(("XPENDING", k.events, _s(g["name"])), key=k.events)
+                if summary and summary[1] is not None:
+                    mark = min(mark, _id_tuple(_s(summary[1])))
+            marks.append(mark)
+        low = min(marks)
+    else:
+        low = (max(0, now - retention_ms), 0)
+    if low == (0, 0):
+        return 0
+    n = yield Cmd(("XTRIM", k.events, "MINID", f"{low[0]}-{low[1]}"), key=k.events)
+    return int(n)
+
+
+def gc(
+    ctx: Context,
+    *,
+    tombstone_retention_s: float = 7 * 86400,
+    group_idle_limit_s: float = 3600,
+    event_retention_s: float = 86400,
+    scan_data: bool = True,
+) -> Op[GcReport]:
+    """One garbage-collection pass over the run; returns a :class:`GcReport`.
+
+    Releases the sessions of owners whose heartbeat expired (reason
+    ``owner-lost``; the owner is marked lost and cannot come back), purges
+    data that a crash left behind released sessions, reports data keys with
+    no control record (SCAN of every primary; skipped with
+    ``scan_data=False``), trims release tombstones older than
+    ``tombstone_retention_s``, removes consumer groups idle for longer than
+    ``group_idle_limit_s`` and trims ``ts:{R}:events`` below the slowest
+    remaining group (or to ``event_retention_s`` when none is left). Never
+    touches a live session of a live owner. Safe to run concurrently with
+    the workload and with another gc. Raises InvalidInput (before I/O),
+    StorageError. Round trips: a few per lost owner, one SCAN per primary,
+    plus about ten.
+    """
+    k = ctx.keys
+    retention_ms = _seconds("tombstone_retention_s", tombstone_retention_s)
+    idle_ms = _seconds("group_idle_limit_s", group_idle_limit_s)
+    event_ms = _seconds("event_retention_s", event_retention_s)
+    now = yield ServerTime(k.meta)
+
+    expired, lost_with_sessions = yield from _lost_owners(ctx, now)
+    owners_lost: list[str] = []
+    released: list[str] = []
+    for owner in dict.fromkeys([*expired, *lost_with_sessions]):
+        lost, ids = yield from release_lost_owner(ctx, owner)
+        if lost and owner in expired:
+            owners_lost.append(owner)
+        released.extend(ids)
+    if released:
+        yield Batch(tuple(purge_evals(ctx, released)))
+
+    purged: list[str] = []
+    orphans: list[str] = []
+    if scan_data:
+        purged, orphans = yield from _leftover_data(ctx)
+        if purged:
+            yield Batch(tuple(purge_evals(ctx, purged)))
+
+    trimmed = yield from _trim_tombstones(ctx, now - retention_ms)
+    removed, kept = yield from _groups(ctx, now, idle_ms)
+    events_trimmed = yield from _trim_events(ctx, now, kept, event_ms)
+    return GcReport(
+        owners_lost=tuple(owners_lost),
+        sessions_released=tuple(released),
+        sessions_purged=tuple(purged),
+        orphan_sessions=tuple(orphans),
+        tombstones_trimmed=trimmed,
+        events_trimmed=events_trimmed,
+        groups_removed=tuple(removed),
+    )
