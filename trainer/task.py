@@ -40,14 +40,14 @@ class Problem:
 
 
 def make_problem(rng: random.Random, pid: str) -> Problem:
-    """A problem reachable in one or two calls, values in 0..``MAX_VALUE``."""
-    start = rng.randint(0, 9)
-    value = start
-    for _ in range(rng.randint(1, 2)):
-        value = apply_op(rng.choice(("add", "sub", "mul")), rng.randint(1, 9), value)
-    if value == start:
-        value = apply_op("add", rng.randint(1, 9), start)
-    return Problem(pid, start, value)
+    """A problem one call away: target = start +/- a digit, or start times a digit, in 0..``MAX_VALUE``."""
+    start = rng.randint(1, 9)
+    op = rng.choice(("add", "add", "sub", "mul"))
+    n = rng.randint(2, 9)
+    target = apply_op(op, n, start)
+    if target == start or target > 30:
+        target = apply_op("add", n, start)
+    return Problem(pid, start, target)
 
 
 def apply_op(op: str, n: int, value: int) -> int:

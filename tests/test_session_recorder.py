@@ -1,0 +1,169 @@
+"""TurnRecorder: XTuner-style single-phase write over a real server.
+
+The holder here is a tiny dict-backed object with the ``put(sid, value)``
+signature of :class:`tracestore.ray.RefHolder`; the Ray holder itself is
+tested with Ray in its own test file and in the trainer's end-to-end tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+from tracestore import InvalidInput, NodeConflict, TraceStore  # noqa: E402
+from tracestore.session import TurnRecorder  # noqa: E402
+from trainer.chat import render, strip_stop  # noqa: E402
+from trainer.tokenizer import TOKENIZER as tok  # noqa: E402
+
+L, K = 2, 2
+
+
+class DictHolder:
+    """Keeps values in a dict keyed ``<sid>#<n>`` (the recorder's view of a holder)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.by_sid: dict[str, list[str]] = {}
+
+    def put(self, sid: str, value: Any) -> str:
+        key = f"{sid}#{len(self.values)}"
+        self.values[key] = np.array(value, copy=True)
+        self.by_sid.setdefault(sid, []).append(key)
+        return key
+
+
+def engine(input_ids: list[int], answer: str, seed: int) -> tuple[list[int], list[float], Any]:
+    """A fake-free stand-in for the engine's *outputs*: ids of ``answer`` + stop, routing rows.
+
+    Row 0 is the dummy row when the input starts the conversation; row i is
+    a deterministic function of (position, seed) so the test can check where
+    every row ended up.
+    """
+    out = tok.encode(answer) + [tok.stop_id]
+    n = len(input_ids) + len(out)
+    rows = np.zeros((n, L, K), dtype=np.int32)
+    for i in range(1, n):
+        rows[i] = (i * 7 + seed) % 1000
+    lps = [-0.1 * (j + 1) for j in range(len(out))]
+    return out, lps, rows
+
+
+def expected_routing(rows_per_turn: list[tuple[int, Any]]) -> Any:
+    """Concatenate each turn's rows after its prefix (the engine's full array minus prefix rows)."""
+    return np.concatenate([r[p:] for p, r in rows_per_turn])
+
+
+def _conversation(store: TraceStore, holder: DictHolder | None, sid: str, turns: int = 3) -> Any:
+    rec = TurnRecorder(store, render, tok.encode, holder)
+    msgs: list[dict[str, str]] = [
+        {"role": "system", "content": "use add"},
+        {"role": "user", "content": "reach 9 from 2"},
+    ]
+    kept: list[tuple[int, Any]] = []
+    all_out: list[list[int]] = []
+    for t in range(turns):
+        req = rec.prepare(sid, msgs)
+        ids = rec.before_request(sid, msgs)
+        assert ids == req.input_ids
+        out, lps, rows = engine(ids, f"add {t + 1}", seed=t)
+        content, stopped = strip_stop(tok.decode(out))
+        assert stopped
+        assistant = {"role": "assistant", "content": content}
+        turn = rec.after_response(sid, msgs, assistant, out, lps, rows, version=t)
+        assert turn.response.ntok == len(out) and turn.response.version == t
+        kept.append((len(req.prefix.token_ids), rows))
+        all_out.append(out)
+        msgs += [assistant, {"role": "tool", "content": f"= {t}"}]
+    return rec, msgs, kept, all_out
+
+
+def test_recorder_round_trip_with_expert_split(store: TraceStore) -> None:
+    holder = DictHolder()
+    rec, msgs, kept, all_out = _conversation(store, holder, "s1")
+    # the last response node's key: the conversation up to the last assistant turn
+    final = render(msgs[:-1], False).rstrip()
+    tr = store.export_training_trace("s1", final)
+    assert tok.decode(tr.input_ids) == final
+    assert tr.expert_keys is not None and len(tr.expert_keys) == 6  # delta + response per turn
+    routing = np.concatenate([holder.values[k] for k in tr.expert_keys])
+    assert routing.shape == (len(tr.input_ids), L, K)
+    assert not routing[0].any()  # the dummy row comes first
+    np.testing.assert_array_equal(routing, expected_routing(kept))
+    # labels: the engine's ids on generated tokens, -100 elsewhere
+    gen = [i for i, lab in zip(tr.input_ids, tr.labels, strict=True) if lab != -100]
+    assert gen == [x for out in all_out for x in out]
+    assert tr.versions[-1] == 2 and tr.min_version == 0
+    # prefix reuse: the second turn sent the stored ids, not a re-tokenization
+    assert rec.stats.turns == 3 and rec.stats.invalid == 0
+    assert rec.stats.expert_bytes == sum(r[p:].nbytes for p, r in kept)
+
+
+def test_recorder_without_holder_records_no_experts(store: TraceStore) -> None:
+    _, msgs, _, _ = _conversation(store, None, "s2", turns=2)
+    tr = store.export_training_trace("s2", render(msgs[:-1], False).rstrip())
+    assert tr.expert_keys is None and len(tr.input_ids) > 10
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["empty", "logprobs", "rows", "template", "version"],
+)
+def test_invalid_response_writes_nothing(store: TraceStore, bad: str) -> None:
+    holder = DictHolder()
+    rec = TurnRecorder(store, render, tok.encode, holder)
+    msgs = [{"role": "user", "content": "reach 3 from 1"}]
+    ids = rec.before_request("s3", msgs)
+    out, lps, rows = engine(ids, "add 2", 0)
+    assistant: dict[str, str] = {"role": "assistant", "content": "add 2"}
+    version: Any = 0
+    if bad == "empty":
+        out, lps, rows = [], [], rows[: len(ids)]
+    elif bad == "logprobs":
+        lps = lps[:-1]
+    elif bad == "rows":
+        rows = rows[:-1]
+    elif bad == "template":
+        assistant = {"role": "assistant", "content": ""}
+
+        def broken(m: Any, gen: bool) -> str:  # renders the answer turn differently
+            return render(m, gen) if gen else "something else"
+
+        rec.render = broken
+    elif bad == "version":
+        version = -1
+    with pytest.raises(InvalidInput):
+        rec.after_response("s3", msgs, assistant, out, lps, rows, version)
+    assert holder.values == {}
+    assert store.lookup("s3", render(msgs, True)).text_len == 0
+    assert rec.stats.invalid == 1 and rec.stats.turns == 0
+
+
+def test_recorder_looks_up_again_when_prompt_changed_and_conflicts_surface(
+    store: TraceStore,
+) -> None:
+    rec = TurnRecorder(store, render, tok.encode, None)
+    msgs = [{"role": "user", "content": "reach 3 from 1"}]
+    ids = rec.before_request("s4", msgs)
+    out, lps, rows = engine(ids, "add 2", 0)
+    a = {"role": "assistant", "content": "add 2"}
+    rec.after_response("s4", msgs, a, out, lps, rows, 0)
+    # no pending request: after_response prepares again (the prompt is now a stored key)
+    again = rec.after_response("s4", msgs, a, out, lps, rows, 0)
+    assert again.written == 0 and again.delta is None
+    # a different answer under the same key conflicts and is reported
+    with pytest.raises(NodeConflict):
+        rec.after_response("s4", msgs, a, out, [x - 1 for x in lps], rows, 0)
+    # with a holder, a re-recorded turn has new expert keys: a conflict, never an overwrite;
+    # the new refs stay registered under the session (dropped when it is released)
+    holder = DictHolder()
+    rec2 = TurnRecorder(store, render, tok.encode, holder)
+    ids = rec2.before_request("s5", msgs)
+    rec2.after_response("s5", msgs, a, out, lps, rows, 0)
+    with pytest.raises(NodeConflict):
+        rec2.after_response("s5", msgs, a, out, lps, rows, 0)
+    assert len(holder.by_sid["s5"]) == 3
+    tr = store.export_training_trace("s5", render([*msgs, a], False).rstrip())
+    assert tr.expert_keys == holder.by_sid["s5"][:2]
