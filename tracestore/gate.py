@@ -338,7 +338,7 @@ def status(ctx: Context) -> Op[GateStatus]:
 def _seal_eval(ctx: Context, what: str, retry_after_ms: int) -> Eval:
     k = ctx.keys
     return Eval(
-        script("gate_seal"), (k.gate, k.gate_leases, k.gate_poison), (what, retry_after_ms)
+        script("gate_seal"), (k.gate, k.gate_leases, k.gate_poison), (what, retry_after_ms, MAX_IDS)
     )
 
 
@@ -347,14 +347,14 @@ def seal(ctx: Context, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS) -> Op[GateS
 
     ``retry_after_ms`` is the hint refused admissions carry. Sealing a
     sealed gate changes nothing. Returns the status right after sealing.
-    One round trip (the seal and a status read, pipelined).
+    One round trip (the script answers with the status it leaves).
     """
     if isinstance(retry_after_ms, bool) or not isinstance(retry_after_ms, int) or not (
         0 < retry_after_ms <= 3_600_000
     ):
         raise InvalidInput("retry_after_ms", f"must be an int in 1..3600000, got {retry_after_ms!r}")
-    replies = yield Batch((_seal_eval(ctx, "seal", retry_after_ms), _status_eval(ctx)))
-    return _decode_status(replies[1])
+    reply = yield _seal_eval(ctx, "seal", retry_after_ms)
+    return _decode_status(reply)
 
 
 def reopen(ctx: Context) -> Op[GateStatus]:
@@ -362,8 +362,8 @@ def reopen(ctx: Context) -> Op[GateStatus]:
 
     Allowed in any state; reopening an open gate changes nothing. One round trip.
     """
-    replies = yield Batch((_seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS), _status_eval(ctx)))
-    return _decode_status(replies[1])
+    reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS)
+    return _decode_status(reply)
 
 
 def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:

@@ -1,0 +1,504 @@
+"""The request gate (DESIGN section 6) on real servers: races, dead holders, drain, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import connect_async
+from tracestore import TraceStore
+from tracestore.errors import (
+    GatePoisoned,
+    GateSealed,
+    InvalidId,
+    InvalidInput,
+    NotDrained,
+    StaleVersion,
+    UnknownLease,
+)
+from tracestore.gate import Lease, admit, drain, install, settle
+from tracestore.scripts import Batch, Cmd, ScanAll
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def dump_run(store: TraceStore) -> dict[str, tuple[Any, bool]]:
+    """Every key of the run with its serialised value and whether it has a TTL.
+
+    Two dumps compare equal only when no key of the run was created, deleted
+    or changed in between (refusals must leave the state untouched).
+    """
+    io = store._io
+    keys = sorted(io.execute(ScanAll(f"{store.keys.prefix}:{{{store.run}*")))
+    if not keys:
+        return {}
+    replies = io.execute(
+        Batch(tuple(Cmd(("DUMP", k), key=k) for k in keys) + tuple(Cmd(("PTTL", k), key=k) for k in keys))
+    )
+    n = len(keys)
+    return {k: (replies[i], int(replies[n + i]) >= 0) for i, k in enumerate(keys)}
+
+
+def live_and_poison(store: TraceStore) -> tuple[set[str], set[str]]:
+    k = store.keys
+    io = store._io
+    live, poison = io.execute(
+        Batch((Cmd(("ZRANGE", k.gate_leases, 0, -1), key=k.gate_leases), Cmd(("HKEYS", k.gate_poison), key=k.gate_poison)))
+    )
+    dec = lambda xs: {x.decode() if isinstance(x, bytes) else x for x in xs}  # noqa: E731
+    return dec(live), dec(poison)
+
+
+# -- basics ------------------------------------------------------------------------------------
+
+
+def test_admit_settle_receipts_and_versions(store: TraceStore) -> None:
+    g = store.gate
+    st = g.status()
+    assert (st.state, st.version, st.live, st.poisoned) == ("open", 0, 0, 0)
+    lease = g.admit("s1", "worker-1", 30)
+    assert isinstance(lease, Lease) and lease.version == 0 and lease.sid == "s1"
+    assert g.status().live == 1
+    first = g.settle(lease, "completed")
+    assert (first.outcome, first.late, first.poisoned, first.replayed) == ("completed", False, False, False)
+    # settling twice (a retry or a second caller) returns the first receipt, even with another outcome
+    again = g.settle(lease.id, "failed")
+    assert again == first and again.replayed and again.outcome == "completed"
+    assert g.status().live == 0
+    rec = g.lease_records([lease.id])[0]
+    assert rec is not None and (rec.sid, rec.holder, rec.outcome) == ("s1", "worker-1", "completed")
+
+    with g.weight_update(version=7, drain_timeout_s=1) as res:
+        assert res.drained and res.ok
+        assert g.status().sealed
+    st = g.status()
+    assert (st.state, st.version) == ("open", 7)
+    assert g.admit("s1", "worker-1", 30).version == 7
+
+
+def test_admit_under_seal_carries_the_retry_hint(store: TraceStore) -> None:
+    g = store.gate
+    st = g.seal(retry_after_ms=1234)
+    assert st.sealed and st.sealed_ms is not None
+    with pytest.raises(GateSealed) as ei:
+        g.admit("s1", "w", 5)
+    assert ei.value.retry_after_ms == 1234 and ei.value.version == 0
+    assert g.status().live == 0
+    assert g.seal().sealed_ms == st.sealed_ms  # sealing a sealed gate keeps its first seal time
+    assert not g.reopen().sealed
+    g.admit("s1", "w", 5)
+
+
+def test_unknown_outcome_poisons_and_late_definite_settle_resolves(store: TraceStore) -> None:
+    g = store.gate
+    unknown = g.admit("s1", "w", 30)
+    r = g.settle(unknown, "unknown")
+    assert r.poisoned and not r.late
+    expired = g.admit("s2", "w", 0.05)
+    time.sleep(0.1)
+    st = g.status()
+    assert st.live == 0 and st.poisoned == 2  # the overdue lease counts as poisoned before any sweep
+    assert {p.reason for p in st.poison} == {"unknown", "overdue"}
+    g.seal()
+    res = g.drain(1)
+    assert res.drained and not res.ok and set(res.poisoned_ids) == {unknown.id, expired.id}
+    assert res.newly_poisoned == (expired.id,)
+    with pytest.raises(GatePoisoned) as ei:
+        g.install(1)
+    assert set(ei.value.lease_ids) == {unknown.id, expired.id}
+    # the holder of the expired lease comes back with a definite outcome: its poison entry goes
+    late = g.settle(expired, "completed")
+    assert late.late and not late.poisoned
+    assert live_and_poison(store) == (set(), {unknown.id})
+    # settling the unknown one again does not change its first receipt (still poisoned)
+    assert g.settle(unknown, "completed").poisoned
+    with pytest.raises(GatePoisoned):
+        g.install(1)
+    assert g.clear_poison([unknown.id, "not-poisoned"], "retried-by-operator") == [unknown.id]
+    assert g.lease_records([unknown.id])[0].resolution == "retried-by-operator"  # type: ignore[union-attr]
+    assert g.install(1) == 0
+    assert g.status().version == 1
+
+
+def test_renew_extends_and_an_expired_lease_is_not_revived(store: TraceStore) -> None:
+    g = store.gate
+    lease = g.admit("s1", "w", 0.3)
+    time.sleep(0.15)
+    renewed = g.renew(lease, 5)
+    assert renewed.deadline_ms > lease.deadline_ms + 4000
+    time.sleep(0.25)
+    assert g.status().live == 1  # renewed: not overdue
+    short = g.admit("s2", "w", 0.05)
+    time.sleep(0.1)
+    with pytest.raises(GatePoisoned):
+        g.renew(short)
+    assert short.id in live_and_poison(store)[1]
+    g.settle(lease, "completed")
+    with pytest.raises(InvalidInput, match="already settled"):
+        g.renew(lease)
+
+
+# -- the seal race ---------------------------------------------------------------------------
+
+
+def test_seal_race_no_admission_after_seal_and_no_lease_lost(store: TraceStore) -> None:
+    g = store.gate
+    sealed = threading.Event()
+    admitted: list[Lease] = []
+    expected_poison: set[str] = set()
+    violations: list[str] = []
+    refused = 0
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        nonlocal refused
+        i = 0
+        while True:
+            after_seal = sealed.is_set()
+            try:
+                lease = g.admit(f"s-{w}-{i}", f"w{w}", 1.0)
+            except GateSealed:
+                with lock:
+                    refused += 1
+                if after_seal:
+                    return
+                continue
+            finally:
+                i += 1
+            if after_seal:
+                violations.append(lease.id)
+            with lock:
+                admitted.append(lease)
+            if i % 7 == 0:
+                with lock:
+                    expected_poison.add(lease.id)  # abandoned: must expire into poison
+            elif i % 5 == 0:
+                g.settle(lease, "unknown")
+                with lock:
+                    expected_poison.add(lease.id)
+            else:
+                g.settle(lease, "completed")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.4)
+    st = g.seal()
+    sealed.set()
+    for t in threads:
+        t.join(10)
+    assert not violations, f"admitted after seal() returned: {violations[:3]}"
+    assert len(admitted) > 50 and refused >= 8
+    assert all(not t.is_alive() for t in threads)
+    res = g.drain(5)
+    assert res.drained and res.live == 0
+    live, poison = live_and_poison(store)
+    assert not live and poison == expected_poison
+    records = g.lease_records([lease.id for lease in admitted])
+    for lease, rec in zip(admitted, records, strict=True):
+        assert rec is not None, f"lease {lease.id} lost"
+        assert rec.admitted_ms <= st.sealed_ms  # type: ignore[operator]
+        assert rec.outcome is not None or lease.id in poison
+
+
+# -- a holder that dies -----------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from tracestore import TraceStore
+st = TraceStore.connect(sys.argv[1], run=sys.argv[2], create_run=False)
+lease = st.gate.admit("victim", "doomed-worker", float(sys.argv[3]))
+print(lease.id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_holder_expires_into_poison_then_clear_and_install(store: TraceStore, url: str) -> None:
+    g = store.gate
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, url, store.run, "1.0"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        lease_id = proc.stdout.readline().strip()
+        assert lease_id, "holder did not admit"
+        assert g.status().live == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+    g.seal()
+    res = g.drain(5)  # wakes at the dead lease's deadline (server clock) and poisons it
+    assert res.drained and res.newly_poisoned == (lease_id,) and res.poisoned_ids == (lease_id,)
+    assert res.waited_s < 3
+    with pytest.raises(GatePoisoned) as ei:
+        g.install(1)
+    assert ei.value.lease_ids == [lease_id]
+    st = g.status()
+    assert not st.installable and st.poison[0].reason == "expired"
+    rec = g.lease_records([lease_id])[0]
+    assert rec is not None and (rec.holder, rec.sid, rec.outcome) == ("doomed-worker", "victim", None)
+    with pytest.raises(GatePoisoned):
+        with g.weight_update(1, drain_timeout_s=1):
+            pytest.fail("body must not run while poisoned")
+    assert not g.status().sealed  # weight_update reopened after refusing
+    g.seal()
+    assert g.clear_poison([lease_id], "worker-died") == [lease_id]
+    assert g.install(1) == 0
+    st = g.reopen()
+    assert (st.state, st.version, st.poisoned) == ("open", 1, 0)
+
+
+# -- weight_update ------------------------------------------------------------------------------
+
+
+def test_weight_update_reopens_without_installing_when_the_body_raises(store: TraceStore) -> None:
+    g = store.gate
+    g.settle(g.admit("s", "w", 5), "completed")
+    with pytest.raises(RuntimeError, match="push failed"):
+        with g.weight_update(3, drain_timeout_s=1):
+            assert g.status().sealed
+            raise RuntimeError("push failed")
+    st = g.status()
+    assert (st.state, st.version) == ("open", 0)
+    with pytest.raises(StaleVersion):
+        with g.weight_update(0, drain_timeout_s=1):
+            pytest.fail("body must not run for a stale version")
+    assert g.status().state == "open"
+    live = g.admit("s", "w", 30)
+    with pytest.raises(NotDrained):
+        with g.weight_update(3, drain_timeout_s=0.1):
+            pytest.fail("body must not run while a lease is live")
+    assert g.status().state == "open"
+    g.settle(live, "aborted")
+    with g.weight_update(3, drain_timeout_s=1):
+        pass
+    assert g.status().version == 3
+
+
+def test_async_weight_update_and_drain(url: str, run_id: str, arun: Any) -> None:
+    async def main() -> None:
+        st = await connect_async(url, run_id)
+        try:
+            g = st.gate
+            lease = await g.admit("s", "w", 30)
+            with pytest.raises(NotDrained):
+                async with g.weight_update(2, drain_timeout_s=0.05):
+                    pytest.fail("body must not run while a lease is live")
+            assert (await g.status()).state == "open"
+            await g.seal()
+
+            async def settle_later() -> None:
+                await asyncio.sleep(0.2)
+                await g.settle(lease, "completed")
+
+            task = asyncio.create_task(settle_later())
+            res = await g.drain(5)
+            await task
+            assert res.drained and 0.15 < res.waited_s < 2
+            await g.reopen()
+            with pytest.raises(ValueError):
+                async with g.weight_update(2, drain_timeout_s=1):
+                    raise ValueError("body")
+            assert (await g.status()).version == 0
+            async with g.weight_update(2, drain_timeout_s=1) as r:
+                assert r.ok
+            s = await g.status()
+            assert (s.state, s.version) == ("open", 2)
+        finally:
+            await st.close()
+
+    arun(main())
+
+
+# -- concurrent installers --------------------------------------------------------------------
+
+
+def test_concurrent_installers_one_wins_and_version_is_monotonic(store_factory: Any) -> None:
+    stores = [store_factory() for _ in range(6)]
+    stores[0].gate.seal()
+    barrier = threading.Barrier(len(stores))
+    wins: list[tuple[int, int]] = []
+    stale: list[int] = []
+    lock = threading.Lock()
+
+    def installer(st: TraceStore, version: int) -> None:
+        barrier.wait()
+        try:
+            prev = st.gate.install(version)
+        except StaleVersion:
+            with lock:
+                stale.append(version)
+        else:
+            with lock:
+                wins.append((prev, version))
+
+    def race(versions: list[int]) -> None:
+        wins.clear()
+        stale.clear()
+        threads = [threading.Thread(target=installer, args=(s, v)) for s, v in zip(stores, versions, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+
+    race([1] * 6)  # one version, six installers: exactly one wins
+    assert wins == [(0, 1)] and len(stale) == 5
+    race([2, 3, 4, 5, 6, 7])  # different versions: successes form an increasing chain
+    chain = sorted(wins)
+    assert chain[0][0] == 1 and chain[-1][1] == 7
+    for (p1, v1), (p2, v2) in zip(chain, chain[1:], strict=False):
+        assert v1 == p2 and p1 < v1 < v2
+    assert len(wins) + len(stale) == 6
+    assert stores[0].gate.status().version == 7
+
+
+# -- retries are idempotent ----------------------------------------------------------------------
+
+
+def test_retried_scripts_replay_their_first_reply(store: TraceStore) -> None:
+    io, ctx = store._io, store._ctx
+    # admit: the lease id is the operation id, so a retry returns the same lease
+    gen = admit(ctx, "s", "w", 30)
+    req = next(gen)
+    first, retry = io.execute(req), io.execute(req)
+    assert first[:3] == retry[:3] and retry[3] == 1
+    assert store.gate.status().live == 1
+    lid = str(first[0].decode() if isinstance(first[0], bytes) else first[0])
+    # settle: a retry returns the first receipt
+    req = next(settle(ctx, lid, "completed"))
+    a, b = io.execute(req), io.execute(req)
+    assert a[:6] == b[:6] and (a[6], b[6]) == (1, 0)
+    # install: a retried success is not reported as StaleVersion
+    store.gate.seal()
+    req = next(install(ctx, 5))
+    assert io.execute(req) == io.execute(req)
+    assert store.gate.status().version == 5
+    with pytest.raises(StaleVersion):
+        store.gate.install(5)
+
+
+# -- bad input: typed errors and no state change --------------------------------------------------
+
+
+def test_bad_input_raises_typed_errors_and_changes_nothing(store: TraceStore) -> None:
+    g = store.gate
+    g.settle(g.admit("s0", "w", 30), "completed")
+    live = g.admit("s1", "w", 30)
+    before = dump_run(store)
+    assert before
+    with pytest.raises(UnknownLease):
+        g.settle("0" * 32, "completed")
+    with pytest.raises(UnknownLease):
+        g.renew("0" * 32)
+    with pytest.raises(InvalidInput, match="ttl_s"):
+        g.admit("s2", "w", -1)
+    with pytest.raises(InvalidInput, match="ttl_s"):
+        g.admit("s2", "w", 0)
+    with pytest.raises(InvalidInput, match="ttl_s"):
+        g.renew(live, -5)
+    with pytest.raises(InvalidInput, match="outcome"):
+        g.settle(live, "done")
+    with pytest.raises(InvalidInput, match="timeout_s"):
+        g.drain(-1)
+    with pytest.raises(InvalidInput, match="version"):
+        g.install(-1)
+    with pytest.raises(InvalidId):
+        g.admit("bad sid", "w", 5)
+    with pytest.raises(InvalidId):
+        g.settle("no{braces}", "completed")
+    with pytest.raises(NotDrained) as nd:
+        g.install(1)  # open gate
+    assert nd.value.state == "open"
+    with pytest.raises(StaleVersion):
+        g.install(0)  # not larger than the current version
+    assert dump_run(store) == before
+
+    g.seal()
+    with pytest.raises(NotDrained) as nd:
+        g.install(1)  # sealed, but a lease is live
+    assert (nd.value.state, nd.value.live) == ("sealed", 1)
+    g.settle(live, "completed")
+    g.install(2)
+    before = dump_run(store)
+    for v in (2, 1, 0):
+        with pytest.raises(StaleVersion) as sv:
+            g.install(v)
+        assert (sv.value.current, sv.value.requested) == (2, v)
+    with pytest.raises(GateSealed):
+        g.admit("s3", "w", 5)
+    assert dump_run(store) == before
+    assert g.status().version == 2
+
+
+# -- drain wakes on the last settle ----------------------------------------------------------------
+
+
+def test_drain_wakes_on_the_last_settle_without_polling(store: TraceStore) -> None:
+    g = store.gate
+    leases = [g.admit(f"s{i}", "w", 30) for i in range(50)]
+    g.seal()
+    requests: list[str] = []
+    out: dict[str, Any] = {}
+
+    def drainer() -> None:
+        # Drive the drain operation by hand to count the requests it sends.
+        gen = drain(store._ctx, 10)
+        try:
+            req = next(gen)
+            while True:
+                requests.append(type(req).__name__ if not isinstance(req, Cmd) else str(req.args[0]))
+                req = gen.send(store._io.execute(req))
+        except StopIteration as stop:
+            out["res"] = stop.value
+            out["t"] = time.monotonic()
+
+    t = threading.Thread(target=drainer)
+    t.start()
+    time.sleep(0.2)
+    for lease in leases[:-1]:
+        g.settle(lease, "completed")
+    time.sleep(0.3)
+    assert t.is_alive(), "drain returned with a lease still live"
+    t0 = time.monotonic()
+    g.settle(leases[-1], "completed")
+    t.join(5)
+    assert not t.is_alive()
+    assert out["t"] - t0 < 0.5
+    res = out["res"]
+    assert res.drained and res.live == 0 and res.waited_s < 2
+    # one check, one blocking read (woken by the last settle, not by the other 49), one check
+    assert requests == ["Eval", "BLPOP", "Eval"]
+
+
+def test_several_drainers_all_wake(store_factory: Any) -> None:
+    s1, s2, s3 = store_factory(), store_factory(), store_factory()
+    lease = s1.gate.admit("s", "w", 30)
+    s1.gate.seal()
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda s=s: results.append(s.gate.drain(5))) for s in (s2, s3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s1.gate.settle(lease, "completed")
+    for t in threads:
+        t.join(5)
+    assert len(results) == 2 and all(r.drained for r in results)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_drain_times_out_and_reports_live(store: TraceStore) -> None:
+    g = store.gate
+    g.admit("s", "w", 30)
+    g.seal()
+    t0 = time.monotonic()
+    res = g.drain(0.3)
+    assert not res.drained and res.live == 1 and not res.ok
+    assert 0.25 < time.monotonic() - t0 < 2
+    assert g.drain(0).live == 1
