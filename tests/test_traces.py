@@ -1,0 +1,646 @@
+"""Trace data plane (tracestore/traces.py, lua/record_turn.lua, insert_node.lua, read_index.lua).
+
+Real servers on every backend of the fixture: behaviour, atomicity of refused
+writes (every key of the session byte-identical), cache safety with two
+clients, and identical results from the sync and async clients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.conftest import connect_async
+from tracestore import (
+    InvalidInput,
+    NodeConflict,
+    PrefixMatch,
+    PromptMismatch,
+    Segment,
+    SessionReleased,
+    TraceStore,
+)
+from tracestore.nodecache import node_cache
+from tracestore.traces import node_id
+
+SYS = "<|system|>You are a calculator.<|end|>"
+U1 = "<|user|>What is 2+2?<|end|><|assistant|>"
+R1 = "4<|end|>"
+U2 = "<|user|>And 3*3?<|end|><|assistant|>"
+R2 = "9<|end|>"
+R2B = "nine<|end|>"
+U3 = "<|user|>Thanks. Über-ünïcode ✓ 😀<|end|><|assistant|>"
+R3 = "You're welcome 😀<|end|>"
+
+
+def _turn(
+    st: TraceStore,
+    sid: str,
+    prompt: str,
+    response: str,
+    delta_ids: list[int],
+    resp_ids: list[int],
+    *,
+    version: int = 0,
+    lps: list[float] | None = None,
+    dkey: str | None = None,
+    rkey: str | None = None,
+) -> Any:
+    """What a session server does: lookup before the request, record_turn after it."""
+    match = st.lookup(sid, prompt)
+    return st.record_turn(
+        sid,
+        prompt,
+        response,
+        prefix=match,
+        delta_token_ids=delta_ids,
+        response_token_ids=resp_ids,
+        response_logprobs=lps if lps is not None else [-0.5] * len(resp_ids),
+        version=version,
+        delta_expert_key=dkey,
+        response_expert_key=rkey,
+    )
+
+
+def _three_turns(st: TraceStore, sid: str, **kw: Any) -> str:
+    """Record three turns; returns the final key (prompt + response of turn 3)."""
+    p1 = SYS + U1
+    _turn(st, sid, p1, R1, [1, 2, 3], [10, 11], version=1, **kw)
+    p2 = p1 + R1 + U2
+    _turn(st, sid, p2, R2, [4, 5], [12], version=2, **kw)
+    p3 = p2 + R2 + U3
+    _turn(st, sid, p3, R3, [6, 7, 8], [13, 14, 15], version=3, **kw)
+    return p3 + R3
+
+
+def _session_dump(st: TraceStore, sid: str) -> dict[str, Any]:
+    """Every key of the session's slot, byte for byte (DUMP) plus readable HGETALLs."""
+    r: Any = st.redis
+    k = st.keys
+    names = {k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid)}
+    pattern = k.idx(sid)[: -len(":idx")].replace("{", "\\{").replace("}", "\\}") + "*"
+    names.update(x.decode() if isinstance(x, bytes) else x for x in r.scan_iter(match=pattern))
+    out: dict[str, Any] = {}
+    for name in sorted(names):
+        out[name] = r.dump(name)
+        if r.type(name) in (b"hash", "hash"):
+            out[name + " (hgetall)"] = r.hgetall(name)
+    return out
+
+
+# -- behaviour ---------------------------------------------------------------------------------
+
+
+def test_round_trip_labels_versions(store: TraceStore) -> None:
+    sid = "rt"
+    final = _three_turns(store, sid)
+    tr = store.export_training_trace(sid, final)
+    assert tr.input_ids == [1, 2, 3, 10, 11, 4, 5, 12, 6, 7, 8, 13, 14, 15]
+    assert tr.labels == [-100] * 3 + [10, 11] + [-100] * 2 + [12] + [-100] * 3 + [13, 14, 15]
+    assert tr.logprobs == [0.0] * 3 + [-0.5] * 2 + [0.0] * 2 + [-0.5] + [0.0] * 3 + [-0.5] * 3
+    assert tr.versions == [1] * 5 + [2] * 3 + [3] * 6
+    assert tr.min_version == 1
+    assert tr.expert_keys is None
+    assert len(tr.nodes) == 6
+    assert [n.generated for n in tr.nodes] == [False, True] * 3
+    assert tr.nodes[-1].end == len(final) and tr.nodes[-1].id == node_id(final)
+    # lookup of the next prompt matches the whole stored trace
+    nxt = final + "<|user|>bye<|end|><|assistant|>"
+    m = store.lookup(sid, nxt)
+    assert m.text_len == len(final) and m.token_ids == tr.input_ids
+    assert m.node == tr.nodes[-1] and m.path == tr.nodes
+    # a fresh client (cold cache) sees the same
+    other = TraceStore.connect(store.url, run=store.run)
+    try:
+        assert other.export_training_trace(sid, final) == tr
+        assert other.lookup(sid, nxt) == m
+    finally:
+        other.close()
+    # an intermediate key exports its own prefix
+    mid = SYS + U1 + R1
+    assert store.export_training_trace(sid, mid).input_ids == [1, 2, 3, 10, 11]
+
+
+def test_logprobs_float32_and_minus_inf(store: TraceStore) -> None:
+    lps = [-0.1, -math.inf, -1e-30]
+    _turn(store, "lp", "p", "r", [1], [5, 6, 7], lps=lps)
+    got = store.export_training_trace("lp", "pr").logprobs
+    assert got[0] == 0.0 and got[2] == -math.inf
+    assert got[1] == pytest.approx(-0.1, rel=1e-6) and got[3] == pytest.approx(-1e-30, rel=1e-6)
+
+
+def test_lookup_reads_never_create_a_session(store: TraceStore) -> None:
+    m = store.lookup("nobody", "some text")
+    assert (m.text_len, m.token_ids, m.node, m.path) == (0, [], None, ())
+    assert store.search("nobody", "x").segments == ()
+    assert all(not store.redis.exists(k) for k in store.keys.data_keys("nobody"))
+    with pytest.raises(PromptMismatch) as ei:
+        store.export_training_trace("nobody", "text")
+    assert ei.value.matched_len == 0 and ei.value.nearest_ends == []
+
+
+def test_retry_is_idempotent_and_does_not_bump_the_index(store: TraceStore) -> None:
+    p = SYS + U1
+    t1 = _turn(store, "idem", p, R1, [1, 2], [3])
+    assert t1.written == 2 and t1.delta is not None
+    v = store.redis.hget(store.keys.idx("idem"), "#v")
+    before = _session_dump(store, "idem")
+    m = PrefixMatch(0, [], None)  # the prefix the first call used
+    t2 = store.record_turn(
+        "idem",
+        p,
+        R1,
+        prefix=m,
+        delta_token_ids=[1, 2],
+        response_token_ids=[3],
+        response_logprobs=[-0.5],
+        version=0,
+    )
+    assert t2.written == 0 and (t2.delta, t2.response) == (t1.delta, t1.response)
+    assert store.redis.hget(store.keys.idx("idem"), "#v") == v
+    assert _session_dump(store, "idem") == before
+
+
+def test_branch_after_a_retried_turn(store: TraceStore) -> None:
+    sid = "br"
+    p1 = SYS + U1
+    _turn(store, sid, p1, R1, [1, 2], [3], version=1)
+    p2 = p1 + R1 + U2
+    a = _turn(store, sid, p2, R2, [4], [5], version=2)
+    # retry: the lookup now matches the stored prompt, so the delta is empty
+    b = _turn(store, sid, p2, R2B, [], [6, 7], version=3)
+    assert b.delta is None and b.written == 1  # the delta node is shared
+    assert b.response.parent == a.delta.id  # type: ignore[union-attr]
+    ta = store.export_training_trace(sid, p2 + R2)
+    tb = store.export_training_trace(sid, p2 + R2B)
+    assert ta.input_ids == [1, 2, 3, 4, 5] and ta.versions == [1, 1, 1, 2, 2]
+    assert tb.input_ids == [1, 2, 3, 4, 6, 7] and tb.versions == [1, 1, 1, 2, 3, 3]
+    # continue the second branch
+    p3 = p2 + R2B + U3
+    m = store.lookup(sid, p3)
+    assert m.text_len == len(p2 + R2B) and m.token_ids == tb.input_ids
+    _turn(store, sid, p3, R3, [8], [9], version=4)
+    assert store.export_training_trace(sid, p3 + R3).input_ids == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert store.export_training_trace(sid, p2 + R2).input_ids == [1, 2, 3, 4, 5]
+
+
+def test_empty_delta_hangs_the_response_under_the_prefix(store: TraceStore) -> None:
+    sid = "ed"
+    _turn(store, sid, "a", "b", [1], [2])
+    # the prompt adds text but the tokenizer produced no new tokens for it
+    t = _turn(store, sid, "ab+", "c", [], [3])
+    assert t.delta is None and t.response.parent == node_id("ab")
+    tr = store.export_training_trace(sid, "ab+c")
+    assert tr.input_ids == [1, 2, 3] and tr.labels == [-100, 2, 3]
+    # a prompt equal to a stored key: no delta at all
+    t = _turn(store, sid, "ab+c", "d", [], [4])
+    assert t.delta is None and t.response.parent == node_id("ab+c")
+    with pytest.raises(InvalidInput) as ei:
+        _turn(store, sid, "ab+cd", "e", [9], [5])
+    assert ei.value.field == "delta_token_ids"
+
+
+def test_expert_keys_per_node_none_or_mix(store: TraceStore) -> None:
+    _turn(store, "ek", "p", "r", [1], [2], dkey="ref:d1", rkey="ref:r1")
+    _turn(store, "ek", "pr+q", "s", [3], [4], dkey="ref:d2", rkey="ref,with,commas")
+    tr = store.export_training_trace("ek", "pr+qs")
+    assert tr.expert_keys == ["ref:d1", "ref:r1", "ref:d2", "ref,with,commas"]
+    _turn(store, "none", "p", "r", [1], [2])
+    assert store.export_training_trace("none", "pr").expert_keys is None
+    _turn(store, "mix", "p", "r", [1], [2], dkey="ref:d1", rkey="ref:r1")
+    _turn(store, "mix", "pr+q", "s", [3], [4])
+    assert store.export_training_trace("mix", "pr").expert_keys == ["ref:d1", "ref:r1"]
+    with pytest.raises(InvalidInput) as ei:
+        store.export_training_trace("mix", "pr+qs")
+    assert ei.value.field == "expert_keys" and "2 of 4" in str(ei.value)
+
+
+def test_node_conflict_changes_nothing(store: TraceStore) -> None:
+    sid = "nc"
+    _turn(store, sid, "p", "r", [1], [2], rkey="ref:a")
+    before = _session_dump(store, sid)
+    m = PrefixMatch(0, [], None)
+    for kw in (
+        {"response_token_ids": [3], "response_logprobs": [-0.5]},  # other tokens
+        {"response_token_ids": [2], "response_logprobs": [-0.25]},  # other logprobs
+        {"response_token_ids": [2], "response_logprobs": [-0.5], "version": 7},  # other version
+        {"response_token_ids": [2], "response_logprobs": [-0.5], "response_expert_key": "ref:b"},
+    ):
+        args: dict[str, Any] = {"version": 0, "response_expert_key": "ref:a", **kw}
+        with pytest.raises(NodeConflict) as ei:
+            store.record_turn(sid, "p", "r", prefix=m, delta_token_ids=[1], **args)
+        # a new version changes the delta node too, which is checked first
+        assert ei.value.sid == sid and ei.value.digest in (node_id("p"), node_id("pr"))
+        assert _session_dump(store, sid) == before
+    # a conflicting delta refuses the whole turn, even with a new response
+    with pytest.raises(NodeConflict) as ei:
+        store.record_turn(
+            sid,
+            "p",
+            "other",
+            prefix=m,
+            delta_token_ids=[9],
+            response_token_ids=[2],
+            response_logprobs=[-0.5],
+            version=0,
+        )
+    assert ei.value.digest == node_id("p")
+    assert _session_dump(store, sid) == before
+
+
+def test_prompt_mismatch_reports_where(store: TraceStore) -> None:
+    sid = "pm"
+    final = _three_turns(store, sid)
+    wrong = final[:-10] + "X" + final[-9:]
+    with pytest.raises(PromptMismatch) as ei:
+        store.export_training_trace(sid, wrong)
+    e = ei.value
+    p3 = final[: -len(R3)]
+    assert e.sid == sid and e.matched_len == len(p3) and e.prompt_len == len(wrong)
+    assert len(final) in e.nearest_ends and len(e.nearest_ends) <= 8
+    assert e.window is not None and f"at char {len(final) - 10}" in e.window
+    assert "X" in e.window and "welcome" in e.window
+    # longer than anything stored: the window says where the stored key ends
+    with pytest.raises(PromptMismatch) as ei:
+        store.export_training_trace(sid, final + "more")
+    assert ei.value.matched_len == len(final)
+    assert ei.value.window is not None and "more" in ei.value.window
+
+
+def test_store_text_false_keeps_no_text(store_factory: Callable[..., TraceStore]) -> None:
+    st = store_factory(store_text=False)
+    final = _three_turns(st, "nt")
+    assert not st.redis.exists(st.keys.txt("nt"))
+    assert st.export_training_trace("nt", final).input_ids[:3] == [1, 2, 3]
+    with pytest.raises(PromptMismatch) as ei:
+        st.export_training_trace("nt", final[:-1] + "?")
+    assert ei.value.matched_len == len(final) - len(R3) and ei.value.window is None
+    with_text = store_factory()
+    _three_turns(with_text, "wt")
+    txt = with_text.redis.hgetall(with_text.keys.txt("wt"))
+    assert b"".join(txt[node_id(k).encode()] for k in _keys_in_order(final)).decode() == final
+
+
+def _keys_in_order(final: str) -> list[str]:
+    p1 = SYS + U1
+    p2 = p1 + R1 + U2
+    p3 = p2 + R2 + U3
+    return [p1, p1 + R1, p2, p2 + R2, p3, final]
+
+
+def test_drop_session_data_then_writes_raise(store: TraceStore) -> None:
+    sid = "drop"
+    final = _three_turns(store, sid)
+    store.export_training_trace(sid, final)  # warm the cache
+    assert store.drop_session_data(sid) == 3
+    assert all(not store.redis.exists(k) for k in store.keys.data_keys(sid))
+    with pytest.raises(SessionReleased) as ei:
+        _turn(store, sid, "p", "r", [1], [2])
+    assert ei.value.sid == sid
+    before = _session_dump(store, sid)
+    with pytest.raises(SessionReleased):
+        store.record_turn(
+            sid,
+            "p",
+            "r",
+            prefix=PrefixMatch(0, [], None),
+            delta_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[0.0],
+            version=0,
+        )
+    with pytest.raises(SessionReleased):
+        store.insert(sid, "p", Segment([1]))
+    with pytest.raises(SessionReleased):
+        store.export_training_trace(sid, final)
+    assert _session_dump(store, sid) == before
+    assert store.drop_session_data(sid) == 0  # idempotent
+
+
+def test_insert_and_search_xtuner_style(store: TraceStore) -> None:
+    sid = "xt"
+    n1 = store.insert(sid, "hello", Segment([1, 2], text="hello"))
+    assert n1.parent is None and not n1.generated
+    n2 = store.insert(sid, "hello world", Segment([3], logprobs=[-1.0], labels=[3], version=2))
+    assert n2.parent == n1.id and n2.generated
+    # explicit labels that are not derivable
+    n3 = store.insert(sid, "hello world!", Segment([4, 5], labels=[-100, 5]))
+    assert n3.flags == 2 and n3.parent == n2.id
+    # a key between stored ones hangs under the longest proper prefix; edges never split
+    n4 = store.insert(sid, "hello wo", Segment([6]))
+    assert n4.parent == n1.id
+    assert store.insert(sid, "hello wo", Segment([6])) == n4  # equal rewrite: no-op
+    with pytest.raises(NodeConflict):
+        store.insert(sid, "hello wo", Segment([7]))
+    with pytest.raises(InvalidInput) as ei:
+        store.insert(sid, "hello there", Segment([1], text="not the segment"))
+    assert ei.value.field == "segment.text"
+    m = store.search(sid, "hello world!?")
+    assert m.text_len == len("hello world!")
+    assert [s.text for s in m.segments] == ["hello", " world", "!"]
+    assert [list(s.labels or []) for s in m.segments] == [[-100, -100], [3], [-100, 5]]
+    assert [s.version for s in m.segments] == [0, 2, 0]
+    assert m.token_ids == [1, 2, 3, 4, 5]
+    tr = store.export_training_trace(sid, "hello world!")
+    assert tr.labels == [-100, -100, 3, -100, 5]
+    assert store.search(sid, "hello wonder").token_ids == [1, 2, 6]
+    assert store.search(sid, "help").text_len == 0
+
+
+# -- atomicity: refused writes leave every key byte-identical -------------------------------
+
+
+def _bad_calls(
+    sid: str, prefix: PrefixMatch, foreign: PrefixMatch, prompt: str
+) -> list[tuple[str, str, dict[str, Any], type]]:
+    """(case, field the error names, record_turn kwargs, error type)."""
+    ok: dict[str, Any] = {
+        "sid": sid,
+        "prompt_text": prompt,
+        "response_text": "resp",
+        "prefix": prefix,
+        "delta_token_ids": [7, 8],
+        "response_token_ids": [9, 10],
+        "response_logprobs": [-0.1, -0.2],
+        "version": 1,
+    }
+    big = 2_000  # tokens; max_payload_bytes is 1000 in this test
+    return [
+        ("length mismatch", "response_logprobs", {**ok, "response_logprobs": [-0.1]}, InvalidInput),
+        (
+            "id above int32",
+            "response_token_ids",
+            {**ok, "response_token_ids": [1, 2**31]},
+            InvalidInput,
+        ),
+        ("negative id", "delta_token_ids", {**ok, "delta_token_ids": [7, -1]}, InvalidInput),
+        (
+            "+inf logprob",
+            "response_logprobs",
+            {**ok, "response_logprobs": [-0.1, math.inf]},
+            InvalidInput,
+        ),
+        (
+            "nan logprob",
+            "response_logprobs",
+            {**ok, "response_logprobs": [math.nan, -0.1]},
+            InvalidInput,
+        ),
+        (
+            "parent not found",
+            "prefix",
+            {**ok, "prefix": foreign, "delta_token_ids": []},
+            InvalidInput,
+        ),
+        (
+            "payload too big",
+            "response_token_ids",
+            {**ok, "response_token_ids": [1] * big, "response_logprobs": [0.0] * big},
+            InvalidInput,
+        ),
+        ("delta too big", "delta_token_ids", {**ok, "delta_token_ids": [1] * big}, InvalidInput),
+        (
+            "lone surrogate in prompt",
+            "prompt_text",
+            {**ok, "prompt_text": prompt + "\ud800", "prefix": prefix},
+            InvalidInput,
+        ),
+        (
+            "lone surrogate in response",
+            "response_text",
+            {**ok, "response_text": "a\udfffb"},
+            InvalidInput,
+        ),
+        (
+            "bad expert key",
+            "response_expert_key",
+            {**ok, "response_expert_key": "a\nb"},
+            InvalidInput,
+        ),
+        ("negative version", "version", {**ok, "version": -1}, InvalidInput),
+        (
+            "prefix of another prompt",
+            "prefix",
+            {**ok, "prompt_text": "Z" + prompt[1:]},
+            InvalidInput,
+        ),
+    ]
+
+
+def test_refused_record_turn_leaves_every_key_byte_identical(
+    store_factory: Callable[..., TraceStore],
+) -> None:
+    st = store_factory(max_payload_bytes=1000)
+    sid = "atom"
+    final = _three_turns(st, sid, dkey="d", rkey="r")
+    prompt = final + "<|user|>next<|end|><|assistant|>"
+    prefix = st.lookup(sid, prompt)
+    assert prefix.text_len == len(final)
+    # a match taken in another session: its node is not stored in this one
+    _turn(st, "elsewhere", prompt, "x", [1], [2])
+    foreign = st.lookup("elsewhere", prompt + "x")
+    assert foreign.node is not None
+    foreign = PrefixMatch(foreign.text_len - 1, [1], foreign.path[0], foreign.path[:1])
+    assert foreign.text_len == len(prompt)
+    before = _session_dump(st, sid)
+    assert before and any(k.endswith(":tok") for k in before)
+    cases = _bad_calls(sid, prefix, foreign, prompt)
+    for case, field, kwargs, err in cases:
+        with pytest.raises(err) as ei:
+            st.record_turn(**kwargs)
+        assert getattr(ei.value, "field", None) == field, f"{case}: {ei.value}"
+        assert _session_dump(st, sid) == before, case
+    # tombstoned session: SessionReleased names the session, nothing is written
+    _turn(st, "tomb", "p", "r", [1], [2])
+    st.drop_session_data("tomb")
+    tomb_before = _session_dump(st, "tomb")
+    with pytest.raises(SessionReleased) as ei2:
+        st.record_turn(
+            **{
+                **cases[0][2],
+                "sid": "tomb",
+                "response_logprobs": [-0.1, -0.2],
+                "prefix": PrefixMatch(0, [], None),
+            }
+        )
+    assert ei2.value.sid == "tomb"
+    assert _session_dump(st, "tomb") == tomb_before
+    # and the valid call still works afterwards
+    st.record_turn(
+        **{
+            **cases[0][2],
+            "response_logprobs": [-0.1, -0.2],
+            "delta_expert_key": "d",
+            "response_expert_key": "r",
+        }
+    )
+    assert st.export_training_trace(sid, prompt + "resp").input_ids[-4:] == [7, 8, 9, 10]
+
+
+def test_refused_insert_leaves_every_key_byte_identical(store: TraceStore) -> None:
+    sid = "atom-ins"
+    store.insert(sid, "abc", Segment([1, 2]))
+    before = _session_dump(store, sid)
+    for field, key, seg in (
+        ("segment.logprobs", "abcd", Segment([1], logprobs=[0.0, 0.0])),
+        ("segment.logprobs", "abcd", Segment([1], logprobs=[math.nan])),
+        ("segment.token_ids", "abcd", Segment([2**40])),
+        ("segment.labels", "abcd", Segment([1], labels=[-5])),
+        ("key_text", "abc\udc00", Segment([1])),
+        ("segment.text", "abcd", Segment([1], text="\ud800")),
+    ):
+        with pytest.raises(InvalidInput) as ei:
+            store.insert(sid, key, seg)
+        assert ei.value.field == field
+        assert _session_dump(store, sid) == before
+
+
+# -- cache safety ------------------------------------------------------------------------------
+
+
+def test_two_clients_warm_cache_never_stale(store_factory: Callable[..., TraceStore]) -> None:
+    a = store_factory()
+    b = store_factory(cache_bytes=4096)  # tiny: evicts constantly
+    sid = "cache"
+    p1 = SYS + U1
+    _turn(a, sid, p1, R1, [1], [2])
+    assert b.lookup(sid, p1 + R1 + U2).token_ids == [1, 2]  # b warm on v2
+    assert a.lookup(sid, p1 + R1 + U2).token_ids == [1, 2]  # a warm on v2
+    # b writes the next turn; a's cached index is now stale
+    _turn(b, sid, p1 + R1 + U2, R2, [3], [4])
+    m = a.lookup(sid, p1 + R1 + U2 + R2 + U3)
+    assert m.text_len == len(p1 + R1 + U2 + R2) and m.token_ids == [1, 2, 3, 4]
+    # interleave writes on two branches from both clients; every read agrees with a cold client
+    base = p1 + R1 + U2
+    for i in range(12):
+        w = (a, b)[i % 2]
+        key = base + f"<|branch {i % 3}|>" * (i // 3 + 1)
+        _turn(w, sid, key, f"resp{i}", [100 + i], [200 + i])
+    cold = store_factory(cache_bytes=0)
+    for i in range(12):
+        key = base + f"<|branch {i % 3}|>" * (i // 3 + 1) + f"resp{i}"
+        for c in (a, b):
+            assert c.lookup(sid, key + "tail") == cold.lookup(sid, key + "tail")
+            assert c.export_training_trace(sid, key) == cold.export_training_trace(sid, key)
+    # purge and a new incarnation (tombstone removed): cached nodes of the old epoch are not used
+    assert a.export_training_trace(sid, p1 + R1).input_ids == [1, 2]
+    a.drop_session_data(sid)
+    a.redis.delete(a.keys.dead(sid))
+    _turn(b, sid, p1, R1, [7], [8])  # same keys, other tokens, new epoch
+    assert a.lookup(sid, p1 + R1 + U2).token_ids == [7, 8]
+    assert a.export_training_trace(sid, p1 + R1).input_ids == [7, 8]
+    assert len(node_cache(b._ctx)) > 0 and node_cache(b._ctx).nbytes <= 4096
+
+
+def test_warm_lookup_is_one_round_trip(store: TraceStore) -> None:
+    sid = "rtt"
+    final = _three_turns(store, sid)
+    nxt = final + "<|user|>more<|end|><|assistant|>"
+    store.lookup(sid, nxt)  # warm
+    calls: list[Any] = []
+    io: Any = store._io
+    orig = io.execute
+
+    def counting(req: Any) -> Any:
+        calls.append(req)
+        return orig(req)
+
+    io.execute = counting
+    try:
+        m = store.lookup(sid, nxt)
+        assert m.text_len == len(final)
+        assert len(calls) == 1
+        calls.clear()
+        _turn(store, sid, nxt, "ok", [20], [21])
+        assert len(calls) == 2  # lookup + record_turn, one round trip each
+        calls.clear()
+        store.export_training_trace(sid, nxt + "ok")
+        assert len(calls) == 1
+    finally:
+        del io.execute
+
+
+# -- sync and async clients agree -------------------------------------------------------------
+
+
+def test_async_and_sync_give_identical_results(
+    store: TraceStore, url: str, run_id: str, arun: Any
+) -> None:
+    script: list[tuple[str, str, str, list[int], list[int], int]] = []
+    p = SYS + U1
+    script.append((p, R1, "", [1, 2], [3], 1))
+    p2 = p + R1 + U2
+    script.append((p2, R2, "", [4], [5, 6], 2))
+    script.append((p2, R2B, "", [], [7], 3))
+    p3 = p2 + R2B + U3
+    script.append((p3, R3, "", [8], [9], 4))
+
+    def sync_run(sid: str) -> list[Any]:
+        out: list[Any] = []
+        for prompt, resp, _, d, r, v in script:
+            m = store.lookup(sid, prompt)
+            out.append(m)
+            out.append(
+                store.record_turn(
+                    sid,
+                    prompt,
+                    resp,
+                    prefix=m,
+                    delta_token_ids=d,
+                    response_token_ids=r,
+                    response_logprobs=[-1.0] * len(r),
+                    version=v,
+                )
+            )
+            out.append(store.search(sid, prompt + resp + "!"))
+            out.append(store.export_training_trace(sid, prompt + resp))
+        out.append(store.insert(sid, p3 + "?", Segment([42], labels=[42])))
+        try:
+            store.export_training_trace(sid, p3 + "#")
+        except PromptMismatch as e:
+            out.append((e.matched_len, e.nearest_ends, e.window))
+        return out
+
+    async def async_run(sid: str) -> list[Any]:
+        ast = await connect_async(url, run_id)
+        out: list[Any] = []
+        try:
+            for prompt, resp, _, d, r, v in script:
+                m = await ast.lookup(sid, prompt)
+                out.append(m)
+                out.append(
+                    await ast.record_turn(
+                        sid,
+                        prompt,
+                        resp,
+                        prefix=m,
+                        delta_token_ids=d,
+                        response_token_ids=r,
+                        response_logprobs=[-1.0] * len(r),
+                        version=v,
+                    )
+                )
+                out.append(await ast.search(sid, prompt + resp + "!"))
+                out.append(await ast.export_training_trace(sid, prompt + resp))
+            out.append(await ast.insert(sid, p3 + "?", Segment([42], labels=[42])))
+            try:
+                await ast.export_training_trace(sid, p3 + "#")
+            except PromptMismatch as e:
+                out.append((e.matched_len, e.nearest_ends, e.window))
+            # the async client reads what the sync one wrote, and vice versa
+            out.append(await ast.export_training_trace("sync-side", p3 + R3))
+            await ast.drop_session_data("gone")
+            with pytest.raises(SessionReleased):
+                await ast.lookup("gone", "x")
+        finally:
+            await ast.close()
+        return out
+
+    s = sync_run("sync-side")
+    a = arun(async_run("async-side"))
+    assert a[:-1] == s
+    assert a[-1] == store.export_training_trace("async-side", p3 + R3)
+    assert len(s) == 4 * 4 + 2
