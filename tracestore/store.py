@@ -172,6 +172,16 @@ class TraceStore(_Base):
     # (end gate)
 
     # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
+    @property
+    def replay(self) -> Any:
+        """The run's replay buffer (:class:`~tracestore.replay.Replay`): put, take, claim_retry, expire..."""
+        from .replay import Replay
+
+        rb = self._ctx.caches.get("replay")
+        if rb is None:
+            rb = self._ctx.caches["replay"] = Replay(self._io, self._ctx)
+        return rb
+
     # (end replay)
 
 
@@ -276,6 +286,16 @@ class AsyncTraceStore(_Base):
     # (end gate)
 
     # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
+    @property
+    def replay(self) -> Any:
+        """The run's replay buffer (:class:`~tracestore.replay.AsyncReplay`): put, take, claim_retry, expire..."""
+        from .replay import AsyncReplay
+
+        rb = self._ctx.caches.get("replay")
+        if rb is None:
+            rb = self._ctx.caches["replay"] = AsyncReplay(self._io, self._ctx)
+        return rb
+
     # (end replay)
 
 

@@ -1,0 +1,65 @@
+-- script: rb_expire
+-- Expire up to `limit` stale completed groups of one task, oldest first
+-- (DESIGN section 7, invariant 3): a range query on the version index,
+-- O(log n + k), never a scan of the buffer. A kept group moves to `expired`
+-- with its sessions still owned by the buffer (claim_retry hands it back to a
+-- producer); a released group's sessions are released (reason 'expired', one
+-- event each) and the group is deleted. Keys protocol as in lua/_lib/rb.lua.
+-- KEYS: 10+
+-- KEYS[1] = ts:{R}:rb:q:<task>:completed   zset gid -> seq
+-- KEYS[2] = ts:{R}:rb:v:<task>:completed   zset gid -> min_version + seq/2^32
+-- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
+-- KEYS[4] = ts:{R}:rb:v:<task>:expired     zset gid -> min_version + seq/2^32
+-- KEYS[5] = ts:{R}:o:<replay>              set: sessions of the buffer
+-- KEYS[6] = ts:{R}:released                zset tombstones
+-- KEYS[7] = ts:{R}:events                  stream of release events
+-- KEYS[8] = ts:{R}:rb:sids                 hash gid -> sids (json)
+-- KEYS[9] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
+-- KEYS[10] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
+-- KEYS[11..10+g] = ts:{R}:rb:g:<gid>       group hashes of the gids in ARGV
+-- KEYS[11+g..10+g+s] = ts:{R}:s:<sid>      session hashes of the sids in ARGV
+-- ARGV[1] = task
+-- ARGV[2] = cutoff: a group is stale when min_version < cutoff (int)
+-- ARGV[3] = retryable: "" (each group's own flag), "1" (keep all), "0" (release all)
+-- ARGV[4] = limit: most groups expired by this call (int >= 1)
+-- ARGV[5] = buffer owner tag ("replay")
+-- ARGV[6] = op reply TTL (ms)
+-- ARGV[7] = g, ARGV[8..7+g] = gids, ARGV[8+g] = s, ARGV[9+g..] = sids
+-- returns: {0, 'NEED', g, gid..., sid...}   missing keys; nothing written
+--          {0, 'OK', more (0|1), k, kept gid..., r, released gid..., s, released sid...}
+-- errors: INVALID_INPUT (field, message)
+-- include: op
+-- include: sessions
+-- include: rb
+local qc, vc, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local oreplay, released, events, sidskey, bkey, opkey = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local cutoff, keep_override, limit, replay = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local cached = op_replay(opkey)
+if cached then return cached end
+local gmap, smap = rb_keymap(10, 7)
+if not gmap then return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the ids in ARGV'} end
+
+local stale = rb_stale(vc, cutoff, limit)
+local need_g, need_s = {}, {}
+rb_missing(sidskey, stale, gmap, smap, need_g, need_s)
+if #need_g > 0 or #need_s > 0 then return rb_need_reply(need_g, need_s) end
+
+local now = now_ms()
+local kept, rel_g, rel_s = {}, {}, {}
+for _, gid in ipairs(stale) do
+  if rb_expire_group(gid, gmap[gid], keep_override, qc, vc, qe, ve, oreplay, released, events,
+      sidskey, bkey, smap, replay, now, rel_s) then
+    kept[#kept + 1] = gid
+  else
+    rel_g[#rel_g + 1] = gid
+  end
+end
+local more = 0
+if #stale == limit and rb_count_stale(vc, cutoff) > 0 then more = 1 end
+local out = {0, 'OK', more, #kept}
+for _, g in ipairs(kept) do out[#out + 1] = g end
+out[#out + 1] = #rel_g
+for _, g in ipairs(rel_g) do out[#out + 1] = g end
+out[#out + 1] = #rel_s
+for _, s in ipairs(rel_s) do out[#out + 1] = s end
+return op_record(opkey, tonumber(ARGV[6]), out)
