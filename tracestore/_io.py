@@ -230,9 +230,15 @@ class SyncIO:
 class AsyncIO:
     """Executes requests with ``redis.asyncio.Redis`` or its ``RedisCluster``."""
 
+    #: Requests of cluster batches in flight at once per client: the async
+    #: cluster client raises MaxConnectionsError instead of waiting when a
+    #: node's pool (ConnectionOptions.max_connections, 64) runs out.
+    CLUSTER_INFLIGHT = 32
+
     def __init__(self, client: redis.asyncio.Redis | AsyncRedisCluster, *, cluster: bool) -> None:
         self.client = client
         self.cluster = cluster
+        self._inflight = asyncio.Semaphore(self.CLUSTER_INFLIGHT)
 
     async def run(self, gen: Op[R]) -> R:
         """Drive ``gen`` to completion; errors are thrown into it at its yield."""
@@ -288,9 +294,11 @@ class AsyncIO:
         if self.cluster:
             # The async cluster client routes each call (following redirects);
             # issuing them concurrently gives one round trip per node as well.
-            return list(
-                await asyncio.gather(*(self._single(r, use_sha) for r in reqs))
-            )
+            async def bounded(r: Eval | Cmd) -> Any:
+                async with self._inflight:
+                    return await self._single(r, use_sha)
+
+            return list(await asyncio.gather(*(bounded(r) for r in reqs)))
         pipe: Any = self.client.pipeline(transaction=False)
         for r in reqs:
             _queue(pipe, r, use_sha)

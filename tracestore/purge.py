@@ -13,10 +13,15 @@ from .scripts import Batch, Eval, Op, script
 
 
 def purge_evals(ctx: Context, sids: list[str]) -> list[Eval]:
-    """One ``purge_session`` call per session (each in its own ``{R/sid}`` slot)."""
+    """One ``purge_session`` call per session (each in its own ``{R/sid}`` slot).
+
+    The keys are the tombstone and :meth:`~tracestore.keys.Keys.data_keys`;
+    in a :class:`Batch` the calls are pipelined per node, so a release of n
+    sessions costs one round trip per node, not n.
+    """
     k = ctx.keys
     sc = script("purge_session")
-    return [Eval(sc, (k.idx(s), k.tok(s), k.txt(s), k.dead(s)), (0,)) for s in sids]
+    return [Eval(sc, (k.dead(s), *k.data_keys(s)), (0,)) for s in sids]
 
 
 def drop_sessions_data(ctx: Context, sids: list[str]) -> Op[int]:

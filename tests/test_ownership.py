@@ -1,0 +1,538 @@
+"""Ownership and release on every backend (DESIGN section 5; issue 4 scenarios 1-4, 6, 7).
+
+Real servers, real threads and a real second process; no mocks. Session data
+is written through the data plane (``lookup`` + ``record_turn``), so "data
+intact" and "data purged" are checked on real keys.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import orjson
+import pytest
+import redis
+
+from tests._netcut import CutProxy
+from tests.conftest import connect_async
+from tracestore import InvalidId, SessionReleased, TraceStore
+from tracestore._io import SyncIO
+from tracestore.errors import OwnerLost
+from tracestore.store import AsyncTraceStore
+
+HERE = Path(__file__).resolve().parent
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def prompt_of(sid: str) -> str:
+    return f"<user>question of {sid}</user>"
+
+
+def response_of(sid: str) -> str:
+    return f"<assistant>answer of {sid}</assistant>"
+
+
+def write_turn(store: TraceStore, sid: str) -> None:
+    """One real turn through the data plane (same shape as tests/_producer_proc.py)."""
+    m = store.lookup(sid, prompt_of(sid))
+    store.record_turn(
+        sid,
+        prompt_of(sid),
+        response_of(sid),
+        prefix=m,
+        delta_token_ids=[1, 2, 3, 4],
+        response_token_ids=[5, 6, 7],
+        response_logprobs=[-0.5, -0.25, -0.125],
+        version=1,
+    )
+
+
+def data_intact(store: TraceStore, sid: str) -> bool:
+    tr = store.export_training_trace(sid, prompt_of(sid) + response_of(sid))
+    return list(tr.input_ids) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def data_purged(store: TraceStore, sid: str) -> bool:
+    k = store.keys
+    r = store.redis
+    return not any(r.exists(key) for key in k.data_keys(sid)) and bool(r.exists(k.dead(sid)))
+
+
+def events(store: TraceStore) -> list[dict[str, str]]:
+    """Every release event of the run (XRANGE of ts:{R}:events)."""
+    raw = store.redis.xrange(store.keys.events, "-", "+")
+    return [{_s(a): _s(b) for a, b in fields.items()} for _id, fields in raw]
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def offline_twin(store: TraceStore) -> TraceStore:
+    """The same run and context over a client whose every I/O fails (nothing listens)."""
+    sock = __import__("socket").socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    dead = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+    return TraceStore(SyncIO(dead, cluster=False), store._ctx, f"redis://127.0.0.1:{port}")
+
+
+# -- scenario 7: bad input ---------------------------------------------------------------
+
+
+def test_wrong_owner_returns_nothing_and_changes_nothing(store: TraceStore) -> None:
+    sids = ["a", "b", "c"]
+    store.open_sessions(sids, "rollout:0")
+    for s in sids:
+        write_turn(store, s)
+    before = store.session_states(sids)
+
+    assert store.release(sids, "train:1", "consumed") == []
+    assert store.release_owner("train:1") == []
+    assert store.transfer(sids, "train:1", "eval:1") == []
+    assert store.release(["unknown-1", "unknown-2"], "rollout:0") == []
+
+    assert store.session_states(sids) == before
+    assert store.sessions("rollout:0") == sids
+    assert events(store) == []
+    assert all(data_intact(store, s) for s in sids)
+    assert not store.redis.exists(store.keys.released)
+
+    # Unknown ids among owned ones are ignored; the owned ones go.
+    assert store.release(["zz", "b", "yy"], "rollout:0") == ["b"]
+    assert [e["sid"] for e in events(store)] == ["b"]
+    assert data_purged(store, "b") and data_intact(store, "a")
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "has space", "brace{", "x}", "tab\t", "é", "a" * 201, None, 7]
+)
+def test_invalid_ids_raise_before_any_io(store: TraceStore, bad: Any) -> None:
+    store.open_session("ok", "rollout:0")
+    off = offline_twin(store)  # any I/O on it raises StorageError, not InvalidId
+    calls = [
+        lambda s: s.release([bad], "rollout:0"),
+        lambda s: s.release(["ok", bad], "rollout:0"),
+        lambda s: s.release(["ok"], bad),
+        lambda s: s.release(["ok"], "rollout:0", bad),
+        lambda s: s.release_owner(bad),
+        lambda s: s.transfer(["ok", bad], "rollout:0", "replay"),
+        lambda s: s.transfer(["ok"], "rollout:0", bad),
+        lambda s: s.transfer(["ok"], bad, "replay"),
+        lambda s: s.open_session(bad, "rollout:0"),
+        lambda s: s.open_session("new", bad),
+        lambda s: s.open_sessions(["n1", bad], "rollout:0"),
+        lambda s: s.owner_of(bad),
+        lambda s: s.sessions(bad or ""),  # sessions(None) means every owner
+        lambda s: s.heartbeat(bad, 10),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidId):
+            call(off)
+        with pytest.raises(InvalidId):
+            call(store)
+    off.redis.close()
+    assert store.sessions("rollout:0") == ["ok"]
+    assert events(store) == []
+    # A single string is not taken for a list of ids.
+    with pytest.raises(InvalidId):
+        store.release("ok", "rollout:0")  # type: ignore[arg-type]
+
+
+def test_released_id_cannot_be_reopened_and_data_writes_fail(store: TraceStore) -> None:
+    store.open_session("s", "train:1")
+    write_turn(store, "s")
+    assert store.release(["s"], "train:1", "consumed") == ["s"]
+    assert store.owner_of("s") is None
+    with pytest.raises(SessionReleased):
+        store.open_session("s", "rollout:0")
+    with pytest.raises(SessionReleased):
+        write_turn(store, "s")
+    assert store.release(["s"], "train:1") == []
+    assert len(events(store)) == 1
+
+
+# -- scenario 3: concurrent duplicate releases -------------------------------------------
+
+
+def test_concurrent_duplicate_releases_each_id_once(store_factory: Any) -> None:
+    n, threads = 400, 8
+    main = store_factory()
+    sids = [f"s{i}" for i in range(n)]
+    main.open_sessions(sids, "train:3")
+    main.open_sessions([f"keep{i}" for i in range(20)], "replay")
+    for s in sids[:20]:
+        write_turn(main, s)
+    clients = [store_factory() for _ in range(threads)]
+    results: list[list[str]] = [[] for _ in range(threads)]
+    barrier = threading.Barrier(threads)
+
+    def worker(i: int) -> None:
+        mine = list(sids)
+        random.Random(i).shuffle(mine)
+        barrier.wait()
+        if i % 4 == 3:  # a quarter of the callers release the whole owner instead
+            results[i] = clients[i].release_owner("train:3", "consumed")
+            return
+        for part in range(0, n, 50):  # many overlapping calls per thread
+            results[i] += clients[i].release(mine[part : part + 50], "train:3", "consumed")
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+    returned = Counter(s for r in results for s in r)
+    assert set(returned) == set(sids)
+    assert max(returned.values()) == 1, [s for s, c in returned.items() if c > 1][:5]
+    ev = Counter(e["sid"] for e in events(main))
+    assert ev == Counter(sids)
+    assert {e["owner"] for e in events(main)} == {"train:3"}
+    assert main.sessions("train:3") == []
+    assert len(main.sessions("replay")) == 20
+    assert all(data_purged(main, s) for s in sids[:20])
+
+
+def test_concurrent_releases_async(url: str, run_id: str, arun: Any) -> None:
+    import asyncio
+
+    async def body() -> tuple[list[list[str]], list[dict[str, str]]]:
+        st: AsyncTraceStore = await connect_async(url, run_id)
+        try:
+            sids = [f"a{i}" for i in range(200)]
+            await st.open_sessions(sids, "eval:2")
+            results = await asyncio.gather(
+                *(st.release(sids[i % 3 :] + sids[: i % 3], "eval:2", "done") for i in range(6))
+            )
+            raw = await st.redis.xrange(st.keys.events, "-", "+")
+            return list(results), [{_s(a): _s(b) for a, b in f.items()} for _i, f in raw]
+        finally:
+            await st.close()
+
+    results, ev = arun(body())
+    returned = Counter(s for r in results for s in r)
+    assert len(returned) == 200 and max(returned.values()) == 1
+    assert Counter(e["sid"] for e in ev) == Counter(returned)
+
+
+# -- scenario 2: evaluation releases only its own sessions ------------------------------
+
+
+class EvalCrashed(RuntimeError):
+    pass
+
+
+def evaluate(store: TraceStore, step: int, n: int, crash_after: int | None) -> None:
+    """An evaluator: opens eval:<step> sessions, writes turns, always releases its owner."""
+    owner = f"eval:{step}"
+    try:
+        for i in range(n):
+            sid = f"ev{step}-{i}"
+            store.open_session(sid, owner)
+            write_turn(store, sid)
+            if crash_after is not None and i == crash_after:
+                raise EvalCrashed(f"evaluation failed at sample {i}")
+    finally:
+        store.release_owner(owner, "eval-done")
+
+
+@pytest.mark.parametrize("crash_after", [None, 3])
+def test_eval_releases_only_eval_sessions(store: TraceStore, crash_after: int | None) -> None:
+    others = {"r0": "replay", "r1": "replay", "t0": "train:7", "w0": "rollout:0", "e8": "eval:8"}
+    for sid, owner in others.items():
+        store.open_session(sid, owner)
+        write_turn(store, sid)
+    if crash_after is None:
+        evaluate(store, 7, 6, None)
+        n_eval = 6
+    else:
+        with pytest.raises(EvalCrashed):
+            evaluate(store, 7, 6, crash_after)
+        n_eval = crash_after + 1
+    ev = events(store)
+    assert sorted(e["sid"] for e in ev) == sorted(f"ev7-{i}" for i in range(n_eval))
+    assert {(e["owner"], e["reason"]) for e in ev} == {("eval:7", "eval-done")}
+    assert store.sessions("eval:7") == []
+    for sid, owner in others.items():
+        assert store.owner_of(sid) == owner
+        assert data_intact(store, sid)
+    assert all(data_purged(store, f"ev7-{i}") for i in range(n_eval))
+
+
+# -- scenario 1: the disaggregated race ----------------------------------------------------
+
+
+def _race(store_factory: Any, steps: int, per_step: int, producers: int = 2) -> None:
+    """Learner releases train:<step> while producers open and write and replay holds sessions."""
+    learner = store_factory()
+    retryable = [f"retry{i}" for i in range(10)]
+    learner.open_sessions(retryable, "replay")
+    for s in retryable:
+        write_turn(learner, s)
+
+    stop = threading.Event()
+    produced: list[list[str]] = [[] for _ in range(producers)]
+    in_flight: list[list[str]] = [[] for _ in range(producers)]
+    errors: list[BaseException] = []
+
+    def producer(p: int) -> None:
+        st = store_factory()
+        n = 0
+        try:
+            while not stop.is_set():
+                sid, owner = f"p{p}-{n}", f"rollout:{p}"
+                n += 1
+                st.open_session(sid, owner)
+                write_turn(st, sid)
+                if n % 3 == 0:  # a session still being generated: stays with its worker
+                    in_flight[p].append(sid)
+                    continue
+                assert st.transfer([sid], owner, "replay") == [sid]
+                produced[p].append(sid)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer, args=(p,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    consumed: set[str] = set()
+    try:
+        for step in range(steps):
+            owner = f"train:{step}"
+            deadline = time.monotonic() + 10
+            batch: list[str] = []
+            while len(batch) < per_step and time.monotonic() < deadline and not errors:
+                candidates = [s for s in learner.sessions("replay") if not s.startswith("retry")]
+                batch += learner.transfer(candidates[: per_step - len(batch)], "replay", owner)
+            assert not errors, errors
+            for s in batch:
+                assert data_intact(learner, s)  # the learner reads what it trains on
+            released = learner.release_owner(owner, "consumed")
+            assert sorted(released) == sorted(batch)
+            consumed |= set(released)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+
+    ev = events(learner)
+    assert Counter(e["sid"] for e in ev) == Counter(consumed)
+    assert all(e["reason"] == "consumed" and e["owner"].startswith("train:") for e in ev)
+    for s in consumed:
+        assert data_purged(learner, s)
+    kept = [s for p in produced for s in p if s not in consumed]
+    flying = [s for p in in_flight for s in p]
+    states = learner.session_states(kept + flying + retryable)
+    for s in kept + retryable:
+        assert states[s] == ("replay", "live"), s
+        assert data_intact(learner, s)
+    for s in flying:
+        assert states[s] is not None and states[s][1] == "live"
+        assert data_intact(learner, s)
+
+
+def test_disaggregated_race(store_factory: Any) -> None:
+    _race(store_factory, steps=8, per_step=4)
+
+
+@pytest.mark.slow
+def test_disaggregated_race_stress(store_factory: Any) -> None:
+    _race(store_factory, steps=150, per_step=6, producers=3)
+
+
+def test_disaggregated_race_second_process(store_factory: Any, url: str, run_id: str) -> None:
+    """The producer runs in another process; the learner keeps releasing train:<step>."""
+    learner = store_factory()
+    learner.open_sessions([f"retry{i}" for i in range(5)], "replay")
+    for i in range(5):
+        write_turn(learner, f"retry{i}")
+    n = 40
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_producer_proc.py"), url, run_id, "proc", str(n)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    consumed: set[str] = set()
+    step = 0
+    try:
+        while True:
+            done = proc.poll() is not None
+            owner = f"train:{step}"
+            step += 1
+            candidates = [s for s in learner.sessions("replay") if s.startswith("proc-")]
+            taken = learner.transfer(candidates[:3], "replay", owner)
+            released = learner.release_owner(owner, "consumed")
+            assert sorted(released) == sorted(taken)
+            consumed |= set(released)
+            if done and not candidates:
+                break
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[-1] == "done"
+    made = [orjson.loads(line) for line in lines[:-1]]
+    assert len(made) == n
+    to_replay = {m["sid"] for m in made if m["owner"] == "replay"}
+    with_worker = [m["sid"] for m in made if m["owner"] == "rollout:proc"]
+    assert consumed == to_replay  # everything that reached replay, and nothing else
+    assert Counter(e["sid"] for e in events(learner)) == Counter(consumed)
+    for s in with_worker + [f"retry{i}" for i in range(5)]:
+        assert learner.owner_of(s) in ("rollout:proc", "replay")
+        assert data_intact(learner, s)
+    for s in consumed:
+        assert data_purged(learner, s)
+
+
+# -- scenario 4: a retried script whose reply was lost --------------------------------------
+
+
+def _proxy_for(backend: str, url: str) -> CutProxy:
+    if backend == "cluster":
+        pytest.skip("the cluster announces its nodes' own addresses, which bypass a proxy")
+    u = urlparse(url)
+    if u.scheme != "redis" or u.password:
+        pytest.skip(f"proxy test needs a plain redis:// URL, got {u.scheme}")
+    return CutProxy(u.hostname or "127.0.0.1", int(u.port or 6379))
+
+
+def test_retry_after_cut_connection_returns_same_ids_and_one_event(
+    backend: str, url: str, run_id: str
+) -> None:
+    with _proxy_for(backend, url) as proxy:
+        st = TraceStore.connect(proxy.url, run=run_id, retries=3)
+        try:
+            sids = [f"s{i}" for i in range(30)]
+            st.open_sessions(sids, "train:1")
+            for s in sids[:5]:
+                write_turn(st, s)
+            st.release(["warm-up"], "train:1")  # loads the script: the cut hits the real call
+            st.transfer(["warm-up"], "a", "b")
+
+            proxy.arm()  # the release runs on the server, its reply is lost, redis-py retries
+            got = st.release(sids[:10], "train:1", "consumed")
+            assert proxy.cuts == 1
+            assert got == sids[:10]
+
+            proxy.arm(skip=1)  # the release reply arrives, the purge reply is lost
+            got = st.release(sids[10:20], "train:1", "consumed")
+            assert proxy.cuts == 2
+            assert got == sids[10:20]
+
+            proxy.arm(skip=1)  # release_owner: SMEMBERS passes, the release reply is lost
+            got = st.release_owner("train:1", "consumed")
+            assert proxy.cuts == 3
+            assert sorted(got) == sorted(sids[20:])
+
+            proxy.arm()
+            st.open_session("o1", "rollout:0")  # a replayed reply, not SessionExists
+            proxy.arm()
+            assert st.transfer(["o1"], "rollout:0", "replay") == ["o1"]
+            assert proxy.cuts == 5
+            assert st.owner_of("o1") == "replay"
+        finally:
+            st.close()
+    check = TraceStore.connect(url, run=run_id)
+    try:
+        ev = events(check)
+        assert Counter(e["sid"] for e in ev) == Counter(sids)
+        assert all(data_purged(check, s) for s in sids[:5])
+    finally:
+        check.close()
+
+
+def test_without_retries_the_cut_surfaces_and_a_new_call_is_safe(
+    backend: str, url: str, run_id: str
+) -> None:
+    from tracestore import StorageError
+
+    with _proxy_for(backend, url) as proxy:
+        st = TraceStore.connect(proxy.url, run=run_id, retries=0)
+        try:
+            st.open_sessions(["x", "y"], "train:1")
+            st.release(["warm-up"], "train:1")
+            proxy.arm()
+            with pytest.raises(StorageError):
+                st.release(["x", "y"], "train:1")
+            # The release ran; a new call (new op id) finds nothing left to release.
+            assert st.release(["x", "y"], "train:1") == []
+            assert Counter(e["sid"] for e in events(st)) == Counter(["x", "y"])
+        finally:
+            st.close()
+
+
+# -- scenario 6: owner loss --------------------------------------------------------------
+
+
+def test_owner_loss_gc_releases_and_late_heartbeat_does_not_resurrect(store: TraceStore) -> None:
+    store.heartbeat("rollout:dead", 0.2)
+    store.heartbeat("rollout:alive", 60)
+    dead = [f"d{i}" for i in range(12)]
+    store.open_sessions(dead, "rollout:dead")
+    store.open_sessions(["a0", "a1"], "rollout:alive")
+    store.open_sessions(["n0"], "rollout:never-beat")  # no heartbeat: gc never judges it
+    for s in [*dead[:3], "a0", "n0"]:
+        write_turn(store, s)
+
+    first = store.gc()
+    assert first.owners_lost == () and first.sessions_released == ()
+
+    time.sleep(0.3)
+    report = store.gc()
+    assert report.owners_lost == ("rollout:dead",)
+    assert sorted(report.sessions_released) == sorted(dead)
+    ev = events(store)
+    assert Counter(e["sid"] for e in ev) == Counter(dead)
+    assert {(e["owner"], e["reason"]) for e in ev} == {("rollout:dead", "owner-lost")}
+    assert all(data_purged(store, s) for s in dead[:3])
+
+    # The late owner comes back: refused, and nothing is resurrected.
+    with pytest.raises(OwnerLost) as exc:
+        store.heartbeat("rollout:dead", 60)
+    assert exc.value.owner == "rollout:dead"
+    with pytest.raises(OwnerLost):
+        store.open_session("d-new", "rollout:dead")
+    with pytest.raises(OwnerLost):
+        store.transfer(["a1"], "rollout:alive", "rollout:dead")
+    assert all(store.owner_of(s) is None for s in dead)
+    assert store.release(dead, "rollout:dead") == []
+    with pytest.raises(SessionReleased):
+        write_turn(store, dead[0])
+
+    # The live owners are untouched, and a second gc does nothing new.
+    assert store.sessions("rollout:alive") == ["a0", "a1"] and data_intact(store, "a0")
+    assert store.sessions("rollout:never-beat") == ["n0"] and data_intact(store, "n0")
+    again = store.gc()
+    assert again.owners_lost == () and again.sessions_released == ()
+    assert len(events(store)) == len(dead)
+    info = {o.owner: o for o in store.owners()}
+    assert info["rollout:dead"].lost_ms is not None and info["rollout:dead"].sessions == 0
+    assert info["rollout:alive"].lost_ms is None and info["rollout:alive"].sessions == 2
+
+
+def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
+    store.heartbeat("rollout:w", 0.4)
+    store.open_sessions(["s0", "s1"], "rollout:w")
+    for _ in range(4):
+        time.sleep(0.15)
+        store.heartbeat("rollout:w", 0.4)
+        assert store.gc().sessions_released == ()
+    assert store.sessions("rollout:w") == ["s0", "s1"]
