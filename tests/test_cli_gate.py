@@ -1,0 +1,97 @@
+"""``tracestore gate ...`` and ``tracestore routes`` against real servers (click's CliRunner)."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+from click.testing import CliRunner, Result
+
+from tracestore import TraceStore
+from tracestore.cli import main
+from tracestore.errors import GateSealed
+
+
+def cli(url: str, run: str, *args: str) -> Result:
+    """Invoke ``tracestore <args> --url URL --run RUN`` in-process."""
+    return CliRunner().invoke(main, [*args, "--url", url, "--run", run])
+
+
+def test_operator_walks_a_weight_update_through_the_cli(store: TraceStore, url: str) -> None:
+    run = store.run
+    g = store.gate
+    live = g.admit("sess-live", "worker-7", 30)
+    dead = g.admit("sess-dead", "worker-dead", 0.05)
+    time.sleep(0.1)
+
+    r = cli(url, run, "gate", "status")
+    assert r.exit_code == 0, r.output
+    assert "open" in r.output and "worker-dead" in r.output and "sess-dead" in r.output
+    assert dead.id in r.output and "overdue" in r.output
+    r = cli(url, run, "gate", "status", "--check")
+    assert r.exit_code == 2
+    r = cli(url, run, "gate", "status", "--json")
+    assert r.exit_code == 0, r.output
+    doc = orjson.loads(r.output)
+    assert (doc["state"], doc["version"], doc["live"], doc["poisoned"]) == ("open", 0, 1, 1)
+
+    r = cli(url, run, "gate", "seal", "--retry-after-ms", "750")
+    assert r.exit_code == 0, r.output
+    assert "sealed" in r.output
+    with pytest.raises(GateSealed) as ei:
+        g.admit("sess-new", "w", 5)
+    assert ei.value.retry_after_ms == 750
+
+    r = cli(url, run, "gate", "drain", "--timeout", "0.2")
+    assert r.exit_code == 2 and "no" in r.output  # a live lease remains
+    g.settle(live, "completed")
+    r = cli(url, run, "gate", "drain", "--timeout", "2")
+    assert r.exit_code == 2 and dead.id in r.output  # drained, but poisoned
+    r = cli(url, run, "gate", "install", "1")
+    assert r.exit_code == 1 and "GatePoisoned" in r.output
+
+    r = cli(url, run, "gate", "clear-poison", "--resolution", "worker-died")
+    assert r.exit_code == 0 and "nothing to clear" in r.output
+    r = cli(url, run, "gate", "clear-poison", "--all", "--resolution", "worker-died")
+    assert r.exit_code == 0, r.output
+    assert f"cleared 1 of 1 lease(s): {dead.id}" in r.output
+    r = cli(url, run, "gate", "drain", "--timeout", "1")
+    assert r.exit_code == 0, r.output
+    r = cli(url, run, "gate", "status", "--check")
+    assert r.exit_code == 0, r.output
+
+    r = cli(url, run, "gate", "install", "1")
+    assert r.exit_code == 0 and "installed version 1 (was 0)" in r.output
+    r = cli(url, run, "gate", "install", "1")
+    assert r.exit_code == 1 and "StaleVersion" in r.output
+    r = cli(url, run, "gate", "reopen")
+    assert r.exit_code == 0 and "open" in r.output
+    st = g.status()
+    assert (st.state, st.version, st.poisoned) == ("open", 1, 0)
+    assert g.admit("sess-new", "w", 5).version == 1
+
+
+def test_cli_refuses_bad_arguments(store: TraceStore, url: str) -> None:
+    r = cli(url, store.run, "gate", "seal", "--retry-after-ms", "0")
+    assert r.exit_code == 1 and "retry_after_ms" in r.output
+    r = cli(url, store.run, "gate", "drain", "--timeout", "-1")
+    assert r.exit_code == 1 and "timeout_s" in r.output
+    r = cli(url, store.run, "gate", "clear-poison", "bad{id}", "--resolution", "x")
+    assert r.exit_code == 1 and "InvalidId" in r.output
+    assert store.gate.status().state == "open"
+
+
+def test_routes_shows_load_and_routes(store: TraceStore, url: str) -> None:
+    router = store.router(["ep-a", "ep-b"])
+    placed = {sid: router.acquire(sid) for sid in ("s0", "s1", "s2")}
+    router.retire(["s2"])
+    r = cli(url, store.run, "routes", "s0", "s1", "s2", "nowhere")
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "routed sessions: 2; retired (tombstoned): 1" in out
+    assert "(retired: 410 Gone)" in out and "(not routed)" in out
+    lines = {ln.split()[0]: ln.split()[1] for ln in out.splitlines() if ln.startswith(("s0 ", "s1 "))}
+    assert lines == {"s0": placed["s0"], "s1": placed["s1"]}
+    r = cli(url, store.run, "routes")
+    assert r.exit_code == 0 and "ep-a" in r.output and "ep-b" in r.output
