@@ -95,3 +95,11 @@ def test_routes_shows_load_and_routes(store: TraceStore, url: str) -> None:
     assert lines == {"s0": placed["s0"], "s1": placed["s1"]}
     r = cli(url, store.run, "routes")
     assert r.exit_code == 0 and "ep-a" in r.output and "ep-b" in r.output
+
+
+def test_gate_demo_section(standalone_url: str) -> None:
+    r = CliRunner().invoke(main, ["demo", "--url", standalone_url, "--only", "gate"])
+    assert r.exit_code == 0, r.output
+    for text in ("GateSealed, retry in 500 ms", "live=0, poisoned=1", "holder worker-3",
+                 "refused: GatePoisoned", "cleared 1", "version 0 -> 1", "open, version 1", "version 2 ("):
+        assert text in r.output, text
