@@ -274,8 +274,14 @@ def test_eval_releases_only_eval_sessions(store: TraceStore, crash_after: int | 
 # -- scenario 1: the disaggregated race ----------------------------------------------------
 
 
-def _race(store_factory: Any, steps: int, per_step: int, producers: int = 2) -> None:
-    """Learner releases train:<step> while producers open and write and replay holds sessions."""
+def _race(
+    store_factory: Any, steps: int, per_step: int, producers: int = 2, *, with_gc: bool = False
+) -> list[Any]:
+    """Learner releases train:<step> while producers open and write and replay holds sessions.
+
+    ``with_gc``: a thread runs ``gc`` in a loop meanwhile (producers heart-beat);
+    its reports are returned.
+    """
     learner = store_factory()
     retryable = [f"retry{i}" for i in range(10)]
     learner.open_sessions(retryable, "replay")
@@ -294,6 +300,8 @@ def _race(store_factory: Any, steps: int, per_step: int, producers: int = 2) -> 
             while not stop.is_set():
                 sid, owner = f"p{p}-{n}", f"rollout:{p}"
                 n += 1
+                if with_gc:
+                    st.heartbeat(owner, 30)
                 st.open_session(sid, owner)
                 write_turn(st, sid)
                 if n % 3 == 0:  # a session still being generated: stays with its worker
@@ -304,7 +312,19 @@ def _race(store_factory: Any, steps: int, per_step: int, producers: int = 2) -> 
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
+    reports: list[Any] = []
+
+    def collector() -> None:
+        st = store_factory()
+        try:
+            while not stop.is_set():
+                reports.append(st.gc())
+        except BaseException as exc:
+            errors.append(exc)
+
     threads = [threading.Thread(target=producer, args=(p,)) for p in range(producers)]
+    if with_gc:
+        threads.append(threading.Thread(target=collector))
     for t in threads:
         t.start()
     consumed: set[str] = set()
@@ -342,6 +362,7 @@ def _race(store_factory: Any, steps: int, per_step: int, producers: int = 2) -> 
     for s in flying:
         assert states[s] is not None and states[s][1] == "live"
         assert data_intact(learner, s)
+    return reports
 
 
 def test_disaggregated_race(store_factory: Any) -> None:

@@ -234,8 +234,10 @@ def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_m
             mark = _id_tuple(_s(g["last-delivered-id"]))
             if int(g.get("pending", 0)):
                 summary = yield Cmd(("XPENDING", k.events, _s(g["name"])), key=k.events)
-                if summary and summary[1] is not None:
-                    mark = min(mark, _id_tuple(_s(summary[1])))
+                # redis-py parses the summary into a dict; a raw reply is [n, min, max, consumers].
+                oldest = summary.get("min") if isinstance(summary, dict) else summary[1]
+                if oldest is not None:
+                    mark = min(mark, _id_tuple(_s(oldest)))
             marks.append(mark)
         low = min(marks)
     else:

@@ -1,0 +1,183 @@
+"""``gc`` and ``tracestore gc`` on every backend (DESIGN section 5, invariants 4 and 5).
+
+Owner loss itself is covered in tests/test_ownership.py (scenario 6); here:
+crash leftovers, orphan data, tombstone retention, consumer groups of gone
+holders, event-stream trimming, the CLI, and gc running concurrently with
+the disaggregated workload without touching anything live.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from tests.test_ownership import _race, data_intact, data_purged, events, write_turn
+from tracestore import InvalidInput, SessionReleased, TraceStore
+from tracestore.cli import main
+
+
+def test_gc_purges_data_left_by_a_crash_between_release_and_purge(store: TraceStore) -> None:
+    sids = [f"s{i}" for i in range(6)]
+    store.open_sessions(sids, "train:1")
+    for s in sids:
+        write_turn(store, s)
+    # Phase 1 only: the process "dies" before purging.
+    assert store.release(sids[:4], "train:1", "consumed", purge=False) == sids[:4]
+    assert all(data_intact(store, s) for s in sids[:4])
+
+    report = store.gc()
+    assert sorted(report.sessions_purged) == sids[:4]
+    assert report.orphan_sessions == () and report.sessions_released == ()
+    assert all(data_purged(store, s) for s in sids[:4])
+    assert all(data_intact(store, s) for s in sids[4:])  # live sessions untouched
+    with pytest.raises(SessionReleased):
+        write_turn(store, sids[0])
+    assert store.gc().sessions_purged == ()  # nothing left the second time
+    assert len(events(store)) == 4  # gc appends no event for a purge
+
+
+def test_gc_reports_orphan_data_without_deleting_it(store: TraceStore) -> None:
+    write_turn(store, "never-opened")  # data plane written, no control record
+    store.open_session("opened", "rollout:0")
+    write_turn(store, "opened")
+    report = store.gc()
+    assert report.orphan_sessions == ("never-opened",)
+    assert data_intact(store, "never-opened") and data_intact(store, "opened")
+    assert store.gc(scan_data=False).orphan_sessions == ()
+
+
+def test_gc_trims_tombstones_past_retention_only(store: TraceStore) -> None:
+    store.open_sessions(["old", "young", "live"], "train:1")
+    write_turn(store, "old")
+    store.release(["old"], "train:1")
+    time.sleep(0.3)
+    store.release(["young"], "train:1")
+
+    assert store.gc().tombstones_trimmed == 0  # default retention: 7 days
+    with pytest.raises(SessionReleased):
+        store.open_session("old", "rollout:0")
+
+    report = store.gc(tombstone_retention_s=0.2)
+    assert report.tombstones_trimmed == 1
+    r, k = store.redis, store.keys
+    assert r.zscore(k.released, "old") is None and r.zscore(k.released, "young") is not None
+    assert not r.exists(k.session("old")) and not r.exists(k.dead("old"))
+    assert store.session_states(["young", "live"]) == {
+        "young": ("train:1", "released"),
+        "live": ("train:1", "live"),
+    }
+    # Past the retention an id is forgotten; that is what the retention is for.
+    store.open_session("old", "rollout:0")
+    assert store.owner_of("old") == "rollout:0"
+
+
+def test_gc_forgets_lost_owner_marks_past_retention(store: TraceStore) -> None:
+    store.heartbeat("rollout:x", 0.05)
+    store.open_session("s", "rollout:x")
+    time.sleep(0.1)
+    assert store.gc().owners_lost == ("rollout:x",)
+    assert store.redis.zscore(store.keys.owners_lost, "rollout:x") is not None
+    store.gc(tombstone_retention_s=0)
+    assert store.redis.zscore(store.keys.owners_lost, "rollout:x") is None
+
+
+def _read_group(store: TraceStore, group: str, count: int, ack: int) -> list[str]:
+    k = store.keys.events
+    got = store.redis.xreadgroup(group, "c1", {k: ">"}, count=count)
+    ids = [i.decode() if isinstance(i, bytes) else i for _s, entries in got for i, _f in entries]
+    if ack:
+        store.redis.xack(k, group, *ids[:ack])
+    return ids
+
+
+def test_gc_trims_events_below_the_slowest_group(store: TraceStore) -> None:
+    sids = [f"s{i}" for i in range(10)]
+    store.open_sessions(sids, "train:1")
+    store.release(sids, "train:1")
+    k = store.keys.events
+    store.redis.xgroup_create(k, "fast", id="0")
+    store.redis.xgroup_create(k, "slow", id="0")
+    _read_group(store, "fast", 10, ack=10)
+    slow_ids = _read_group(store, "slow", 6, ack=3)  # entries 4..6 pending, 7..10 unread
+
+    report = store.gc()
+    assert report.groups_removed == ()
+    assert report.events_trimmed == 3
+    left = [i.decode() if isinstance(i, bytes) else i for i, _f in store.redis.xrange(k, "-", "+")]
+    assert left[0] == slow_ids[3]  # the oldest pending entry of the slowest group stays
+    assert len(left) == 7
+
+    _read_group(store, "slow", 10, ack=0)
+    store.redis.xack(k, "slow", *slow_ids[3:], *left[3:])
+    assert store.gc().events_trimmed == 6  # up to the last delivered id, which stays
+    assert store.redis.xlen(k) == 1
+
+
+def test_gc_removes_groups_of_gone_holders_then_trims_by_retention(store: TraceStore) -> None:
+    store.open_sessions(["a", "b", "c"], "train:1")
+    store.release(["a", "b", "c"], "train:1")
+    k = store.keys.events
+    store.redis.xgroup_create(k, "gone", id="0")
+    store.redis.xgroup_create(k, "alive", id="0")
+    _read_group(store, "gone", 1, ack=0)  # reads once, then its process dies
+    time.sleep(0.4)
+    _read_group(store, "alive", 1, ack=1)
+    report = store.gc(group_idle_limit_s=0.3)
+    assert report.groups_removed == ("gone",)
+    names = {g["name"] for g in store.redis.xinfo_groups(k)}
+    assert {n.decode() if isinstance(n, bytes) else n for n in names} == {"alive"}
+
+    store.redis.xgroup_destroy(k, "alive")
+    assert store.gc().events_trimmed == 0  # no group: keep a day of events
+    assert store.gc(event_retention_s=0).events_trimmed == 3
+    assert store.redis.xlen(k) == 0
+
+
+def test_gc_rejects_bad_arguments_before_io(store: TraceStore) -> None:
+    for kw in ({"tombstone_retention_s": -1}, {"group_idle_limit_s": "x"}, {"event_retention_s": True}):
+        with pytest.raises(InvalidInput):
+            store.gc(**kw)
+
+
+def test_gc_concurrent_with_the_workload_touches_nothing_live(store_factory: Any) -> None:
+    reports = _race(store_factory, steps=6, per_step=4, with_gc=True)
+    assert reports, "gc never ran"
+    for rep in reports:
+        assert rep.sessions_released == () and rep.owners_lost == ()
+        assert rep.orphan_sessions == ()
+        # gc may purge a consumed session before the learner's own purge: both are idempotent.
+        assert all(s.startswith("p") for s in rep.sessions_purged)
+
+
+def test_cli_gc_and_sessions(url: str, run_id: str, store: TraceStore) -> None:
+    store.heartbeat("rollout:gone", 0.05)
+    store.open_sessions(["g0", "g1"], "rollout:gone")
+    store.open_sessions(["r0"], "replay")
+    write_turn(store, "orphan")
+    time.sleep(0.1)
+    runner = CliRunner()
+    r = runner.invoke(main, ["sessions", "--url", url, "--run", run_id])
+    assert r.exit_code == 0, r.output
+    assert "rollout:gone" in r.output and "replay" in r.output
+
+    r = runner.invoke(main, ["gc", "--url", url, "--run", run_id, "--json", "--check"])
+    assert r.exit_code == 2, r.output  # orphan data found
+    rep = orjson.loads(r.output)
+    assert rep["owners_lost"] == ["rollout:gone"]
+    assert sorted(rep["sessions_released"]) == ["g0", "g1"]
+    assert rep["orphan_sessions"] == ["orphan"]
+
+    r = runner.invoke(main, ["gc", "--url", url, "--run", run_id])
+    assert r.exit_code == 0, r.output
+    assert "orphan data" in r.output
+    r = runner.invoke(main, ["sessions", "--url", url, "--run", run_id, "--owner", "replay"])
+    assert r.exit_code == 0 and r.output.split() == ["r0"]
+    r = runner.invoke(main, ["sessions", "--url", url, "--run", run_id, "--json"])
+    infos = {o["owner"]: o for o in orjson.loads(r.output)}
+    assert infos["rollout:gone"]["lost_ms"] is not None and infos["replay"]["sessions"] == 1
+    r = runner.invoke(main, ["gc", "--url", url, "--run", run_id, "--tombstone-retention", "-1"])
+    assert r.exit_code == 1 and "InvalidInput" in r.output
