@@ -271,6 +271,17 @@ class Keys:
         """SCAN pattern of every control-plane key of the run."""
         return f"{self.prefix}:{{{self.run}}}:*"
 
+    def control_suffix(self, key: str) -> str | None:
+        """The part of a control-plane key after ``ts:{R}:`` (checkpoint files), or None."""
+        head = f"{self._c}:"
+        return key[len(head) :] if key.startswith(head) and len(key) > len(head) else None
+
+    def control_key(self, suffix: str) -> str:
+        """The control-plane key ``ts:{R}:<suffix>`` (restore of a checkpoint, maybe into another run)."""
+        if not isinstance(suffix, str) or not suffix or "{" in suffix or "}" in suffix:
+            raise InvalidId("control key suffix", suffix, "must be a non-empty string without braces")
+        return f"{self._c}:{suffix}"
+
     @property
     def owner_pattern(self) -> str:
         """SCAN pattern of every owner set ``ts:{R}:o:*`` of the run."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import checkpoint as ckpt_ops
 from . import gc as gc_ops
 from . import ownership as own_ops
 from . import purge as purge_ops
@@ -182,6 +183,8 @@ class TraceStore(_Base):
             rb = self._ctx.caches["replay"] = Replay(self._io, self._ctx)
         return rb
 
+    checkpoint = sync_op(ckpt_ops.checkpoint)
+    restore = sync_op(ckpt_ops.restore)
     # (end replay)
 
 
@@ -296,6 +299,8 @@ class AsyncTraceStore(_Base):
             rb = self._ctx.caches["replay"] = AsyncReplay(self._io, self._ctx)
         return rb
 
+    checkpoint = async_op(ckpt_ops.checkpoint)
+    restore = async_op(ckpt_ops.restore)
     # (end replay)
 
 

@@ -1,0 +1,275 @@
+"""Checkpoint/restore (tracestore/checkpoint.py) and Redis-level durability (AOF, SIGKILL)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tracestore import InvalidInput, SessionReleased, StorageError, TraceStore
+from tracestore.checkpoint import LOST_PREFIX, expert_key_lost
+from tracestore.errors import RunNotEmpty
+from tracestore.replay import REPLAY_OWNER, STORED_STATUSES, Group
+from tracestore.servers import EmbeddedServer
+
+PRODUCER = "rollout:p"
+
+
+def _turns(st: TraceStore, sid: str, n: int, *, expert: bool) -> str:
+    prompt = f"<sys>{sid}</sys><user>q</user>"
+    for t in range(n):
+        match = st.lookup(sid, prompt)
+        resp = f"<a>answer {t} \u00e9\u4e2d</a>"
+        st.record_turn(
+            sid, prompt, resp, prefix=match,
+            delta_token_ids=[7 + t, 8 + t], response_token_ids=[100 + t, 101 + t, 102 + t],
+            response_logprobs=[-0.25, -0.5, -1.0], version=t,
+            delta_expert_key=f"ek-{sid}-d{t}" if expert else None,
+            response_expert_key=f"ek-{sid}-r{t}" if expert else None,
+        )
+        prompt = prompt + resp + f"<user>more {t}</user>"
+    return prompt[: -len(f"<user>more {n - 1}</user>")]
+
+
+def _build(st: TraceStore) -> dict[str, str]:
+    """A run with groups of every stored status, taken and released sessions, traces."""
+    finals: dict[str, str] = {}
+    for i in range(8):
+        gid = f"g{i}"
+        sids = [f"{gid}.s{j}" for j in range(2)]
+        st.open_sessions(sids, PRODUCER)
+        for sid in sids:
+            finals[sid] = _turns(st, sid, 2 + i % 2, expert=i % 3 != 0)
+        status = "aborted" if i == 5 else "completed"
+        st.replay.put(
+            Group(gid, "math" if i % 2 else "code", tuple(sids), status=status, min_version=i % 4,
+                  retryable=i % 2 == 1, payload={"rewards": [i, -i], "why": ["stop", "length"]}),
+            PRODUCER,
+        )
+    st.replay.expire(4, 2)  # min_version < 2: g1 (retryable) kept as expired; g0, g4 released
+    st.replay.take("code", 1, owner="train:0")
+    st.open_session("loose", "eval:0")
+    finals["loose"] = _turns(st, "loose", 1, expert=True)
+    return finals
+
+
+def _dump(st: TraceStore) -> dict[str, Any]:
+    """Every key of the run, raw, keyed by its name relative to the run (op caches excluded)."""
+    r: Any = st.redis
+    k = st.keys
+    out: dict[str, Any] = {}
+    names = [n.decode() for n in _scan(st, k.control_pattern)] + [n.decode() for n in _scan(st, k.data_pattern)]
+    for name in names:
+        rel = name.replace(f"{{{k.run}}}", "{R}").replace(f"{{{k.run}/", "{R/")
+        if ":op:" in rel:
+            continue
+        t = r.type(name).decode()
+        if t == "hash":
+            v: Any = r.hgetall(name)
+        elif t == "set":
+            v = r.smembers(name)
+        elif t == "zset":
+            v = r.zrange(name, 0, -1, withscores=True)
+        elif t == "stream":
+            v = [f for _, f in r.xrange(name)]
+        elif t == "list":
+            v = r.lrange(name, 0, -1)
+        else:
+            v = r.get(name)
+        out[rel] = v
+    return out
+
+
+def _scan(st: TraceStore, pattern: str) -> list[bytes]:
+    r: Any = st.redis
+    if st.cluster:
+        keys: list[bytes] = []
+        for node in r.get_primaries():
+            keys += list(r.get_redis_connection(node).scan_iter(match=pattern, count=1000))
+        return keys
+    return list(r.scan_iter(match=pattern, count=1000))
+
+
+def _mark_lost(dump: dict[str, Any]) -> dict[str, Any]:
+    out = dict(dump)
+    for name, v in dump.items():
+        if name.endswith(":idx"):
+            new = {}
+            for f, rec in v.items():
+                parts = rec.split(b",", 5)
+                if not f.startswith(b"#") and parts[5]:
+                    parts[5] = LOST_PREFIX.encode() + parts[5]
+                new[f] = b",".join(parts)
+            out[name] = new
+    return out
+
+
+def test_round_trip(store: TraceStore, store_factory: Any, url: str, tmp_path: Path) -> None:
+    finals = _build(store)
+    before = _dump(store)
+    path = tmp_path / "run.tsck"
+    info = store.checkpoint(path)
+    assert info.groups == 5 and info.sessions == 17 and info.nodes > 0
+    assert not (tmp_path / "run.tsck.tmp").exists()
+    head = orjson.loads(path.read_bytes().splitlines()[0])
+    assert head["format"] == "tracestore-checkpoint" and head["version"] == 1
+    # groups are in the file queue by queue, in FIFO order
+    recs = [orjson.loads(x) for x in path.read_bytes().splitlines()[1:]]
+    assert [r["gid"] for r in recs if r["k"] == "group"] == ["g6", "g3", "g7", "g5", "g1"]
+
+    other = TraceStore.connect(url, run=f"t-{uuid.uuid4().hex[:12]}")
+    try:
+        rinfo = other.restore(path)
+        assert rinfo.groups == 5 and rinfo.lost_expert_keys > 0
+        after = _dump(other)
+        assert after == _mark_lost(before)
+        for task in ("math", "code"):
+            for status in STORED_STATUSES:
+                assert other.replay.groups(task, status) == store.replay.groups(task, status)
+        for sid, final in finals.items():
+            if store.owner_of(sid) is None:  # released: data purged in both
+                with pytest.raises(SessionReleased):
+                    other.export_training_trace(sid, final)
+                continue
+            a = store.export_training_trace(sid, final)
+            b = other.export_training_trace(sid, final)
+            assert (a.input_ids, a.labels, a.logprobs, a.versions) == (b.input_ids, b.labels, b.logprobs, b.versions)
+            if a.expert_keys is None:
+                assert b.expert_keys is None
+            else:
+                assert b.expert_keys == [LOST_PREFIX + x for x in a.expert_keys]
+                assert all(expert_key_lost(x) for x in b.expert_keys)
+        assert other.sessions(REPLAY_OWNER) == store.sessions(REPLAY_OWNER)
+        # the restored buffer behaves like the original one
+        ta = store.replay.take("math", 2, owner="train:1", policy="staleness")
+        tb = other.replay.take("math", 2, owner="train:1", policy="staleness")
+        assert [g.gid for g in ta] == [g.gid for g in tb] == ["g3", "g7"]
+        assert store.replay.claim_retry("math", 5, PRODUCER) == other.replay.claim_retry("math", 5, PRODUCER)
+        # released ids stay released
+        with pytest.raises(Exception, match="released"):
+            other.open_session("g0.s0", PRODUCER)
+    finally:
+        other.close()
+
+
+def test_restore_refuses_a_non_empty_run(store: TraceStore, url: str, tmp_path: Path) -> None:
+    _build(store)
+    path = tmp_path / "run.tsck"
+    store.checkpoint(path)
+    before = _dump(store)
+    with pytest.raises(RunNotEmpty):
+        store.restore(path)
+    assert _dump(store) == before
+    # a run with only trace data is not empty either
+    other = TraceStore.connect(url, run=f"t-{uuid.uuid4().hex[:12]}")
+    try:
+        other.redis.hset(other.keys.idx("x"), "a", "1")
+        with pytest.raises(RunNotEmpty):
+            other.restore(path)
+    finally:
+        other.close()
+
+
+def test_restore_refuses_bad_files(store: TraceStore, url: str, tmp_path: Path) -> None:
+    _build(store)
+    good = tmp_path / "good.tsck"
+    store.checkpoint(good)
+    lines = good.read_bytes().splitlines(keepends=True)
+    cases = {
+        "not-json": b"hello\n",
+        "pickle": b"\x80\x04\x95\x00",
+        "truncated": b"".join(lines[:-1]),
+        "future": lines[0].replace(b'"version":1', b'"version":99') + b"".join(lines[1:]),
+        "bad-record": lines[0] + b'{"k":"what"}\n' + lines[-1],
+    }
+    for name, data in cases.items():
+        p = tmp_path / f"{name}.tsck"
+        p.write_bytes(data)
+        fresh = TraceStore.connect(url, run=f"t-{uuid.uuid4().hex[:12]}")
+        try:
+            with pytest.raises(InvalidInput):
+                fresh.restore(p)
+            assert [k for k in _dump(fresh) if not k.endswith(":meta")] == [], name
+        finally:
+            fresh.close()
+
+
+def test_async_checkpoint(url: str, run_id: str, arun: Any, store: TraceStore, tmp_path: Path) -> None:
+    from tests.conftest import connect_async
+
+    _build(store)
+
+    async def go() -> Any:
+        a = await connect_async(url, run_id)
+        b = await connect_async(url, f"t-{uuid.uuid4().hex[:12]}")
+        try:
+            await a.checkpoint(tmp_path / "x.tsck")
+            await b.restore(tmp_path / "x.tsck")
+            return await b.replay.count()
+        finally:
+            await a.close()
+            await b.close()
+
+    assert arun(go()) == store.replay.count() == 5
+
+
+def test_aof_survives_sigkill(tmp_path: Path) -> None:
+    """appendfsync always: every put acknowledged before a SIGKILL is there after a restart."""
+    srv = EmbeddedServer(aof=True, dir=tmp_path / "data").start()
+    acked: list[str] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        st = TraceStore.connect(srv.url, run="aof", retries=0, socket_timeout_s=2)
+        try:
+            i = 0
+            while not stop.is_set():
+                gid = f"g{i}"
+                sids = [f"{gid}.a", f"{gid}.b"]
+                st.open_sessions(sids, PRODUCER)
+                st.replay.put(Group(gid, "math", tuple(sids), min_version=i), PRODUCER)
+                acked.append(gid)
+                i += 1
+        except StorageError:
+            return  # the server died under us: everything before is acknowledged
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            st.close()
+
+    t = threading.Thread(target=writer)
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        while len(acked) < 50 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        srv.kill()  # SIGKILL mid-run
+        stop.set()
+        t.join(15)
+        assert not errors, errors
+        assert len(acked) >= 50
+        srv2 = EmbeddedServer(aof=True, dir=tmp_path / "data").start()
+        try:
+            st = TraceStore.connect(srv2.url, run="aof")
+            try:
+                stored = {g.gid for g in st.replay.groups("math")}
+                assert set(acked) <= stored  # an unacknowledged last put may be there too
+                assert len(stored) - len(acked) <= 1
+                sids = [s for g in acked for s in (f"{g}.a", f"{g}.b")]
+                states = st.session_states(sids)
+                assert all(states[s] == (REPLAY_OWNER, "live") for s in sids)
+                order = [g.gid for g in st.replay.take("math", len(acked), owner="train:0")]
+                assert order == acked
+            finally:
+                st.close()
+        finally:
+            srv2.stop()
+    finally:
+        stop.set()
+        srv.stop()

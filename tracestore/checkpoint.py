@@ -1,0 +1,407 @@
+"""Checkpoint and restore of a run to a portable file (DESIGN section 7, invariant 4).
+
+``store.checkpoint(path)`` writes the run's control plane (sessions, owners,
+events, gate, routes, the replay buffer's indexes), the replay groups in
+FIFO order, and the traces of every session the run knows, to a versioned
+JSON-lines file (format in ``docs/checkpoint.md``; no pickle, readable with
+``jq``). ``store.restore(path)`` writes it back into an *empty* run (the
+run id may differ from the checkpointed one) and refuses otherwise with
+:class:`~tracestore.errors.RunNotEmpty`.
+
+Routed-expert refs are Ray objects and do not survive a restart of Ray:
+restored nodes keep their tokens and their ``expert_key`` becomes
+``lost:<original key>`` (:func:`expert_key_lost`), so the trainer can drop
+the group or train it without routing replay.
+
+Consistency: the control plane and each session are read in their own
+pipelined round trips, not in one snapshot. Take a checkpoint at a quiet
+point of the run (between training steps, or with the gate sealed and no
+producer putting), as the reference trainer does.
+
+Durability against a crash of the server itself is Redis' job: run it with
+AOF and ``appendfsync always`` (``EmbeddedServer(aof=True)``).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from .context import SCHEMA_VERSION, Context
+from .errors import InvalidInput, RunNotEmpty
+from .replay import STORED_STATUSES
+from .scripts import Batch, Cmd, Op, ScanAll, ServerTime
+
+#: Identifies a tracestore checkpoint file (first line, ``format``).
+FORMAT = "tracestore-checkpoint"
+#: Version of the file format (``docs/checkpoint.md``); restore refuses others.
+FORMAT_VERSION = 1
+#: Prefix given to the expert key of every restored node that had one.
+LOST_PREFIX = "lost:"
+#: Sessions read (or commands written) per pipelined round trip.
+BATCH = 256
+
+
+def expert_key_lost(key: str | None) -> bool:
+    """True for an expert key that a restore marked lost (its Ray object is gone)."""
+    return key is not None and key.startswith(LOST_PREFIX)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint file holds (returned by checkpoint and restore)."""
+
+    path: str
+    run: str
+    keys: int
+    groups: int
+    sessions: int
+    nodes: int
+    bytes: int
+    lost_expert_keys: int = 0
+
+
+# -- value encoding -------------------------------------------------------------------------
+
+
+def _b(x: Any) -> bytes:
+    if isinstance(x, bytes):
+        return x
+    return str(x).encode()
+
+
+def enc(x: Any) -> Any:
+    """A Redis value as JSON: a string when it is UTF-8, else ``{"b64": ...}``."""
+    b = _b(x)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"b64": base64.b64encode(b).decode()}
+
+
+def dec(v: Any) -> bytes:
+    """Inverse of :func:`enc`."""
+    if isinstance(v, str):
+        return v.encode("utf-8")
+    if isinstance(v, dict) and isinstance(v.get("b64"), str):
+        return base64.b64decode(v["b64"])
+    raise InvalidInput("checkpoint", f"malformed value {v!r:.80}")
+
+
+def _pairs(reply: Any) -> list[tuple[Any, Any]]:
+    """HGETALL / ZRANGE WITHSCORES reply (dict, pairs or flat) as a list of pairs."""
+    if isinstance(reply, dict):
+        return list(reply.items())
+    if reply and isinstance(reply[0], (list, tuple)):
+        return [(a, b) for a, b in reply]
+    return [(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+# -- checkpoint -----------------------------------------------------------------------------
+
+_READ = {
+    "hash": lambda k: ("HGETALL", k),
+    "set": lambda k: ("SMEMBERS", k),
+    "zset": lambda k: ("ZRANGE", k, 0, -1, "WITHSCORES"),
+    "string": lambda k: ("GET", k),
+    "list": lambda k: ("LRANGE", k, 0, -1),
+    "stream": lambda k: ("XRANGE", k, "-", "+"),
+}
+
+
+def _encode_value(typ: str, reply: Any) -> Any:
+    if typ == "hash":
+        return [[enc(f), enc(v)] for f, v in _pairs(reply)]
+    if typ == "zset":
+        return [[enc(m), float(s)] for m, s in _pairs(reply)]
+    if typ == "set":
+        return sorted(enc(m) for m in reply)
+    if typ == "list":
+        return [enc(m) for m in reply]
+    if typ == "stream":
+        return [[_s(i), [[enc(f), enc(v)] for f, v in _pairs(fields)]] for i, fields in reply]
+    return enc(reply)
+
+
+class _Writer:
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh = fh
+        self.bytes = 0
+
+    def line(self, rec: dict[str, Any]) -> None:
+        data = orjson.dumps(rec) + b"\n"
+        self.fh.write(data)
+        self.bytes += len(data)
+
+
+def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
+    """Write the run to ``path`` (see the module docstring and ``docs/checkpoint.md``).
+
+    The file is written to ``path + ".tmp"`` and renamed when complete, so a
+    crash never leaves a truncated file under ``path``. Raises StorageError.
+    Round trips: a SCAN of the control plane, two for its keys, two per 256
+    groups and one per 256 sessions.
+    """
+    k = ctx.keys
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    found = yield ScanAll(k.control_pattern)
+    op_head = k.control_suffix(k.op("x"))
+    assert op_head is not None
+    skip = (op_head[:-1], "rb:g:")  # retry caches; group hashes are written as group records
+    keys = sorted({key for key in found if not (k.control_suffix(key) or "").startswith(skip)})
+    now = yield ServerTime(k.meta)
+    types = [_s(t) for t in (yield Batch(tuple(Cmd(("TYPE", key), key=key) for key in keys)))]
+    readable = [(key, t) for key, t in zip(keys, types, strict=True) if t in _READ]
+    reads = []
+    for key, t in readable:
+        reads.append(Cmd(_READ[t](key), key=key))
+        reads.append(Cmd(("PTTL", key), key=key))
+    replies = yield Batch(tuple(reads))
+    sids: list[str] = []
+    ngroups = nnodes = 0
+    with open(tmp, "wb") as fh:
+        w = _Writer(fh)
+        w.line(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "schema": SCHEMA_VERSION,
+                "prefix": k.prefix,
+                "run": k.run,
+                "created_ms": int(now),
+            }
+        )
+        tasks: list[str] = []
+        for j, (key, t) in enumerate(readable):
+            value, ttl = replies[2 * j], int(replies[2 * j + 1])
+            if value is None:
+                continue  # expired between TYPE and the read
+            suffix = k.control_suffix(key)
+            w.line({"k": "key", "key": suffix, "type": t, "ttl_ms": ttl, "value": _encode_value(t, value)})
+            if t == "hash" and (sid := k.sid_of_session_key(key)):
+                sids.append(sid)
+            if key == k.rb_tasks:
+                tasks = sorted(_s(m) for m in value)
+        # replay groups, queue by queue, in FIFO order
+        for task in tasks:
+            for status in STORED_STATUSES:
+                q = k.rb_queue(task, status)
+                members = yield Cmd(("ZRANGE", q, 0, -1), key=q)
+                gids = [_s(g) for g in members]
+                for part in _chunks(gids, BATCH):
+                    hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in part))
+                    for gid, h in zip(part, hashes, strict=True):
+                        fields = _pairs(h)
+                        if fields:
+                            w.line({"k": "group", "gid": gid, "fields": [[enc(f), enc(v)] for f, v in fields]})
+                            ngroups += 1
+        # traces of every session of the run
+        for part in _chunks(sids, BATCH):
+            cmds: list[Cmd] = []
+            for sid in part:
+                for key in (k.idx(sid), k.tok(sid), k.txt(sid)):
+                    cmds.append(Cmd(("HGETALL", key), key=key))
+                cmds.append(Cmd(("GET", k.dead(sid)), key=k.dead(sid)))
+            data = yield Batch(tuple(cmds))
+            for i, sid in enumerate(part):
+                idx, tok, txt, dead = data[4 * i : 4 * i + 4]
+                if not idx and not tok and not txt and dead is None:
+                    continue
+                idx_p = _pairs(idx)
+                nnodes += sum(1 for f, _ in idx_p if not _s(f).startswith("#"))
+                w.line(
+                    {
+                        "k": "trace",
+                        "sid": sid,
+                        "idx": [[enc(f), enc(v)] for f, v in idx_p],
+                        "tok": [[enc(f), base64.b64encode(_b(v)).decode()] for f, v in _pairs(tok)],
+                        "txt": [[enc(f), enc(v)] for f, v in _pairs(txt)],
+                        "dead": None if dead is None else enc(dead),
+                    }
+                )
+        counts = {"keys": len(readable), "groups": ngroups, "sessions": len(sids), "nodes": nnodes}
+        w.line({"k": "end", "counts": counts})
+        fh.flush()
+        os.fsync(fh.fileno())
+        size = w.bytes
+    os.replace(tmp, target)
+    return CheckpointInfo(str(target), k.run, len(readable), ngroups, len(sids), nnodes, size)
+
+
+def _chunks(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+# -- restore --------------------------------------------------------------------------------
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The first line of a checkpoint file; raises InvalidInput if it is not one this version reads."""
+    with open(path, "rb") as fh:
+        first = fh.readline()
+    try:
+        head = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        head = None
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        raise InvalidInput("checkpoint", f"{path} is not a tracestore checkpoint file")
+    if head.get("version") != FORMAT_VERSION:
+        raise InvalidInput(
+            "checkpoint", f"{path} has format version {head.get('version')!r}; this tracestore reads {FORMAT_VERSION}"
+        )
+    if head.get("schema") != SCHEMA_VERSION:
+        raise InvalidInput("checkpoint", f"{path} has schema {head.get('schema')!r}, expected {SCHEMA_VERSION}")
+    return head
+
+
+def _lost(record: bytes) -> tuple[bytes, bool]:
+    parts = record.split(b",", 5)
+    if len(parts) == 6 and parts[5] and not parts[5].startswith(LOST_PREFIX.encode()):
+        parts[5] = LOST_PREFIX.encode() + parts[5]
+        return b",".join(parts), True
+    return record, False
+
+
+def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
+    """The commands that write one record, and how many expert keys it marked lost."""
+    k = ctx.keys
+    kind = rec.get("k")
+    cmds: list[Cmd] = []
+    if kind == "key":
+        key = k.control_key(rec["key"])
+        if key == k.meta:
+            cmds.append(Cmd(("DEL", key), key=key))
+        t, v = rec["type"], rec["value"]
+        if t == "hash":
+            flat = [dec(x) for pair in v for x in pair]
+            for i in range(0, len(flat), 2000):
+                cmds.append(Cmd(("HSET", key, *flat[i : i + 2000]), key=key))
+        elif t == "set":
+            for i in range(0, len(v), 2000):
+                cmds.append(Cmd(("SADD", key, *(dec(m) for m in v[i : i + 2000])), key=key))
+        elif t == "zset":
+            for i in range(0, len(v), 1000):
+                args = [x for m, s in v[i : i + 1000] for x in (repr(float(s)), dec(m))]
+                cmds.append(Cmd(("ZADD", key, *args), key=key))
+        elif t == "list":
+            for i in range(0, len(v), 2000):
+                cmds.append(Cmd(("RPUSH", key, *(dec(m) for m in v[i : i + 2000])), key=key))
+        elif t == "stream":
+            for entry_id, fields in v:
+                cmds.append(Cmd(("XADD", key, entry_id, *(dec(x) for p in fields for x in p)), key=key))
+        elif t == "string":
+            cmds.append(Cmd(("SET", key, dec(v)), key=key))
+        else:
+            raise InvalidInput("checkpoint", f"unknown key type {t!r} of {rec['key']!r}")
+        ttl = int(rec.get("ttl_ms", -1))
+        if ttl > 0:
+            cmds.append(Cmd(("PEXPIRE", key, ttl), key=key))
+        return cmds, 0
+    if kind == "group":
+        key = k.rb_group(rec["gid"])
+        flat = [dec(x) for pair in rec["fields"] for x in pair]
+        return [Cmd(("HSET", key, *flat), key=key)], 0
+    if kind == "trace":
+        sid = rec["sid"]
+        lost = 0
+        idx: list[bytes] = []
+        for f, v in rec["idx"]:
+            fb, vb = dec(f), dec(v)
+            if not fb.startswith(b"#"):
+                vb, was = _lost(vb)
+                lost += was
+            idx += [fb, vb]
+        if idx:
+            cmds.append(Cmd(("HSET", k.idx(sid), *idx), key=k.idx(sid)))
+        tok = [x for f, v in rec["tok"] for x in (dec(f), base64.b64decode(v))]
+        if tok:
+            cmds.append(Cmd(("HSET", k.tok(sid), *tok), key=k.tok(sid)))
+        txt = [dec(x) for pair in rec["txt"] for x in pair]
+        if txt:
+            cmds.append(Cmd(("HSET", k.txt(sid), *txt), key=k.txt(sid)))
+        if rec.get("dead") is not None:
+            cmds.append(Cmd(("SET", k.dead(sid), dec(rec["dead"])), key=k.dead(sid)))
+        return cmds, lost
+    raise InvalidInput("checkpoint", f"unknown record kind {kind!r}")
+
+
+def _records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    with open(path, "rb") as fh:
+        fh.readline()
+        for line in fh:
+            if line.strip():
+                yield orjson.loads(line)
+
+
+def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
+    """Write the checkpoint at ``path`` into this run, which must be empty.
+
+    The run may have another id than the checkpointed one. The whole file is
+    validated (format, version, complete up to its end record, known record
+    kinds) before anything is written. Data is written first, the control
+    plane after it, the meta record last. Expert keys of restored nodes are
+    marked lost (:func:`expert_key_lost`).
+
+    Raises InvalidInput (not a checkpoint, other version, truncated or
+    malformed file), RunNotEmpty (the run holds keys other than its meta
+    record), StorageError. Restore is not atomic: a crash in the middle
+    leaves a partial run; delete it and restore again. Round trips: two SCANs
+    (emptiness), then one per 256 records.
+    """
+    k = ctx.keys
+    head = read_header(path)
+    end: dict[str, Any] | None = None
+    records: list[dict[str, Any]] = []
+    try:
+        for rec in _records(path):
+            if rec.get("k") == "end":
+                end = rec
+                continue
+            if end is not None:
+                raise InvalidInput("checkpoint", f"{path}: records after the end record")
+            _write_cmds(ctx, rec)  # validates the record
+            records.append(rec)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidInput):
+            raise
+        raise InvalidInput("checkpoint", f"{path}: malformed record ({type(exc).__name__}: {exc})") from None
+    if end is None:
+        raise InvalidInput("checkpoint", f"{path} is truncated (no end record)")
+    found = yield ScanAll(k.control_pattern, count=1000)
+    others = sorted(key for key in found if key != k.meta)
+    if not others:
+        others = (yield ScanAll(k.data_pattern, count=1000))[:5]
+    if others:
+        raise RunNotEmpty(k.run, others[:5])
+    order = {"trace": 0, "group": 1, "key": 2}
+    records.sort(key=lambda r: (order[r["k"]], r.get("key") == "meta"))
+    lost = 0
+    nbytes = os.path.getsize(path)
+    pending: list[Cmd] = []
+    for rec in records:
+        cmds, n = _write_cmds(ctx, rec)
+        lost += n
+        pending += cmds
+        if len(pending) >= BATCH:
+            yield Batch(tuple(pending))
+            pending = []
+    if pending:
+        yield Batch(tuple(pending))
+    c = end.get("counts", {})
+    del head
+    return CheckpointInfo(
+        str(path), k.run, int(c.get("keys", 0)), int(c.get("groups", 0)), int(c.get("sessions", 0)),
+        int(c.get("nodes", 0)), nbytes, lost,
+    )
