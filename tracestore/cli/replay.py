@@ -1,0 +1,82 @@
+"""``tracestore replay stats`` and ``tracestore checkpoint save|load``.
+
+Operator commands for the replay buffer of one run (DESIGN section 7):
+what is buffered per task and status, how old it is, how many bytes it
+takes, and moving a whole run to or from a checkpoint file
+(``docs/checkpoint.md``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import orjson
+
+from .._table import format_table
+from ..store import TraceStore
+from . import guarded, main, run_option, url_option
+
+
+@main.group()
+def replay() -> None:
+    """Inspect the replay buffer of a run."""
+
+
+@replay.command("stats")
+@url_option
+@run_option
+@click.option("--task", default=None, help="Only this task.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@guarded
+def replay_stats(url: str | None, run: str, task: str | None, as_json: bool) -> None:
+    """Groups per task and status, oldest weight version, bytes of group records."""
+    with TraceStore.connect(url, run=run, create_run=False) as store:
+        cells = store.replay.stats(task)
+    if as_json:
+        click.echo(orjson.dumps(cells, option=orjson.OPT_INDENT_2).decode())
+        return
+    if not cells:
+        click.echo(f"replay buffer of run {run!r} is empty (no task seen)")
+        return
+    rows = [
+        [c.task, c.status, c.groups, "-" if c.oldest_version is None else c.oldest_version, c.bytes]
+        for c in cells
+    ]
+    click.echo(format_table(["task", "status", "groups", "oldest version", "bytes"], rows))
+    click.echo(f"total: {sum(c.groups for c in cells)} groups, {sum(c.bytes for c in cells)} bytes")
+
+
+@main.group()
+def checkpoint() -> None:
+    """Save a run to a portable file, or load one into an empty run."""
+
+
+@checkpoint.command("save")
+@url_option
+@run_option
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@guarded
+def checkpoint_save(url: str | None, run: str, path: Path) -> None:
+    """Write the run (control plane, replay groups, traces) to PATH."""
+    with TraceStore.connect(url, run=run, create_run=False) as store:
+        info = store.checkpoint(path)
+    click.echo(
+        f"saved run {run!r} to {info.path}: {info.keys} control keys, {info.groups} groups, "
+        f"{info.sessions} sessions, {info.nodes} nodes, {info.bytes} bytes"
+    )
+
+
+@checkpoint.command("load")
+@url_option
+@run_option
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@guarded
+def checkpoint_load(url: str | None, run: str, path: Path) -> None:
+    """Restore PATH into the run, which must be empty (expert keys are marked lost)."""
+    with TraceStore.connect(url, run=run, create_run=False) as store:
+        info = store.restore(path)
+    click.echo(
+        f"loaded {info.path} into run {run!r}: {info.groups} groups, {info.sessions} sessions, "
+        f"{info.nodes} nodes; {info.lost_expert_keys} expert keys marked lost"
+    )
