@@ -60,3 +60,11 @@ def test_checkpoint_save_and_load(standalone_url: str, tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["checkpoint", "load", str(path), "--url", standalone_url, "--run", dst])
     assert r.exit_code == 1
     assert "RunNotEmpty" in r.output
+
+
+def test_replay_demo_section(standalone_url: str) -> None:
+    r = CliRunner().invoke(main, ["demo", "--url", standalone_url, "--only", "replay"])
+    assert r.exit_code == 0, r.output
+    assert "['inflight0', 'inflight1']" in r.output
+    assert "['done0', 'done1', 'done2', 'done3']" in r.output
+    assert "took 0, ready=1" in r.output
