@@ -134,7 +134,7 @@ def train_step(
     new_lp = replay_logprobs(model, batch.input_ids, routing)
     loss, stats = grpo_loss(new_lp, batch.old_logprobs, batch.advantages, batch.mask)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # type: ignore[no-untyped-call]
+    loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     stats.update(

@@ -75,7 +75,7 @@ def warm_start(
             ignore_index=IGNORE,
         )
         opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         opt.step()
         loss_value = float(loss.detach())
     model.eval()
