@@ -1,0 +1,445 @@
+"""Ray side of ownership (DESIGN section 5): :class:`RefHolder` and :data:`RefHolderActor`.
+
+A rollout worker or session server keeps the routed-expert arrays of its
+sessions in the Ray object store and stores only their *expert keys* in the
+trace. The holder owns the ``ObjectRef`` of every value it was given, lends
+refs to the trainer, and drops them when Redis says the session is gone:
+
+* a background thread reads ``ts:{R}:events`` with the holder's own consumer
+  group (``XREADGROUP ... BLOCK``), drops every ref of each released session
+  it holds and acknowledges the entries (its own pending entries are read
+  again after a restart, so an event read but not yet handled is not lost);
+* every ``reconcile_s`` seconds (and when it starts, and when its group was
+  removed by ``gc``) it asks the control plane for the state of every session
+  it holds and drops the released ones, and the unknown ones older than
+  ``grace_s``, so a missed event cannot leak.
+
+Ray 2.60 has no explicit free: an object leaves the store when its last
+reference goes. Dropping the holder's ref frees it, unless a borrower (the
+trainer, another actor) still holds a ref it was lent; then it goes when the
+borrower drops it. Values may be numpy arrays, torch tensors or anything
+``ray.put`` accepts; numpy and torch are never imported here.
+
+Only this module imports Ray; the core library imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from redis.exceptions import ResponseError
+
+from .errors import InvalidId, InvalidInput, TracestoreError
+from .keys import validate_id, validate_ids
+from .run import session_states
+from .scripts import Cmd, Op
+from .store import TraceStore
+
+log = logging.getLogger(__name__)
+
+#: Holder names: they appear in expert keys, which live in the trace index
+#: (comma-separated records), so they are stricter than other ids.
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,100}\Z")
+#: How many released sids a holder remembers, to refuse late puts at once.
+_RECENT_RELEASED = 100_000
+
+
+class ExpertRefMissing(TracestoreError, KeyError):
+    """The holder has no ref for an expert key: its session was released, or another holder made it."""
+
+    def __init__(self, key: str, holder: str) -> None:
+        self.key = key
+        self.holder = holder
+        super().__init__(
+            f"expert key {key!r} is not held by holder {holder!r} (session released, "
+            "or the key belongs to another holder)"
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # crosses process boundaries in Ray
+        return (type(self), (self.key, self.holder))
+
+
+@dataclass(frozen=True)
+class HolderStats:
+    """What a holder keeps right now, and what it has done since it started."""
+
+    #: Sessions with at least one held ref.
+    sessions: int
+    #: Refs held.
+    refs: int
+    #: Bytes of the held values (``nbytes`` of arrays and tensors; 0 when unknown).
+    bytes: int
+    #: Release events read from the stream (including those for sessions it did not hold).
+    events: int
+    #: Refs dropped because their session was released (events and reconcile).
+    dropped: int
+    #: Reconcile passes run.
+    reconciles: int
+
+
+def _nbytes(value: Any) -> int:
+    n = getattr(value, "nbytes", None)  # numpy arrays, and torch tensors since 2.1
+    if isinstance(n, int):
+        return n
+    try:
+        return int(value.element_size() * value.nelement())  # older torch tensors
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
+    """Entries of an XREADGROUP reply (raw RESP2 list or RESP3 map; None on timeout)."""
+    if not reply:
+        return []
+    streams = reply.items() if isinstance(reply, dict) else [(s[0], s[1]) for s in reply]
+    out: list[tuple[str, dict[str, str]]] = []
+    for _stream, entries in streams:
+        for entry in entries or []:
+            eid, fields = entry[0], entry[1]
+            if fields is None:  # a pending entry trimmed from the stream meanwhile
+                out.append((_s(eid), {}))
+                continue
+            if isinstance(fields, dict):
+                out.append((_s(eid), {_s(k): _s(v) for k, v in fields.items()}))
+            else:
+                out.append((_s(eid), {_s(fields[i]): _s(fields[i + 1]) for i in range(0, len(fields) - 1, 2)}))
+    return out
+
+
+class RefHolder:
+    """Keeps the ``ObjectRef`` of each value put for a session until the session is released.
+
+    ``store``: a :class:`~tracestore.TraceStore` of the run (shared, thread-safe).
+    ``name``: the holder's consumer group on ``ts:{R}:events`` and the prefix of
+    its expert keys (``[A-Za-z0-9._-]{1,100}``); give a stable name to resume
+    after a restart, or None for a fresh random one whose group is destroyed on
+    :meth:`close`. ``reconcile_s``: period of the reconcile pass. ``grace_s``:
+    how long a session may be unknown to the control plane (put before it was
+    opened) before reconcile drops it (default: ``reconcile_s``).
+    ``block_s``: XREADGROUP block time (also the worst-case :meth:`close` delay).
+    ``start``: start the background consumer now (else call :meth:`start`).
+
+    Raises InvalidId for a bad name. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        store: TraceStore,
+        name: str | None = None,
+        *,
+        reconcile_s: float = 30.0,
+        grace_s: float | None = None,
+        block_s: float = 0.5,
+        batch: int = 1000,
+        start: bool = True,
+    ) -> None:
+        if name is not None and (not isinstance(name, str) or not _NAME_RE.match(name)):
+            raise InvalidId("holder name", name, "must match [A-Za-z0-9._-]{1,100}")
+        for field, v in (("reconcile_s", reconcile_s), ("block_s", block_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise InvalidInput(field, f"must be a positive number of seconds, got {v!r}")
+        self.store = store
+        self.name = name or f"holder-{uuid.uuid4().hex[:12]}"
+        self.ephemeral = name is None
+        self.reconcile_s = float(reconcile_s)
+        self.grace_s = float(self.reconcile_s if grace_s is None else grace_s)
+        self.block_s = float(block_s)
+        self.batch = int(batch)
+        self._consumer = self.name
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._refs: dict[str, tuple[str, Any, int]] = {}  # key -> (sid, ref, nbytes)
+        self._by_sid: dict[str, list[str]] = {}
+        self._since: dict[str, float] = {}  # sid -> monotonic time of its first put
+        self._bytes = 0
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._events = 0
+        self._dropped = 0
+        self._reconciles = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    # -- the holder's API ---------------------------------------------------------------
+
+    def put(self, sid: str, value: Any) -> str:
+        """``ray.put(value)`` and keep its ref under session ``sid``; returns the expert key.
+
+        The key (``rx:<holder>:<n>``) has no whitespace, braces or commas, so it
+        can be stored in the trace index (``record_turn(..., *_expert_key=key)``).
+        A session this holder already saw released gets a key but no ref (the
+        value would never be read). Raises InvalidId (sid). No Redis round trip.
+        """
+        validate_id("session id", sid)
+        ref = ray.put(value)
+        nbytes = _nbytes(value)
+        with self._lock:
+            self._seq += 1
+            key = f"rx:{self.name}:{self._seq}"
+            if sid in self._released:
+                self._dropped += 1
+                return key
+            self._refs[key] = (sid, ref, nbytes)
+            self._by_sid.setdefault(sid, []).append(key)
+            self._since.setdefault(sid, time.monotonic())
+            self._bytes += nbytes
+        return key
+
+    def get(self, keys: Sequence[str]) -> list[Any]:
+        """The ``ObjectRef`` of each expert key, in order (lend them; Ray counts the borrow).
+
+        Raises ExpertRefMissing for a key this holder does not hold.
+        """
+        if isinstance(keys, str):
+            raise InvalidInput("keys", "expected a list of expert keys, got a single string")
+        out: list[Any] = []
+        with self._lock:
+            for k in keys:
+                item = self._refs.get(k)
+                if item is None:
+                    raise ExpertRefMissing(k, self.name)
+                out.append(item[1])
+        return out
+
+    def drop(self, sids: Sequence[str]) -> int:
+        """Drop every ref of ``sids`` now (what the event consumer does); returns refs dropped."""
+        sids = validate_ids("session id", sids)
+        return sum(self._drop_session(s, remember=False) for s in sids)
+
+    def stats(self) -> HolderStats:
+        """Sessions, refs and bytes held, plus event, drop and reconcile counters."""
+        with self._lock:
+            return HolderStats(
+                sessions=len(self._by_sid),
+                refs=len(self._refs),
+                bytes=self._bytes,
+                events=self._events,
+                dropped=self._dropped,
+                reconciles=self._reconciles,
+            )
+
+    def held_sessions(self) -> list[str]:
+        """Session ids with at least one held ref (sorted)."""
+        with self._lock:
+            return sorted(self._by_sid)
+
+    def reconcile(self) -> int:
+        """Drop the refs of held sessions that are released (or unknown for ``grace_s``).
+
+        Returns the number of refs dropped. One pipelined round trip per 4,000
+        held sessions. Raises StorageError.
+        """
+        with self._lock:
+            since = dict(self._since)
+        if not since:
+            with self._lock:
+                self._reconciles += 1
+            return 0
+        states = self.store._io.run(session_states(self.store._ctx, sorted(since)))
+        now = time.monotonic()
+        dropped = 0
+        for sid, st in states.items():
+            if (st is not None and st[1] == "released") or (st is None and now - since[sid] >= self.grace_s):
+                dropped += self._drop_session(sid, remember=st is not None)
+        with self._lock:
+            self._reconciles += 1
+        return dropped
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the consumer group (if needed), reconcile once, start the consumer thread."""
+        if self._thread is not None:
+            return
+        self._ensure_group()
+        self.reconcile()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"RefHolder-{self.name}", daemon=True)
+        self._thread.start()
+
+    def close(self, *, destroy_group: bool | None = None) -> None:
+        """Stop the consumer (within ``block_s``) and drop every ref this holder keeps.
+
+        ``destroy_group`` (default: True for a holder without a given name)
+        removes the consumer group, so it does not hold back event trimming.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.block_s + 10)
+            self._thread = None
+        with self._lock:
+            self._refs.clear()
+            self._by_sid.clear()
+            self._since.clear()
+            self._bytes = 0
+        if self.ephemeral if destroy_group is None else destroy_group:
+            k = self.store.keys.events
+            try:
+                self.store._io.run(_one(Cmd(("XGROUP", "DESTROY", k, self.name), key=k)))
+            except TracestoreError as exc:  # the group may be gone already; nothing leaks
+                log.warning("holder %s: could not destroy its group: %s", self.name, exc)
+
+    def __enter__(self) -> RefHolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _drop_session(self, sid: str, *, remember: bool) -> int:
+        with self._lock:
+            keys = self._by_sid.pop(sid, [])
+            self._since.pop(sid, None)
+            gone = [self._refs.pop(k) for k in keys if k in self._refs]
+            for _sid, _ref, n in gone:
+                self._bytes -= n
+            self._dropped += len(gone)
+            if remember:
+                self._released[sid] = None
+                if len(self._released) > _RECENT_RELEASED:
+                    self._released.popitem(last=False)
+        del gone  # the refs go here; Ray frees each object once no borrower holds it
+        return len(keys)
+
+    def _group_names(self) -> set[str]:
+        k = self.store.keys.events
+        exists = self.store._io.run(_one(Cmd(("EXISTS", k), key=k)))
+        if not int(exists):
+            return set()
+        groups = self.store._io.run(_one(Cmd(("XINFO", "GROUPS", k), key=k)))
+        names = set()
+        for g in groups:
+            d = g if isinstance(g, dict) else {_s(g[i]): g[i + 1] for i in range(0, len(g) - 1, 2)}
+            names.add(_s(d["name"]))
+        return names
+
+    def _ensure_group(self) -> bool:
+        """Create the group (at the stream's end) and its consumer if missing; True if created."""
+        k = self.store.keys.events
+        if self.name in self._group_names():
+            created = False
+        else:
+            try:
+                self.store._io.run(_one(Cmd(("XGROUP", "CREATE", k, self.name, "$", "MKSTREAM"), key=k)))
+                created = True
+            except TracestoreError as exc:
+                # Another process of the same holder name created it meanwhile.
+                if not isinstance(exc.__cause__, ResponseError) or self.name not in self._group_names():
+                    raise
+                created = False
+        # A consumer from the start, so gc sees this group as active even before it reads.
+        self.store._io.run(_one(Cmd(("XGROUP", "CREATECONSUMER", k, self.name, self._consumer), key=k)))
+        return created
+
+    def _read(self, start_id: str) -> Op[Any]:
+        k = self.store.keys.events
+        args: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.name, self._consumer, "COUNT", self.batch)
+        if start_id == ">":
+            ms = max(1, int(self.block_s * 1000))
+            reply = yield Cmd((*args, "BLOCK", ms, "STREAMS", k, ">"), key=k, block_s=self.block_s)
+        else:
+            reply = yield Cmd((*args, "STREAMS", k, start_id), key=k)
+        return reply
+
+    def _handle(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        for _eid, fields in entries:
+            sid = fields.get("sid")
+            if sid:
+                self._drop_session(sid, remember=True)
+        with self._lock:
+            self._events += len(entries)
+        if entries:
+            k = self.store.keys.events
+            ids = [eid for eid, _f in entries]
+            self.store._io.run(_one(Cmd(("XACK", k, self.name, *ids), key=k)))
+
+    def _loop(self) -> None:
+        own_pending = True  # first re-read what this consumer was given but did not ack
+        next_reconcile = time.monotonic() + self.reconcile_s
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                entries = _entries(self.store._io.run(self._read("0" if own_pending else ">")))
+                if own_pending and not entries:
+                    own_pending = False
+                self._handle(entries)
+                if time.monotonic() >= next_reconcile:
+                    self.reconcile()
+                    next_reconcile = time.monotonic() + self.reconcile_s
+                backoff = 0.05
+            except Exception as exc:  # keep consuming: a dead consumer would leak every ref
+                if self._stop.is_set():
+                    break
+                log.warning("holder %s: event consumer error (retrying): %s", self.name, exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                try:
+                    # The group may have been removed (gc: holder idle too long);
+                    # re-create it, and reconcile since its events were missed.
+                    if self._ensure_group():
+                        self.reconcile()
+                        own_pending = False
+                except Exception as exc2:
+                    log.warning("holder %s: cannot restore its group yet: %s", self.name, exc2)
+
+
+def _one(cmd: Cmd) -> Op[Any]:
+    reply = yield cmd
+    return reply
+
+
+class _RefHolderActor:
+    """A ready Ray actor around a :class:`RefHolder` (use :data:`RefHolderActor`).
+
+    ``RefHolderActor.remote(url, run, name=None, **holder_options)``; methods
+    ``put``, ``get`` (returns the refs: the caller borrows them), ``drop``,
+    ``stats``, ``reconcile``, ``held_sessions``, ``close``.
+    """
+
+    def __init__(self, url: str | None, run: str = "default", name: str | None = None, **options: Any) -> None:
+        self._store = TraceStore.connect(url, run=run)
+        self._holder = RefHolder(self._store, name=name, **options)
+
+    def put(self, sid: str, value: Any) -> str:
+        return self._holder.put(sid, value)
+
+    def get(self, keys: Sequence[str]) -> list[Any]:
+        return self._holder.get(keys)
+
+    def drop(self, sids: Sequence[str]) -> int:
+        return self._holder.drop(sids)
+
+    def stats(self) -> HolderStats:
+        return self._holder.stats()
+
+    def reconcile(self) -> int:
+        return self._holder.reconcile()
+
+    def held_sessions(self) -> list[str]:
+        return self._holder.held_sessions()
+
+    def close(self) -> None:
+        self._holder.close()
+        self._store.close()
+
+
+#: ``RefHolderActor.remote(url, run, name=None, **holder_options)``: a RefHolder in its own actor.
+RefHolderActor = ray.remote(max_concurrency=4)(_RefHolderActor)  # type: ignore[call-overload]
