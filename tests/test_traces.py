@@ -644,3 +644,16 @@ def test_async_and_sync_give_identical_results(
     assert a[:-1] == s
     assert a[-1] == store.export_training_trace("async-side", p3 + R3)
     assert len(s) == 4 * 4 + 2
+
+
+# -- demo section ------------------------------------------------------------------------------
+
+
+def test_traces_demo_section(standalone_url: str) -> None:
+    from tracestore.demo import run_demo
+
+    rows = dict(run_demo(standalone_url, only="traces", echo=lambda s: None)["s20_traces"])
+    assert rows["export retried branch"].startswith("232 tokens (46 trained), 8 nodes")
+    assert rows["export first attempt"].startswith("175 tokens")
+    assert "PromptMismatch" in rows["export of a prompt never stored"]
+    assert "NodeConflict" in rows["rewrite a node with other logprobs"]
