@@ -22,7 +22,7 @@ from tracestore.errors import (
     StaleVersion,
     UnknownLease,
 )
-from tracestore.gate import Lease, admit, drain, install, settle
+from tracestore.gate import Lease, admit, admit_many, drain, install, settle
 from tracestore.scripts import Batch, Cmd, ScanAll
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -142,6 +142,55 @@ def test_renew_extends_and_an_expired_lease_is_not_revived(store: TraceStore) ->
     g.settle(lease, "completed")
     with pytest.raises(InvalidInput, match="already settled"):
         g.renew(lease)
+
+
+def test_admit_many_is_all_or_none_and_settle_many_settles_each(store: TraceStore) -> None:
+    g = store.gate
+    reqs = [(f"burst-{i}", f"w{i % 3}") for i in range(300)]
+    leases = g.admit_many(reqs, 30)
+    assert [x.sid for x in leases] == [sid for sid, _ in reqs] and len({x.id for x in leases}) == 300
+    assert {x.version for x in leases} == {0} and len({x.deadline_ms for x in leases}) == 1
+    assert g.status().live == 300
+    rec = g.lease_records([leases[7].id])[0]
+    assert rec is not None and (rec.sid, rec.holder) == ("burst-7", "w1")
+    # a retry of the same call (same lease ids) returns the recorded admission, admits nothing more
+    io = store._io
+    req = next(admit_many(store._ctx, reqs[:5], 30))
+    first, again = io.execute(req), io.execute(req)
+    assert first[:2] == again[:2] and (first[2], again[2]) == (0, 1)
+    assert g.status().live == 305
+    g.seal()
+    before = dump_run(store)
+    with pytest.raises(GateSealed):
+        g.admit_many(reqs[:10], 30)
+    with pytest.raises(InvalidInput, match="at most 1000"):
+        g.admit_many([("s", "w")] * 1001, 30)
+    with pytest.raises(InvalidId):
+        g.admit_many([("ok", "w"), ("bad sid", "w")], 30)
+    assert dump_run(store) == before
+    assert g.admit_many([], 30) == []
+
+    # settle_many: one unknown lease does not stop the others; its error comes after
+    ids = [x.id for x in leases[:-1]]
+    with pytest.raises(UnknownLease):
+        g.settle_many([*ids[:100], "0" * 32, *ids[100:]], "completed")
+    assert g.status().live == 6
+    receipts = g.settle_many(ids[:3], "failed")  # again: the first receipts
+    assert [r.outcome for r in receipts] == ["completed"] * 3 and all(r.replayed for r in receipts)
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(g.drain(5)))
+    t.start()
+    time.sleep(0.2)
+    rest = [x.id for x in live_and_poison_leases(store)]
+    assert len(rest) == 6
+    g.settle_many(rest, "aborted")  # the settle that empties the live set wakes the drainer
+    t.join(3)
+    assert out and out[0].drained and out[0].waited_s < 2
+
+
+def live_and_poison_leases(store: TraceStore) -> list[Lease]:
+    live, _ = live_and_poison(store)
+    return [Lease(x, 0) for x in sorted(live)]
 
 
 # -- the seal race ---------------------------------------------------------------------------

@@ -241,6 +241,33 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float) -> Op[Lease]:
     return Lease(_s(reply[0]), int(reply[1]), sid, int(reply[2]))
 
 
+def admit_many(ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float) -> Op[list[Lease]]:
+    """Admit several requests at once: all of them, or none while sealed.
+
+    ``requests`` are ``(sid, holder)`` pairs, at most 1,000 per call (one
+    atomic script, so a seal cannot split the batch). Every lease gets the
+    gate's current version and the same deadline. Raises GateSealed (nothing
+    admitted), InvalidId/InvalidInput before any I/O. Idempotent under client
+    retry. One round trip for the whole batch; pair it with
+    :func:`settle_many` to serve bursts of requests.
+    """
+    ttl_ms = _ms("ttl_s", ttl_s)
+    sc = script("gate_admit_many")
+    if len(requests) > sc.chunk:
+        raise InvalidInput("requests", f"at most {sc.chunk} per call, got {len(requests)}")
+    items = [(validate_id("session id", sid), validate_id("holder", holder)) for sid, holder in requests]
+    if not items:
+        return []
+    k = ctx.keys
+    lids = [new_op_id() for _ in items]
+    args: list[Any] = [ttl_ms]
+    for lid, (sid, holder) in zip(lids, items, strict=True):
+        args += (lid, sid, holder)
+    reply = yield Eval(sc, (k.gate, k.gate_leases, *(k.gate_lease(x) for x in lids)), tuple(args))
+    version, deadline = int(reply[0]), int(reply[1])
+    return [Lease(lid, version, sid, deadline) for lid, (sid, _) in zip(lids, items, strict=True)]
+
+
 def renew(ctx: Context, lease: Lease | str, ttl_s: float | None = None) -> Op[Lease]:
     """Move a live lease's deadline to ``ttl_s`` from now (default: its admission ttl).
 
@@ -276,6 +303,35 @@ def settle(ctx: Context, lease: Lease | str, outcome: str) -> Op[SettlementRecei
         (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(lid)),
         (lid, outcome, ctx.config.op_ttl_s * 1000),
     )
+    return _receipt(reply)
+
+
+def settle_many(ctx: Context, leases: Sequence[Lease | str], outcome: str) -> Op[list[SettlementReceipt]]:
+    """Settle several leases with one ``outcome``; their receipts, in order.
+
+    Each settlement is its own atomic script (as :func:`settle`), pipelined:
+    one round trip per call. If some lease is unknown, every other one is
+    still settled and the first error (UnknownLease) is raised afterwards;
+    settling again returns the first receipts. InvalidId/InvalidInput before
+    any I/O.
+    """
+    _outcome(outcome)
+    lids = [_lease_id(x) for x in leases]
+    if not lids:
+        return []
+    k = ctx.keys
+    sc = script("gate_settle")
+    retention = ctx.config.op_ttl_s * 1000
+    replies = yield Batch(
+        tuple(
+            Eval(sc, (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(x)), (x, outcome, retention))
+            for x in lids
+        )
+    )
+    return [_receipt(r) for r in replies]
+
+
+def _receipt(reply: list[Any]) -> SettlementReceipt:
     return SettlementReceipt(
         lease_id=_s(reply[0]),
         outcome=_s(reply[1]),
@@ -514,8 +570,10 @@ class Gate:
         self._ctx = ctx
 
     admit = sync_op(admit)
+    admit_many = sync_op(admit_many)
     renew = sync_op(renew)
     settle = sync_op(settle)
+    settle_many = sync_op(settle_many)
     seal = sync_op(seal)
     drain = sync_op(drain)
     install = sync_op(install)
@@ -557,8 +615,10 @@ class AsyncGate:
         self._ctx = ctx
 
     admit = async_op(admit)
+    admit_many = async_op(admit_many)
     renew = async_op(renew)
     settle = async_op(settle)
+    settle_many = async_op(settle_many)
     seal = async_op(seal)
     drain = async_op(drain)
     install = async_op(install)

@@ -1,0 +1,38 @@
+-- script: gate_admit_many
+-- Admit several requests at once (a server that takes a burst of requests):
+-- all of them or, while the gate is sealed, none. Every lease gets the same
+-- version and deadline. Idempotent under client retry: the lease ids are
+-- generated once per call by the client, and a retry that finds the first
+-- lease already recorded returns the recorded admission.
+-- KEYS: 2+
+-- CHUNK: 1000
+-- KEYS[1] = ts:{R}:gate            hash: state, version, retry_ms
+-- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms
+-- KEYS[3..n+2] = ts:{R}:gate:l:<lease>  hash of each lease (as gate_admit writes it)
+-- ARGV[1] = ttl (ms, > 0)
+-- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[3..]
+-- returns: {0, version (int), deadline_ms (int), replayed (0|1)}
+-- errors: GATE_SEALED (version, retry_after_ms)
+-- include: gate
+local gate, leases = KEYS[1], KEYS[2]
+local ttl = tonumber(ARGV[1])
+if #KEYS > 2 then
+  local prior = redis.call('HMGET', KEYS[3], 'version', 'deadline_ms')
+  if prior[1] then
+    return {0, tonumber(prior[1]), tonumber(prior[2]), 1}
+  end
+end
+local g = redis.call('HMGET', gate, 'state', 'version', 'retry_ms')
+local version = tonumber(g[2] or '0')
+if g[1] == 'sealed' then
+  return {1, 'GATE_SEALED', version, tonumber(g[3] or '500')}
+end
+local now = gate_now_ms()
+local deadline = now + ttl
+for i = 3, #KEYS do
+  local a = 2 + 3 * (i - 3)
+  redis.call('ZADD', leases, deadline, ARGV[a])
+  redis.call('HSET', KEYS[i], 'sid', ARGV[a + 1], 'holder', ARGV[a + 2], 'version', version,
+    'admitted_ms', now, 'ttl_ms', ttl, 'deadline_ms', deadline)
+end
+return {0, version, deadline, 0}
