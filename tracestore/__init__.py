@@ -23,8 +23,11 @@ from .errors import (
     StaleVersion,
     StorageError,
     TracestoreError,
+    UnknownLease,
 )
+from .gate import DrainResult, GateStatus, Lease, SettlementReceipt
 from .keys import Keys
+from .router import Route, RouteTable
 from .store import AsyncTraceStore, TraceStore, connect
 from .traces import Node, PrefixMatch, Segment, Trace, Turn
 
@@ -57,4 +60,11 @@ __all__ = [
     "TracestoreError",
     "Turn",
     "connect",
+    "DrainResult",
+    "GateStatus",
+    "Lease",
+    "Route",
+    "RouteTable",
+    "SettlementReceipt",
+    "UnknownLease",
 ]
