@@ -1,0 +1,1 @@
+"""Baselines the benchmarks compare tracestore with (same semantics, other designs)."""
