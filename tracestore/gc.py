@@ -36,7 +36,7 @@ from typing import Any
 
 from .context import Context
 from .errors import InvalidInput
-from .purge import purge_evals
+from .purge import purge_sessions
 from .run import session_states
 from .scripts import Batch, Cmd, Eval, Op, ScanAll, ServerTime, chunks, new_op_id, script
 
@@ -286,14 +286,14 @@ def gc(
             owners_lost.append(owner)
         released.extend(ids)
     if released:
-        yield Batch(tuple(purge_evals(ctx, released)))
+        yield from purge_sessions(ctx, released)
 
     purged: list[str] = []
     orphans: list[str] = []
     if scan_data:
         purged, orphans = yield from _leftover_data(ctx)
         if purged:
-            yield Batch(tuple(purge_evals(ctx, purged)))
+            yield from purge_sessions(ctx, purged)
 
     trimmed = yield from _trim_tombstones(ctx, now - retention_ms)
     removed, kept = yield from _groups(ctx, now, idle_ms)

@@ -22,7 +22,7 @@ from typing import Any
 from .context import Context
 from .errors import InvalidInput
 from .keys import validate_id, validate_ids
-from .purge import purge_evals
+from .purge import purge_sessions
 from .run import session_states
 from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, new_op_id, script
 
@@ -181,7 +181,7 @@ def release(
     replies = yield Batch(tuple(release_evals(ctx, sids, owner, reason)))
     released = [_s(x) for r in replies for x in r]
     if purge and released:
-        yield Batch(tuple(purge_evals(ctx, released)))
+        yield from purge_sessions(ctx, released)
     return released
 
 
