@@ -551,3 +551,22 @@ def test_drain_times_out_and_reports_live(store: TraceStore) -> None:
     assert not res.drained and res.live == 1 and not res.ok
     assert 0.25 < time.monotonic() - t0 < 2
     assert g.drain(0).live == 1
+
+
+def test_drain_blocks_longer_than_the_socket_timeout(url: str, run_id: str, arun: Any) -> None:
+    # The blocking read runs on a connection whose read timeout covers the wait
+    # (sync and async, standalone and cluster): a short socket timeout does not cut it.
+    with TraceStore.connect(url, run=run_id, socket_timeout_s=0.5) as st:
+        st.gate.admit("s", "w", 30)
+        res = st.gate.drain(1.2)
+        assert res.live == 1 and res.waited_s >= 1.1
+
+    async def main() -> None:
+        st = await connect_async(url, run_id, socket_timeout_s=0.5)
+        try:
+            res = await st.gate.drain(1.2)
+            assert res.live == 1 and res.waited_s >= 1.1
+        finally:
+            await st.close()
+
+    arun(main())

@@ -333,11 +333,25 @@ class AsyncIO:
     async def _blocking(self, cmd: Cmd) -> Any:
         assert cmd.block_s is not None
         c: Any = self.client
+        if self.cluster and cmd.key is not None:
+            # A connection of the node owning the key's slot, read with a timeout
+            # that covers the block time (the cluster client's own calls would
+            # cut the wait at the socket timeout).
+            node = c.get_node_from_key(cmd.key)
+            nconn = node.acquire_connection()
+            try:
+                await nconn.send_command(*cmd.args)
+                reply = await nconn.read_response(timeout=cmd.block_s + 5.0)
+            except BaseException:
+                await nconn.disconnect()
+                raise
+            finally:
+                node.release(nconn)
+            if isinstance(reply, ResponseError):
+                raise reply
+            return reply
         if self.cluster:
-            # The async cluster client keeps one pool per node; its own timeout
-            # handling is enough when the block time is below the socket timeout.
-            node = c.get_node_from_key(cmd.key) if cmd.key is not None else None
-            return await c.execute_command(*cmd.args, target_nodes=node)
+            return await c.execute_command(*cmd.args)
         conn = await c.connection_pool.get_connection()
         try:
             await conn.send_command(*cmd.args)
