@@ -5,16 +5,19 @@ DESIGN in docs/ for the model. The core imports without Ray or torch; the Ray
 integration lives in :mod:`tracestore.ray` (extra ``tracestore[ray]``).
 """
 
+from .checkpoint import CheckpointInfo, expert_key_lost
 from .errors import (
     ConfigError,
     GatePoisoned,
     GateSealed,
+    GroupExists,
     InvalidId,
     InvalidInput,
     NodeConflict,
     NotDrained,
     NotOwner,
     PromptMismatch,
+    RunNotEmpty,
     ScriptError,
     ServerError,
     SessionExists,
@@ -27,6 +30,7 @@ from .errors import (
 )
 from .gate import DrainResult, GateStatus, Lease, SettlementReceipt
 from .keys import Keys
+from .replay import ExpireReport, Group, PutResult, Taken
 from .router import Route, RouteTable
 from .store import AsyncTraceStore, TraceStore, connect
 from .traces import Node, PrefixMatch, Segment, Trace, Turn
@@ -34,6 +38,14 @@ from .traces import Node, PrefixMatch, Segment, Trace, Turn
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointInfo",
+    "ExpireReport",
+    "Group",
+    "GroupExists",
+    "PutResult",
+    "RunNotEmpty",
+    "Taken",
+    "expert_key_lost",
     "AsyncTraceStore",
     "ConfigError",
     "GatePoisoned",
