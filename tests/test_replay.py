@@ -341,3 +341,37 @@ def test_retried_calls_replay_their_reply(store: TraceStore) -> None:
     done = store._io.execute(commit)
     assert store._io.execute(commit) == done
     assert store.owner_of(g.sids[0]) == "train:0" and store.replay.count() == 0
+
+
+def test_lost_owner_cannot_take_or_claim(store: TraceStore) -> None:
+    import time
+
+    from tracestore.errors import OwnerLost
+
+    _put(store, "g1")
+    _put(store, "a1", status="aborted", retryable=True)
+    store.heartbeat("train:gone", 0.05)
+    time.sleep(0.1)
+    store.gc()
+    before = _snapshot(store)
+    with pytest.raises(OwnerLost):
+        store.replay.take("math", 1, owner="train:gone")
+    with pytest.raises(OwnerLost):
+        store.replay.claim_retry("math", 1, "train:gone")
+    assert _snapshot(store) == before
+
+
+def test_take_behind_a_large_stale_backlog(store: TraceStore) -> None:
+    """More stale groups than one take may expire: expired first in batches, then taken."""
+    from tracestore import replay as rb
+    from tracestore.scripts import Batch
+
+    stale = [Group(f"old{i}", "math", (f"old{i}.s",), min_version=0, retryable=i % 2 == 0) for i in range(2100)]
+    store.open_sessions([g.sids[0] for g in stale], PRODUCER)
+    store._io.execute(Batch(tuple(next(rb.put(store._ctx, g, PRODUCER)) for g in stale)))
+    _put(store, "fresh", min_version=9)
+    got = store.replay.take("math", 1, owner="train:0", current_version=9, max_staleness=1)
+    assert [g.gid for g in got] == ["fresh"]
+    assert len(got.expired) == 1050 and len(got.released) == 1050
+    assert store.replay.count("math", "expired") == 1050 and store.replay.count("math", "completed") == 0
+    assert len(_events(store)) == 1050
