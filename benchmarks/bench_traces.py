@@ -1,0 +1,371 @@
+"""Multi-turn prefix traces: tracestore vs the one-actor text trie (issue 3).
+
+Each session has 8 turns. Turn 1 sends a long first prompt (system prompt,
+documents, tool output) so that the context reaches about 1k, 8k or 32k
+tokens; every later turn adds 32..96 user tokens and 32..96 response tokens
+(uniform, 64 on average). Turns
+run turn-major over many sessions (turn t of every session, then t+1), as a
+session server interleaves them. Per turn:
+
+* tracestore: ``lookup`` before the request, ``record_turn`` after it
+  (benchmarks/../tracestore/traces.py); export at the end.
+* baseline (benchmarks/baselines/actor_store.py): XTuner's design, a text
+  trie in one Ray actor, called as its session server does: ``search``
+  before the request; ``search`` and two ``insert`` calls after it; export
+  at the end. Also run in-process (no Ray) for reference.
+
+Figures (side by side, one run, dedicated embedded standalone server):
+
+* turns/s over turns 2..8 (context ~C) and over whole sessions;
+* bytes on the wire per turn, from the server's ``total_net_input_bytes`` +
+  ``total_net_output_bytes`` (minus the INFO calls' own bytes), and round
+  trips per turn counted at the client; for the actor, the pickled size of
+  each call's arguments and results (what Ray serialises);
+* Redis memory per stored token from ``MEMORY USAGE`` (SAMPLES 0) of every
+  data key of the sessions, with and without node text.
+
+Goals: >= 5x turns/s at 8k; wire bytes per turn at 32k <= 1.2x the 1k
+figure; <= 10 B/token without text, <= 16 with text.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import random
+import time
+import tracemalloc
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tracestore import TraceStore
+from tracestore.servers import EmbeddedServer
+
+from .baselines.actor_store import SessionServerClient, TextTrieStore, remote_class
+
+TURNS = 8
+USER_TOKENS = 64
+RESPONSE_TOKENS = 64
+CONTEXTS = (1024, 8192, 32768)
+SESSIONS_FULL = {1024: 400, 8192: 160, 32768: 64}
+SESSIONS_QUICK = {1024: 8, 8192: 8, 32768: 8}
+MEMORY_SESSIONS = 24  # sessions written again without text, for B/token
+
+
+def _piece(t: int) -> str:
+    """A toy vocabulary: every token is 4 characters (English BPE averages about 4)."""
+    return " " + chr(97 + t % 26) + chr(97 + (t // 26) % 26) + chr(97 + (t // 676) % 26)
+
+
+@dataclass
+class _Turn:
+    prompt: str
+    response: str
+    delta: list[int]
+    out: list[int]
+    logprobs: list[float]
+    prefix_len: int  # chars of the prompt already stored before this turn
+
+
+def _session(context: int, seed: int) -> list[_Turn]:
+    rng = random.Random(seed)
+    sizes = random.Random(1000 + seed % 8)  # session counts are multiples of 8
+    first = max(USER_TOKENS, context - TURNS * (USER_TOKENS + RESPONSE_TOKENS) + USER_TOKENS)
+    text = ""
+    stored = 0  # chars of the longest stored key (the previous prompt + response)
+    turns = []
+    for i in range(TURNS):
+        # segment lengths vary around their means (fixed sizes would all land at the
+        # same allocator size class and make the memory figure an accident of the choice)
+        # (own generator: later turns have the same sizes at every context length)
+        n_user = first if i == 0 else sizes.randint(USER_TOKENS // 2, USER_TOKENS * 3 // 2)
+        n_out = sizes.randint(RESPONSE_TOKENS // 2, RESPONSE_TOKENS * 3 // 2)
+        delta = [rng.randrange(17_000) for _ in range(n_user)]
+        out = [rng.randrange(17_000) for _ in range(n_out)]
+        prefix_len = stored
+        prompt = text + "".join(map(_piece, delta)) + "<|assistant|>"
+        response = "".join(map(_piece, out)) + "<|end|>"
+        lps = [-rng.random() * 4 for _ in out]
+        turns.append(_Turn(prompt, response, delta, out, lps, prefix_len))
+        stored = len(prompt + response)
+        text = prompt + response + "<|user|>"
+    return turns
+
+
+def _net(r: Any) -> tuple[int, int]:
+    s = r.info("stats")
+    return int(s["total_net_input_bytes"]), int(s["total_net_output_bytes"])
+
+
+class _RoundTrips:
+    """Counts the requests (round trips) a store sends."""
+
+    def __init__(self, store: TraceStore) -> None:
+        self.n = 0
+        io: Any = store._io
+        orig = io.execute
+
+        def counting(req: Any) -> Any:
+            self.n += 1
+            return orig(req)
+
+        io.execute = counting
+
+
+class _Tracestore:
+    """A session server's calls on tracestore: lookup before, record_turn after."""
+
+    name = "tracestore"
+
+    def __init__(self, store: TraceStore) -> None:
+        self.store = store
+        self.rt = _RoundTrips(store)
+
+    def turn(self, sid: str, t: _Turn, i: int) -> None:
+        m = self.store.lookup(sid, t.prompt)
+        assert m.text_len == t.prefix_len, (sid, i, m.text_len, t.prefix_len)
+        input_ids = m.token_ids + t.delta  # what goes to the engine
+        assert len(input_ids) >= len(t.delta)
+        self.store.record_turn(
+            sid,
+            t.prompt,
+            t.response,
+            prefix=m,
+            delta_token_ids=t.delta,
+            response_token_ids=t.out,
+            response_logprobs=t.logprobs,
+            version=i,
+        )
+
+    def export(self, sid: str, key: str) -> int:
+        return len(self.store.export_training_trace(sid, key).input_ids)
+
+
+class _Baseline:
+    """The same calls on the text trie, through :class:`SessionServerClient`."""
+
+    def __init__(self, name: str, client: SessionServerClient) -> None:
+        self.name = name
+        self.client = client
+
+    def turn(self, sid: str, t: _Turn, i: int) -> None:
+        pos, prefix_ids = self.client.before_request(sid, t.prompt)
+        assert pos == t.prefix_len, (sid, i, pos, t.prefix_len)
+        input_ids = prefix_ids + t.delta
+        assert len(input_ids) >= len(t.delta)
+        self.client.after_response(sid, t.prompt, t.response, t.delta, t.out, t.logprobs, i)
+
+    def export(self, sid: str, key: str) -> int:
+        return len(self.client.export(sid, key)["input_ids"])
+
+
+def _run_side_by_side(
+    systems: list[Any], sessions: dict[str, list[_Turn]], r: Any
+) -> dict[str, dict[str, Any]]:
+    """Turn-major over the sessions; the systems take turns block by block (turn i of
+    every session), so load from other processes falls on all of them alike."""
+    a0 = _net(r)
+    info_cost = [x - y for x, y in zip(_net(r), a0, strict=True)]  # bytes one INFO call adds
+    acc: dict[str, dict[str, list[float]]] = {
+        s.name: {p: [0.0, 0, 0, 0] for p in ("first_turn", "steady_turns", "export")}
+        for s in systems
+    }
+    tokens = sum(len(t.delta) + len(t.out) for t in next(iter(sessions.values())))
+    for i in range(TURNS + 1):
+        phase = "first_turn" if i == 0 else "steady_turns" if i < TURNS else "export"
+        for system in systems:
+            rt = getattr(system, "rt", None)
+            if rt is not None:
+                rt.n = 0
+            before = _net(r)
+            start = time.perf_counter()
+            for sid, turns in sessions.items():
+                if i < TURNS:
+                    system.turn(sid, turns[i], i)
+                else:
+                    last = turns[-1]
+                    n = system.export(sid, last.prompt + last.response)
+                    assert n == sum(len(t.delta) + len(t.out) for t in turns)
+            took = time.perf_counter() - start
+            now = _net(r)
+            wire = (now[0] - before[0] - info_cost[0]) + (now[1] - before[1] - info_cost[1])
+            a = acc[system.name][phase]
+            a[0] += took
+            a[1] += len(sessions)
+            a[2] += wire
+            a[3] += rt.n if rt is not None else 0
+    assert tokens > 0
+    out: dict[str, dict[str, Any]] = {}
+    for name, phases in acc.items():
+        res: dict[str, Any] = {}
+        for phase, (took, n, wire, rts) in phases.items():
+            res[phase] = {
+                "calls" if phase == "export" else "turns": int(n),
+                "per_s": round(n / took, 1),
+            }
+            if name == "tracestore":
+                res[phase]["wire_bytes"] = round(wire / n, 1)
+                res[phase]["round_trips"] = round(rts / n, 2)
+        turn_s = phases["first_turn"][0] + phases["steady_turns"][0]
+        res["session_turns_per_s"] = round(len(sessions) * TURNS / turn_s, 1)
+        out[name] = res
+    return out
+
+
+def _baseline_serialized_bytes(turns: list[_Turn]) -> dict[str, float]:
+    """Pickled size of every actor call's arguments and result (what Ray ships), per turn."""
+    trie = TextTrieStore()
+    sizes = []
+    sid = "sample"
+    for i, t in enumerate(turns):
+        n = 0
+        res = trie.search(sid, t.prompt)
+        n += len(pickle.dumps((sid, t.prompt))) + len(pickle.dumps(res))
+        res2 = trie.search(sid, t.prompt)
+        n += len(pickle.dumps((sid, t.prompt))) + len(pickle.dumps(res2))
+        from .baselines.actor_store import TokenizedSegment
+
+        d = TokenizedSegment(t.prompt[res2[0] :], t.delta, version=i)
+        s = TokenizedSegment(t.response, t.out, list(t.out), t.logprobs, version=i)
+        n += len(pickle.dumps((sid, t.prompt, d))) + len(
+            pickle.dumps((sid, t.prompt + t.response, s))
+        )
+        trie.insert(sid, t.prompt, d)
+        trie.insert(sid, t.prompt + t.response, s)
+        sizes.append(n)
+    return {
+        "first_turn": float(sizes[0]),
+        "steady_turns": round(sum(sizes[1:]) / (len(sizes) - 1), 1),
+    }
+
+
+def _redis_bytes_per_token(store: TraceStore, sessions: dict[str, list[_Turn]]) -> dict[str, float]:
+    r = store.redis
+    total = 0
+    for sid in sessions:
+        for key in store.keys.data_keys(sid):
+            total += int(r.memory_usage(key, samples=0) or 0)
+    tokens = sum(len(t.delta) + len(t.out) for turns in sessions.values() for t in turns)
+    return {"bytes_per_token": round(total / tokens, 2), "bytes": total, "tokens": tokens}
+
+
+def _write_only(store: TraceStore, sessions: dict[str, list[_Turn]]) -> None:
+    for i in range(TURNS):
+        for sid, turns in sessions.items():
+            t = turns[i]
+            m = store.lookup(sid, t.prompt)
+            store.record_turn(
+                sid,
+                t.prompt,
+                t.response,
+                prefix=m,
+                delta_token_ids=t.delta,
+                response_token_ids=t.out,
+                response_logprobs=t.logprobs,
+                version=i,
+            )
+
+
+def _python_bytes_per_token(sessions: dict[str, list[_Turn]]) -> float:
+    """Memory of the baseline's trie in Python (tracemalloc), per stored token."""
+    gc.collect()
+    tracemalloc.start()
+    trie = TextTrieStore()
+    client = SessionServerClient(trie)
+    for i in range(TURNS):
+        for sid, turns in sessions.items():
+            t = turns[i]
+            client.after_response(
+                sid, t.prompt, t.response, t.delta, list(t.out), list(t.logprobs), i
+            )
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    tokens = sum(len(t.delta) + len(t.out) for turns in sessions.values() for t in turns)
+    # the prompt strings themselves are kept by the driver too; count only the trie's share
+    del trie, client
+    return round(used / tokens, 2)
+
+
+def run(quick: bool) -> dict[str, Any]:
+    import ray
+
+    root = str(Path(__file__).resolve().parent.parent)
+    os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    counts = SESSIONS_QUICK if quick else SESSIONS_FULL
+    figures: dict[str, Any] = {
+        "turns": TURNS,
+        "user_tokens_per_turn": USER_TOKENS,
+        "response_tokens_per_turn": RESPONSE_TOKENS,
+        "contexts": {},
+    }
+    server = EmbeddedServer().start()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        store = TraceStore.connect(server.url, run=f"bench-{uuid.uuid4().hex[:6]}")
+        for context in CONTEXTS:
+            n = counts[context]
+            print(f"   context ~{context} tokens, {n} sessions x {TURNS} turns", flush=True)
+            sessions = {f"c{context}-s{i}": _session(context, seed=i) for i in range(n)}
+            res: dict[str, Any] = {"sessions": n}
+            actor = remote_class().remote()
+            systems = [
+                _Tracestore(store),
+                _Baseline("actor", SessionServerClient(actor)),
+                _Baseline("in_process_trie", SessionServerClient(TextTrieStore())),
+            ]
+            res.update(_run_side_by_side(systems, sessions, store.redis))
+            ray.kill(actor)
+            res["actor"]["serialized_bytes_per_turn"] = _baseline_serialized_bytes(
+                next(iter(sessions.values()))
+            )
+            sample = dict(list(sessions.items())[:MEMORY_SESSIONS])
+            res["memory_with_text"] = _redis_bytes_per_token(store, sample)
+            nt = TraceStore.connect(
+                server.url, run=f"bench-nt-{uuid.uuid4().hex[:6]}", store_text=False
+            )
+            _write_only(nt, sample)
+            res["memory_without_text"] = _redis_bytes_per_token(nt, sample)
+            nt.drop_sessions_data(list(sample))
+            nt.close()
+            res["baseline_python_bytes_per_token"] = _python_bytes_per_token(
+                dict(list(sessions.items())[:5])
+            )
+            ts, ac = res["tracestore"], res["actor"]
+            res["ratio_steady_turns_per_s"] = round(
+                ts["steady_turns"]["per_s"] / ac["steady_turns"]["per_s"], 2
+            )
+            res["ratio_session_turns_per_s"] = round(
+                ts["session_turns_per_s"] / ac["session_turns_per_s"], 2
+            )
+            store.drop_sessions_data(list(sessions))
+            figures["contexts"][str(context)] = res
+            print(
+                f"     tracestore {ts['steady_turns']['per_s']} turns/s, actor "
+                f"{ac['steady_turns']['per_s']} ({res['ratio_steady_turns_per_s']}x); "
+                f"wire {ts['steady_turns']['wire_bytes']} B/turn; "
+                f"memory {res['memory_without_text']['bytes_per_token']} / "
+                f"{res['memory_with_text']['bytes_per_token']} B/token (no text / text)",
+                flush=True,
+            )
+        store.close()
+    finally:
+        ray.shutdown()
+        server.stop()
+    c = figures["contexts"]
+    w1 = c["1024"]["tracestore"]["steady_turns"]["wire_bytes"]
+    w32 = c["32768"]["tracestore"]["steady_turns"]["wire_bytes"]
+    figures["goals"] = {
+        "ratio_at_8k (goal >= 5)": c["8192"]["ratio_steady_turns_per_s"],
+        "wire_32k_over_1k (goal <= 1.2)": round(w32 / w1, 3),
+        "bytes_per_token_without_text_worst (goal <= 10)": max(
+            x["memory_without_text"]["bytes_per_token"] for x in c.values()
+        ),
+        "bytes_per_token_with_text_worst (goal <= 16)": max(
+            x["memory_with_text"]["bytes_per_token"] for x in c.values()
+        ),
+    }
+    print(f"   goals: {figures['goals']}", flush=True)
+    return figures
