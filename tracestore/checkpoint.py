@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -149,8 +149,9 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
 
     The file is written to ``path + ".tmp"`` and renamed when complete, so a
     crash never leaves a truncated file under ``path``. Raises StorageError.
-    Round trips: a SCAN of the control plane, two for its keys, two per 256
-    groups and one per 256 sessions.
+    Round trips: a SCAN of the control plane, two per 256 of its keys, two
+    per 256 groups and one per 256 sessions; the file is written as it is
+    read, so memory stays bounded by one batch.
     """
     k = ctx.keys
     target = Path(path)
@@ -161,15 +162,9 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
     skip = (op_head[:-1], "rb:g:")  # retry caches; group hashes are written as group records
     keys = sorted({key for key in found if not (k.control_suffix(key) or "").startswith(skip)})
     now = yield ServerTime(k.meta)
-    types = [_s(t) for t in (yield Batch(tuple(Cmd(("TYPE", key), key=key) for key in keys)))]
-    readable = [(key, t) for key, t in zip(keys, types, strict=True) if t in _READ]
-    reads = []
-    for key, t in readable:
-        reads.append(Cmd(_READ[t](key), key=key))
-        reads.append(Cmd(("PTTL", key), key=key))
-    replies = yield Batch(tuple(reads))
     sids: list[str] = []
-    ngroups = nnodes = 0
+    tasks: list[str] = []
+    nkeys = ngroups = nnodes = 0
     with open(tmp, "wb") as fh:
         w = _Writer(fh)
         w.line(
@@ -182,17 +177,26 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
                 "created_ms": int(now),
             }
         )
-        tasks: list[str] = []
-        for j, (key, t) in enumerate(readable):
-            value, ttl = replies[2 * j], int(replies[2 * j + 1])
-            if value is None:
-                continue  # expired between TYPE and the read
-            suffix = k.control_suffix(key)
-            w.line({"k": "key", "key": suffix, "type": t, "ttl_ms": ttl, "value": _encode_value(t, value)})
-            if t == "hash" and (sid := k.sid_of_session_key(key)):
-                sids.append(sid)
-            if key == k.rb_tasks:
-                tasks = sorted(_s(m) for m in value)
+        # control plane, BATCH keys per round trip (TYPE, then value and TTL)
+        for part in _chunks(keys, BATCH):
+            types = [_s(t) for t in (yield Batch(tuple(Cmd(("TYPE", key), key=key) for key in part)))]
+            readable = [(key, t) for key, t in zip(part, types, strict=True) if t in _READ]
+            reads: list[Cmd] = []
+            for key, t in readable:
+                reads.append(Cmd(_READ[t](key), key=key))
+                reads.append(Cmd(("PTTL", key), key=key))
+            replies = yield Batch(tuple(reads))
+            for j, (key, t) in enumerate(readable):
+                value, ttl = replies[2 * j], int(replies[2 * j + 1])
+                if value is None or ttl == -2:
+                    continue  # expired between SCAN and the read
+                suffix = k.control_suffix(key)
+                w.line({"k": "key", "key": suffix, "type": t, "ttl_ms": ttl, "value": _encode_value(t, value)})
+                nkeys += 1
+                if t == "hash" and (sid := k.sid_of_session_key(key)):
+                    sids.append(sid)
+                if key == k.rb_tasks:
+                    tasks = sorted(_s(m) for m in value)
         # replay groups, queue by queue, in FIFO order
         for task in tasks:
             for status in STORED_STATUSES:
@@ -230,13 +234,13 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
                         "dead": None if dead is None else enc(dead),
                     }
                 )
-        counts = {"keys": len(readable), "groups": ngroups, "sessions": len(sids), "nodes": nnodes}
+        counts = {"keys": nkeys, "groups": ngroups, "sessions": len(sids), "nodes": nnodes}
         w.line({"k": "end", "counts": counts})
         fh.flush()
         os.fsync(fh.fileno())
         size = w.bytes
     os.replace(tmp, target)
-    return CheckpointInfo(str(target), k.run, len(readable), ngroups, len(sids), nnodes, size)
+    return CheckpointInfo(str(target), k.run, nkeys, ngroups, len(sids), nnodes, size)
 
 
 def _chunks(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
@@ -345,63 +349,75 @@ def _records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 yield orjson.loads(line)
 
 
-def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
-    """Write the checkpoint at ``path`` into this run, which must be empty.
-
-    The run may have another id than the checkpointed one. The whole file is
-    validated (format, version, complete up to its end record, known record
-    kinds) before anything is written. Data is written first, the control
-    plane after it, the meta record last. Expert keys of restored nodes are
-    marked lost (:func:`expert_key_lost`).
-
-    Raises InvalidInput (not a checkpoint, other version, truncated or
-    malformed file), RunNotEmpty (the run holds keys other than its meta
-    record), StorageError. Restore is not atomic: a crash in the middle
-    leaves a partial run; delete it and restore again. Round trips: two SCANs
-    (emptiness), then one per 256 records.
-    """
-    k = ctx.keys
-    head = read_header(path)
+def _validate(path: str | os.PathLike[str], ctx: Context) -> dict[str, Any]:
+    """Read the whole file once (streaming) and return its end record; raise InvalidInput if bad."""
     end: dict[str, Any] | None = None
-    records: list[dict[str, Any]] = []
     try:
         for rec in _records(path):
+            if end is not None:
+                raise InvalidInput("checkpoint", f"{path}: records after the end record")
             if rec.get("k") == "end":
                 end = rec
                 continue
-            if end is not None:
-                raise InvalidInput("checkpoint", f"{path}: records after the end record")
-            _write_cmds(ctx, rec)  # validates the record
-            records.append(rec)
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            _write_cmds(ctx, rec)  # builds (and so validates) the record's commands
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, InvalidInput):
             raise
         raise InvalidInput("checkpoint", f"{path}: malformed record ({type(exc).__name__}: {exc})") from None
     if end is None:
         raise InvalidInput("checkpoint", f"{path} is truncated (no end record)")
+    return end
+
+
+def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
+    """Write the checkpoint at ``path`` into this run, which must be empty.
+
+    The run may have another id than the checkpointed one. The whole file is
+    validated (format, version, complete up to its end record, known record
+    kinds) before anything is written. Data is written first, the replay
+    groups next, then the control plane, the meta record last. Expert keys
+    of restored nodes are marked lost (:func:`expert_key_lost`). The file is
+    streamed (read once to validate, then once per phase), so memory stays
+    bounded by one batch.
+
+    Raises InvalidInput (not a checkpoint, other version, truncated or
+    malformed file), RunNotEmpty (the run holds keys other than its meta
+    record), StorageError. Restore is not atomic: a crash in the middle
+    leaves a partial run; delete it and restore again. Round trips: two SCANs
+    (emptiness), then one per 256 commands.
+    """
+    k = ctx.keys
+    read_header(path)
+    end = _validate(path, ctx)
     found = yield ScanAll(k.control_pattern, count=1000)
     others = sorted(key for key in found if key != k.meta)
     if not others:
         others = (yield ScanAll(k.data_pattern, count=1000))[:5]
     if others:
         raise RunNotEmpty(k.run, others[:5])
-    order = {"trace": 0, "group": 1, "key": 2}
-    records.sort(key=lambda r: (order[r["k"]], r.get("key") == "meta"))
+    meta_suffix = k.control_suffix(k.meta)
+    phases: list[Callable[[dict[str, Any]], bool]] = [
+        lambda r: r["k"] == "trace",
+        lambda r: r["k"] == "group",
+        lambda r: r["k"] == "key" and r["key"] != meta_suffix,
+        lambda r: r["k"] == "key" and r["key"] == meta_suffix,
+    ]
     lost = 0
-    nbytes = os.path.getsize(path)
-    pending: list[Cmd] = []
-    for rec in records:
-        cmds, n = _write_cmds(ctx, rec)
-        lost += n
-        pending += cmds
-        if len(pending) >= BATCH:
+    for phase in phases:
+        pending: list[Cmd] = []
+        for rec in _records(path):
+            if rec.get("k") == "end" or not phase(rec):
+                continue
+            cmds, n = _write_cmds(ctx, rec)
+            lost += n
+            pending += cmds
+            if len(pending) >= BATCH:
+                yield Batch(tuple(pending))
+                pending = []
+        if pending:
             yield Batch(tuple(pending))
-            pending = []
-    if pending:
-        yield Batch(tuple(pending))
     c = end.get("counts", {})
-    del head
     return CheckpointInfo(
         str(path), k.run, int(c.get("keys", 0)), int(c.get("groups", 0)), int(c.get("sessions", 0)),
-        int(c.get("nodes", 0)), nbytes, lost,
+        int(c.get("nodes", 0)), os.path.getsize(path), lost,
     )
