@@ -169,7 +169,10 @@ def release(
     returned at most once.
 
     Raises InvalidId (before I/O), StorageError (if the purge fails after the
-    release became final, gc purges the data later). Idempotent under client
+    release became final, gc purges the data later; if one chunk of a very
+    large call fails, the chunks that succeeded are final, their events are
+    appended and their ids are not returned, so no id is ever returned
+    twice; gc purges their data). Idempotent under client
     retries. Two pipelined round trips (release chunks of 4,000, then purge
     grouped by node); one when nothing was released or ``purge=False``.
     """

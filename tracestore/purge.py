@@ -4,34 +4,49 @@ The control-plane release script has already made the release final and
 appended its event; purging is idempotent, so a crash between the phases
 leaves only garbage for ``gc`` to remove, never a live session without data.
 
-Each session's purge is two plain commands on its own ``{R/sid}`` slot, in
-this order: ``SET ts:{R/sid}:dead <ms>`` (from then on ``record_turn`` and
-``insert`` fail with SessionReleased, because their scripts check the
-tombstone atomically), then ``UNLINK`` of :meth:`~tracestore.keys.Keys.data_keys`
-(which frees the memory off the main thread). A write that ran before the
-tombstone is deleted by the UNLINK; none can run after it. Both commands are
-idempotent, so no script (and no per-call script overhead) is needed; a
-:class:`~tracestore.scripts.Batch` pipelines them per node, one round trip per
-node for any number of sessions.
+A session's purge is two plain commands on its ``{R/sid}`` slot, in this
+order: set the tombstone ``ts:{R/sid}:dead`` (from then on ``record_turn``
+and ``insert`` fail with SessionReleased, because their scripts check the
+tombstone atomically), then ``UNLINK`` :meth:`~tracestore.keys.Keys.data_keys`.
+A write that ran before the tombstone is deleted by the UNLINK; none can run
+after it. Both commands are idempotent, so no script is needed. Sessions are
+grouped by slot: the sessions of one slot share one ``MSET`` and one
+``UNLINK``, and a :class:`~tracestore.scripts.Batch` pipelines the groups per
+node, one round trip per node for any number of sessions.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from .context import Context
-from .keys import validate_ids
-from .scripts import Batch, Cmd, Op, ServerTime
+from .keys import key_slot, validate_ids
+from .scripts import Batch, Cmd, Op, ServerTime, chunks, group_by_slot
+
+#: Sessions per MSET/UNLINK pair (a standalone server takes many sessions per command).
+PURGE_CHUNK = 1000
 
 
-def purge_cmds(ctx: Context, sids: list[str], now_ms: int) -> list[Cmd]:
-    """Tombstone then unlink the data keys of each of ``sids`` (``sids`` validated already)."""
+def purge_cmds(ctx: Context, sids: Sequence[str], now_ms: int) -> list[Cmd]:
+    """Tombstone then unlink the data keys of ``sids`` (validated already), grouped by slot.
+
+    Sessions whose keys share a hash slot share one ``MSET`` of their
+    tombstones and one ``UNLINK`` of their data keys (chunks of
+    :data:`PURGE_CHUNK`). On a cluster that is usually one pair per session;
+    a standalone server has no slots, so a thousand sessions cost two commands.
+    """
     k = ctx.keys
+    if ctx.cluster:
+        groups: list[list[str]] = list(group_by_slot((key_slot(k.dead(s)), s) for s in sids).values())
+    else:
+        groups = [list(sids)]
     out: list[Cmd] = []
-    for s in sids:
-        dead = k.dead(s)
-        out.append(Cmd(("SET", dead, now_ms), key=dead))
-        out.append(Cmd(("UNLINK", *k.data_keys(s)), key=dead))
+    for group in groups:
+        for part in chunks(group, PURGE_CHUNK):
+            deads = [k.dead(s) for s in part]
+            out.append(Cmd(("MSET", *(x for d in deads for x in (d, now_ms))), key=deads[0]))
+            out.append(Cmd(("UNLINK", *(dk for s in part for dk in k.data_keys(s))), key=deads[0]))
     return out
 
 
