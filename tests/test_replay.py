@@ -375,3 +375,33 @@ def test_take_behind_a_large_stale_backlog(store: TraceStore) -> None:
     assert len(got.expired) == 1050 and len(got.released) == 1050
     assert store.replay.count("math", "expired") == 1050 and store.replay.count("math", "completed") == 0
     assert len(_events(store)) == 1050
+
+
+def test_cut_connection_retries_replay_the_first_reply(backend: str, url: str, run_id: str) -> None:
+    """The reply of put/take is lost after the script ran; redis-py's retry gets the same reply."""
+    from urllib.parse import urlparse
+
+    from tests._netcut import CutProxy
+
+    u = urlparse(url)
+    if backend == "cluster" or u.scheme != "redis" or u.password:
+        pytest.skip("needs a plain redis:// URL of one node")
+    with CutProxy(u.hostname or "127.0.0.1", int(u.port or 6379)) as proxy:
+        st = TraceStore.connect(proxy.url, run=run_id, retries=3)
+        try:
+            for i in range(4):
+                _put(st, f"g{i}")
+            st.replay.take("math", 1, owner="train:0")  # warm-up: scripts loaded
+            g = _group(st, "g9")
+            proxy.arm()  # put runs on the server, its reply is lost
+            res = st.replay.put(g, PRODUCER)
+            assert proxy.cuts == 1 and res.stored and res.seq == 5
+            events0 = len(_events(st))
+            proxy.arm(skip=1)  # the plan's reply arrives, the commit's reply is lost
+            got = st.replay.take("math", 2, owner="train:1")
+            assert proxy.cuts == 2
+            assert [x.gid for x in got] == ["g1", "g2"]
+            assert [x.gid for x in st.replay.groups("math")] == ["g3", "g9"]
+            assert len(_events(st)) == events0
+        finally:
+            st.close()
