@@ -13,6 +13,7 @@ from . import checkpoint as ckpt_ops
 from . import gc as gc_ops
 from . import ownership as own_ops
 from . import purge as purge_ops
+from . import replay as replay_ops
 from . import run as run_ops
 from . import traces as trace_ops
 from ._io import AsyncIO, SyncIO, async_op, sync_op
@@ -174,13 +175,11 @@ class TraceStore(_Base):
 
     # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
     @property
-    def replay(self) -> Any:
+    def replay(self) -> replay_ops.Replay:
         """The run's replay buffer (:class:`~tracestore.replay.Replay`): put, take, claim_retry, expire..."""
-        from .replay import Replay
-
         rb = self._ctx.caches.get("replay")
         if rb is None:
-            rb = self._ctx.caches["replay"] = Replay(self._io, self._ctx)
+            rb = self._ctx.caches["replay"] = replay_ops.Replay(self._io, self._ctx)
         return rb
 
     checkpoint = sync_op(ckpt_ops.checkpoint)
@@ -290,13 +289,11 @@ class AsyncTraceStore(_Base):
 
     # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
     @property
-    def replay(self) -> Any:
+    def replay(self) -> replay_ops.AsyncReplay:
         """The run's replay buffer (:class:`~tracestore.replay.AsyncReplay`): put, take, claim_retry, expire..."""
-        from .replay import AsyncReplay
-
         rb = self._ctx.caches.get("replay")
         if rb is None:
-            rb = self._ctx.caches["replay"] = AsyncReplay(self._io, self._ctx)
+            rb = self._ctx.caches["replay"] = replay_ops.AsyncReplay(self._io, self._ctx)
         return rb
 
     checkpoint = async_op(ckpt_ops.checkpoint)
