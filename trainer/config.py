@@ -34,10 +34,11 @@ class TrainConfig:
     warmup_steps: int = 120
     sync_every: int = 1
     eval_every: int = 4
-    eval_prompts: int = 8
+    eval_prompts: int = 16
     checkpoint_every: int = 4
     max_staleness: int = 2
-    max_buffer: int = 8
+    #: Disaggregated: the producer pauses while this many completed groups wait.
+    max_buffer: int = 4
     lease_ttl_s: float = 30.0
     drain_timeout_s: float = 30.0
     holder_drain_s: float = 15.0

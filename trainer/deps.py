@@ -34,8 +34,14 @@ def holder_get(holder: Any, keys: Sequence[str]) -> list[Any]:
     return list(holder.get(list(keys)))
 
 
+def expert_key_lost(key: str) -> bool:
+    """True for an expert key that a checkpoint restore marked lost (``lost:<key>``)."""
+    return key.startswith("lost:")
+
+
 def close_holder(holder: Any) -> None:
-    holder.close()
+    """Stop the holder's consumer and remove its consumer group (the run is over)."""
+    holder.close(destroy_group=True)
 
 
 # -- replay buffer (DESIGN s7) -----------------------------------------------------------

@@ -46,15 +46,28 @@ def store_counts(store: TraceStore) -> dict[str, int]:
     return {"opened": live + released, "released": released, "live": live, "events": events}
 
 
-def reclaim_dead_owners(store: TraceStore, keep: tuple[str, ...] = ("replay",)) -> dict[str, int]:
-    """After a crash: release what the dead processes' owner tags still hold; clear their poison."""
+def reclaim_dead_owners(
+    store: TraceStore, lease_ttl_s: float, keep: tuple[str, ...] = ("replay",)
+) -> dict[str, int]:
+    """After a crash: release what the dead processes' owner tags still hold; resolve their leases.
+
+    Requests in flight when the processes died hold leases nobody will
+    settle: they stay live until their deadline, then poison the gate. The
+    resuming trainer knows those holders are dead, so it waits for the
+    deadlines and clears the poison (a weight update is refused until then).
+    """
     out: dict[str, int] = {}
     for o in store.owners():
         if o.owner not in keep and o.sessions:
             out[o.owner] = len(store.release_owner(o.owner, "owner-lost"))
+    deadline = time.monotonic() + lease_ttl_s + 5.0
     st = store.gate.status()
+    while st.live and time.monotonic() < deadline:
+        time.sleep(0.2)
+        st = store.gate.status()
     if st.poison:
-        store.gate.clear_poison([p.lease_id for p in st.poison], "resumed: holders restarted")
+        store.gate.clear_poison([p.lease_id for p in st.poison], "resumed-holders-restarted")
+        out["poisoned leases cleared"] = len(st.poison)
     return out
 
 
@@ -85,6 +98,14 @@ def _actor(cls: Any, concurrency: int = 1) -> Any:
 
     opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": concurrency}
     return ray.remote(**opts)(cls)
+
+
+def _object_store_used() -> int:
+    """Bytes in use in the Ray object store, as the raylet reports them (lags by a heartbeat)."""
+    import ray
+
+    total = ray.cluster_resources().get("object_store_memory", 0.0)
+    return int(total - ray.available_resources().get("object_store_memory", 0.0))
 
 
 def _p50(xs: list[float]) -> float:
@@ -121,10 +142,12 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
     if resume_state is not None:
         if not store.sessions() and not store.redis.zcard(store.keys.released):
             deps.restore_store(store, os.path.join(_ckpt_dir(cfg), "store.ckpt"))
-        reclaimed = reclaim_dead_owners(store)
+        reclaimed = reclaim_dead_owners(store, cfg.lease_ttl_s)
     names = [f"w{i}" for i in range(cfg.workers)]
     cj = cfg.to_json()
-    workers = {n: _actor(RolloutWorker).remote(cj, n) for n in names}
+    # threaded: the learner borrows refs and pushes weights while a rollout runs (safe: a
+    # weight push happens with the gate sealed and drained, so no generation is in flight)
+    workers = {n: _actor(RolloutWorker, 3).remote(cj, n) for n in names}
     learner = _actor(Learner).remote(cj, workers)
     model_path = os.path.join(_ckpt_dir(cfg), "model.pt") if resume_state else None
     start = ray.get(learner.init.remote(resume_state, model_path))
@@ -165,11 +188,13 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
     pstats = ray.get(producer.stats.remote())
     drained = drain_run(store, lstats["version"])
     # the holders drop refs as their event consumers see the releases
+    # and the raylet's view of the object store catches up within a few heartbeats
     deadline = time.monotonic() + cfg.holder_drain_s
     while True:
         wstats = ray.get([w.stats.remote() for w in workers.values()])
         refs = sum(w["holder"]["refs"] for w in wstats)
-        if refs == 0 or time.monotonic() > deadline:
+        plasma_used = _object_store_used()
+        if (refs == 0 and plasma_used == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     counts = store_counts(store)
@@ -206,6 +231,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         "release_events": counts["events"],
         "refs_held_at_end": refs,
         "expert_bytes_held_at_end": sum(w["holder"]["bytes"] for w in wstats),
+        "object_store_bytes_at_end": plasma_used,
         "gate_cycles": lstats["gate_cycles"],
         "gate_version": gate.version,
         "poisoned_leases": gate.poisoned,
@@ -270,6 +296,7 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("release events", "release_events"),
     ("refs held at end", "refs_held_at_end"),
     ("routed-expert bytes held at end", "expert_bytes_held_at_end"),
+    ("Ray object store bytes in use at end", "object_store_bytes_at_end"),
     ("gate cycles", "gate_cycles"),
     ("poisoned leases", "poisoned_leases"),
     ("p50 turn latency (ms)", "p50_turn_latency_ms"),

@@ -101,7 +101,7 @@ class RolloutWorker:
         self.recorder = TurnRecorder(cast(TraceStore, self.store), render, TOK.encode, self.holder)
         self.policy = new_policy(TOK.vocab_size, seed=self.cfg.seed, max_len=256)
         self.version = -1
-        self.gen = torch.Generator().manual_seed(self.cfg.seed * 1000 + hash(name) % 1000)
+        self.gen = torch.Generator().manual_seed(self.cfg.seed * 1000 + sum(map(ord, name)))
         self.turn_s: list[float] = []
         self.busy_s = 0.0
 
@@ -442,18 +442,29 @@ class Learner:
                 return groups
             time.sleep(0.02)
 
-    def _routing(self, sample: Sample, keys: list[str] | None, n_tokens: int) -> np.ndarray | None:
-        if not keys:
-            return None
-        try:
-            refs = self._ray.get(self.workers[sample["worker"]].get_refs.remote(keys))
-            parts = self._ray.get(refs)
-            del refs
-        except Exception:
-            self.replay_fallbacks += 1  # holder gone (restart): train without routing replay
-            return None
-        routing = np.concatenate([np.asarray(p) for p in parts])[1:].astype(np.int64)
-        return routing if routing.shape[0] == n_tokens - 1 else None
+    def _fetch_routing(self, wanted: list[tuple[str, list[str]]]) -> list[list[Any] | None]:
+        """Routed-expert parts of each ``(worker, keys)``: one borrow call per worker, one get.
+
+        None for a trace whose keys are lost (restored checkpoint) or whose
+        holder no longer has them (worker restarted): that sample trains
+        without routing replay.
+        """
+        by_worker: dict[str, list[str]] = {}
+        for w, keys in wanted:
+            if keys and not any(deps.expert_key_lost(k) for k in keys):
+                by_worker.setdefault(w, []).extend(keys)
+        lent: dict[str, Any] = {}
+        for w, keys in by_worker.items():
+            try:
+                refs = self._ray.get(self.workers[w].get_refs.remote(keys))
+                lent.update(zip(keys, self._ray.get(refs), strict=True))
+                del refs
+            except Exception:
+                self.replay_fallbacks += 1
+        return [
+            [lent[k] for k in keys] if keys and all(k in lent for k in keys) else None
+            for _, keys in wanted
+        ]
 
     def _step(self, step: int, wait_s: float) -> dict[str, Any]:
         owner = f"train:{step}"
@@ -462,11 +473,11 @@ class Learner:
         wait = time.perf_counter() - t_take
         if not groups:
             raise RuntimeError(f"step {step}: no batch within {wait_s}s (producer stalled?)")
-        samples: list[TrainSample] = []
-        same_version: list[int] = []
         rewards: list[float] = []
         staleness: list[int] = []
         sids: list[str] = []
+        rows: list[tuple[Any, float]] = []
+        wanted: list[tuple[str, list[str]]] = []
         for g in groups:
             ss = g.payload["samples"]
             adv = group_advantages([s["reward"] for s in ss])
@@ -475,18 +486,28 @@ class Learner:
                 sids.append(s["sid"])
                 rewards.append(float(s["reward"]))
                 tr = self.store.export_training_trace(s["sid"], final_key(s["messages"]))
-                routing = self._routing(s, tr.expert_keys, len(tr.input_ids))
-                if min(tr.versions) == max(tr.versions) == self.version:
-                    same_version.append(len(samples))
-                samples.append(
-                    TrainSample(
-                        np.asarray(tr.input_ids, dtype=np.int64),
-                        np.asarray(tr.labels, dtype=np.int64),
-                        np.asarray(tr.logprobs, dtype=np.float32),
-                        routing,
-                        a,
-                    )
+                rows.append((tr, a))
+                wanted.append((s["worker"], list(tr.expert_keys or [])))
+        samples: list[TrainSample] = []
+        same_version: list[int] = []
+        for (tr, a), parts in zip(rows, self._fetch_routing(wanted), strict=True):
+            routing = None
+            if parts is not None:
+                routing = np.concatenate([np.asarray(p) for p in parts])[1:].astype(np.int64)
+                if routing.shape[0] != len(tr.input_ids) - 1:
+                    routing = None
+            if routing is not None and min(tr.versions) == max(tr.versions) == self.version:
+                same_version.append(len(samples))
+            samples.append(
+                TrainSample(
+                    np.asarray(tr.input_ids, dtype=np.int64),
+                    np.asarray(tr.labels, dtype=np.int64),
+                    np.asarray(tr.logprobs, dtype=np.float32),
+                    routing,
+                    a,
                 )
+            )
+        del rows, wanted
         align = self._alignment(samples, same_version)
         stats = train_step(self.model, self.opt, samples, TOK.pad_id)
         released = self.store.release_owner(owner, "trained")
