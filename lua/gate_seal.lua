@@ -1,25 +1,33 @@
 -- script: gate_seal
 -- Seal the gate (no new admission until reopen) or reopen it, and return
--- the status right after. Sealing a sealed gate keeps its first sealed_ms;
--- both are naturally idempotent under client retry.
+-- the status right after. Sealing a sealed gate keeps its first sealed_ms and
+-- its first sealer. A sealer may name itself with a token: a reopen that
+-- carries a token only reopens a seal made with that token (weight_update
+-- leaves an operator's seal in place). Idempotent under client retry: a
+-- retried seal finds its own token recorded.
 -- KEYS: 3
--- KEYS[1] = ts:{R}:gate            hash: state, version, sealed_ms, retry_ms
+-- KEYS[1] = ts:{R}:gate            hash: state, version, sealed_ms, retry_ms, sealed_by
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms (read)
 -- KEYS[3] = ts:{R}:gate:poison     hash: lease id -> reason json (read)
 -- ARGV[1] = "seal" | "reopen"
 -- ARGV[2] = retry hint given to refused admissions while sealed (ms)
 -- ARGV[3] = max ids to return per list of the status
--- returns: the reply of gate_status
+-- ARGV[4] = sealer token ("" for none: an unconditional reopen)
+-- returns: the reply of gate_status, then the token of the current seal ("" when open or anonymous)
 -- errors: none
 -- include: gate
 local gate = KEYS[1]
-local state = redis.call('HGET', gate, 'state')
+local g = redis.call('HMGET', gate, 'state', 'sealed_by')
+local state, by = g[1], g[2] or ''
+local token = ARGV[4] or ''
 if ARGV[1] == 'seal' then
   if state ~= 'sealed' then
-    redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', gate_now_ms(), 'retry_ms', ARGV[2])
+    redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', gate_now_ms(), 'retry_ms', ARGV[2], 'sealed_by', token)
   end
-elseif state ~= 'open' then
+elseif state ~= 'open' and (token == '' or token == by) then
   redis.call('HSET', gate, 'state', 'open')
-  redis.call('HDEL', gate, 'sealed_ms')
+  redis.call('HDEL', gate, 'sealed_ms', 'sealed_by')
 end
-return gate_status_reply(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[3]))
+local out = gate_status_reply(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[3]))
+out[#out + 1] = redis.call('HGET', gate, 'sealed_by') or ''
+return out

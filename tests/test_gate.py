@@ -22,7 +22,7 @@ from tracestore.errors import (
     StaleVersion,
     UnknownLease,
 )
-from tracestore.gate import Lease, admit, admit_many, drain, install, settle
+from tracestore.gate import Lease, _reopen_as, _seal_as, admit, admit_many, drain, install, settle
 from tracestore.scripts import Batch, Cmd, ScanAll
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -295,8 +295,7 @@ def test_killed_holder_expires_into_poison_then_clear_and_install(store: TraceSt
     with pytest.raises(GatePoisoned):
         with g.weight_update(1, drain_timeout_s=1):
             pytest.fail("body must not run while poisoned")
-    assert not g.status().sealed  # weight_update reopened after refusing
-    g.seal()
+    assert g.status().sealed  # weight_update found the gate sealed and left it so
     assert g.clear_poison([lease_id], "worker-died") == [lease_id]
     assert g.install(1) == 0
     st = g.reopen()
@@ -328,6 +327,27 @@ def test_weight_update_reopens_without_installing_when_the_body_raises(store: Tr
     with g.weight_update(3, drain_timeout_s=1):
         pass
     assert g.status().version == 3
+
+
+def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> None:
+    g = store.gate
+    g.seal()  # an operator paused admissions
+    with g.weight_update(4, drain_timeout_s=1):
+        pass
+    st = g.status()
+    assert (st.state, st.version) == ("sealed", 4)  # installed, and still sealed for the operator
+    with pytest.raises(RuntimeError):
+        with g.weight_update(5, drain_timeout_s=1):
+            raise RuntimeError("push failed")
+    assert g.status().state == "sealed"
+    assert g.reopen().state == "open"
+    # a sealer token: a retried seal still knows it sealed; another token cannot reopen it
+    io, ctx = store._io, store._ctx
+    req = next(_seal_as(ctx, "a" * 32))
+    assert io.execute(req)[-1] == io.execute(req)[-1] in ("a" * 32, b"a" * 32)
+    assert not io.run(_seal_as(ctx, "b" * 32))
+    assert io.run(_reopen_as(ctx, "b" * 32)).state == "sealed"
+    assert io.run(_reopen_as(ctx, "a" * 32)).state == "open"
 
 
 def test_async_weight_update_and_drain(url: str, run_id: str, arun: Any) -> None:

@@ -391,10 +391,12 @@ def status(ctx: Context) -> Op[GateStatus]:
     return _decode_status(reply)
 
 
-def _seal_eval(ctx: Context, what: str, retry_after_ms: int) -> Eval:
+def _seal_eval(ctx: Context, what: str, retry_after_ms: int, token: str = "") -> Eval:
     k = ctx.keys
     return Eval(
-        script("gate_seal"), (k.gate, k.gate_leases, k.gate_poison), (what, retry_after_ms, MAX_IDS)
+        script("gate_seal"),
+        (k.gate, k.gate_leases, k.gate_poison),
+        (what, retry_after_ms, MAX_IDS, token),
     )
 
 
@@ -416,9 +418,22 @@ def seal(ctx: Context, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS) -> Op[GateS
 def reopen(ctx: Context) -> Op[GateStatus]:
     """Reopen the gate (admissions resume, under the current version).
 
-    Allowed in any state; reopening an open gate changes nothing. One round trip.
+    Allowed in any state, whoever sealed; reopening an open gate changes
+    nothing. One round trip.
     """
     reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS)
+    return _decode_status(reply)
+
+
+def _seal_as(ctx: Context, token: str) -> Op[bool]:
+    """Seal under ``token``; True when this token holds the seal (it sealed an open gate)."""
+    reply = yield _seal_eval(ctx, "seal", DEFAULT_RETRY_AFTER_MS, token)
+    return _s(reply[-1]) == token
+
+
+def _reopen_as(ctx: Context, token: str) -> Op[GateStatus]:
+    """Reopen only a seal made under ``token`` (another sealer's seal stays)."""
+    reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS, token)
     return _decode_status(reply)
 
 
@@ -590,21 +605,26 @@ class Gate:
         with nothing poisoned and ``version`` must be larger than the current
         one; otherwise NotDrained, GatePoisoned or StaleVersion is raised and
         the body does not run. If the body raises, the gate is reopened
-        without installing and the error propagates. The gate is reopened in
-        every case. Yields the :class:`DrainResult`. One weight updater per
-        run at a time (another one's reopen would end this one's seal).
-        Validates ``version`` and the timeout before any I/O.
+        without installing and the error propagates. The gate is left as it
+        was found: reopened in every case when this call sealed it, left
+        sealed when it already was (an operator's ``tracestore gate seal``
+        survives a weight update). Run one weight update per run at a time:
+        a second one would find the gate sealed and install under the first
+        one's seal. Yields the
+        :class:`DrainResult`. Validates ``version`` and the timeout before any I/O.
         """
         _version(version)
         _ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
-        self.seal()
+        token = new_op_id()
+        mine = self._io.run(_seal_as(self._ctx, token))
         try:
             res = self.drain(drain_timeout_s)
             _check_drained(res, version)
             yield res
             self.install(version)
         finally:
-            self.reopen()
+            if mine:
+                self._io.run(_reopen_as(self._ctx, token))
 
 
 class AsyncGate:
@@ -632,14 +652,16 @@ class AsyncGate:
         """Async counterpart of :meth:`Gate.weight_update` (``async with``)."""
         _version(version)
         _ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
-        await self.seal()
+        token = new_op_id()
+        mine = await self._io.run(_seal_as(self._ctx, token))
         try:
             res = await self.drain(drain_timeout_s)
             _check_drained(res, version)
             yield res
             await self.install(version)
         finally:
-            await self.reopen()
+            if mine:
+                await self._io.run(_reopen_as(self._ctx, token))
 
 
 __all__ = [
