@@ -8,6 +8,7 @@ clients, and identical results from the sync and async clients.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -535,6 +536,94 @@ def test_two_clients_warm_cache_never_stale(store_factory: Callable[..., TraceSt
     assert len(node_cache(b._ctx)) > 0 and node_cache(b._ctx).nbytes <= 4096
 
 
+def test_concurrent_writers_and_readers_never_see_a_wrong_prefix(
+    store_factory: Callable[..., TraceStore],
+) -> None:
+    """Threads write their own branches of one session through three clients (two
+    threads share one client and its cache); a reader checks every match it sees."""
+    shared = store_factory()
+    clients = [shared, shared, store_factory(), store_factory(cache_bytes=8192)]
+    reader_client = store_factory()
+    sid = "threads"
+    base = SYS + U1
+    _turn(shared, sid, base, R1, [1], [2])
+    rounds = 8
+    expected: dict[str, list[int]] = {base + R1: [1, 2]}
+    keys: dict[int, list[str]] = {}
+    for j in range(len(clients)):  # every branch's keys and their ids, known in advance
+        text, ids = base + R1, [1, 2]
+        keys[j] = []
+        for k in range(rounds):
+            prompt = text + f"<|user|>branch {j} step {k}<|end|>"
+            ids = ids + [1000 * j + 10 * k]
+            expected[prompt] = list(ids)
+            text = prompt + f"ok {j}.{k}"
+            ids = ids + [1000 * j + 10 * k + 1]
+            expected[text] = list(ids)
+            keys[j].append(text)
+    errors: list[str] = []
+    done = threading.Event()
+
+    def writer(j: int) -> None:
+        st = clients[j]
+        text = base + R1
+        try:
+            for k in range(rounds):
+                prompt = text + f"<|user|>branch {j} step {k}<|end|>"
+                m = st.lookup(sid, prompt)
+                if m.text_len != len(text) or m.token_ids != expected[text]:
+                    errors.append(f"writer {j}: lookup matched {m.text_len}")
+                if k % 2:  # the low-level insert path (conditional on the index version)
+                    st.insert(sid, prompt, Segment([1000 * j + 10 * k]))
+                    st.insert(sid, prompt + f"ok {j}.{k}", Segment([1000 * j + 10 * k + 1]))
+                else:
+                    st.record_turn(
+                        sid,
+                        prompt,
+                        f"ok {j}.{k}",
+                        prefix=m,
+                        delta_token_ids=[1000 * j + 10 * k],
+                        response_token_ids=[1000 * j + 10 * k + 1],
+                        response_logprobs=[0.0],
+                        version=0,
+                    )
+                text = prompt + f"ok {j}.{k}"
+                got = st.lookup(sid, text + "?")
+                if got.text_len != len(text) or got.token_ids != expected[text]:
+                    errors.append(f"writer {j}: own write not visible at step {k}")
+        except Exception as exc:  # reported below; a thread must not die silently
+            errors.append(f"writer {j}: {exc!r}")
+
+    def reader() -> None:
+        last: dict[str, int] = {}
+        while not done.is_set():
+            for j in keys:
+                q = keys[j][-1] + "?"
+                m = reader_client.lookup(sid, q)
+                matched = q[: m.text_len]
+                if m.text_len and expected.get(matched) != m.token_ids:
+                    errors.append(f"reader: wrong ids for a match of {m.text_len} chars")
+                if m.text_len < last.get(q, 0):
+                    errors.append("reader: a match went backwards")
+                last[q] = m.text_len
+
+    threads = [threading.Thread(target=writer, args=(j,)) for j in range(len(clients))]
+    r = threading.Thread(target=reader)
+    r.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    r.join()
+    assert errors == []
+    for st in (*clients, reader_client):
+        for j in keys:
+            for key in keys[j]:
+                tr = st.export_training_trace(sid, key)
+                assert tr.input_ids == expected[key]
+
+
 def test_warm_lookup_is_one_round_trip(store: TraceStore) -> None:
     sid = "rtt"
     final = _three_turns(store, sid)
@@ -657,3 +746,35 @@ def test_traces_demo_section(standalone_url: str) -> None:
     assert rows["export first attempt"].startswith("175 tokens")
     assert "PromptMismatch" in rows["export of a prompt never stored"]
     assert "NodeConflict" in rows["rewrite a node with other logprobs"]
+
+
+# -- the benchmark's baseline agrees with tracestore ----------------------------------------
+
+
+def test_actor_baseline_trie_agrees_with_tracestore(store: TraceStore) -> None:
+    """benchmarks/baselines/actor_store.py (plain class) exports what tracestore exports."""
+    from benchmarks.baselines.actor_store import SessionServerClient, TextTrieStore
+
+    trie = TextTrieStore()
+    client = SessionServerClient(trie)
+    p1 = SYS + U1
+    p2 = p1 + R1 + U2
+    p3 = p2 + R2B + U3
+    plan = [(p1, R1, [1, 2], [3]), (p2, R2, [4], [5]), (p2, R2B, [], [6, 7]), (p3, R3, [8], [9])]
+    for i, (prompt, resp, delta, out) in enumerate(plan):
+        pos, ids = client.before_request("s", prompt)
+        m = store.lookup("s", prompt)
+        assert (pos, ids) == (m.text_len, m.token_ids)
+        client.after_response("s", prompt, resp, delta, out, [-0.5] * len(out), i)
+        _turn(store, "s", prompt, resp, delta, out, version=i)
+    for key in (p1 + R1, p2 + R2, p2 + R2B, p3 + R3):
+        want = client.export("s", key)
+        got = store.export_training_trace("s", key)
+        assert want == {
+            "input_ids": got.input_ids,
+            "labels": got.labels,
+            "logprobs": got.logprobs,
+            "versions": got.versions,
+            "expert_keys": None,
+        }
+    assert client.release(["s", "other"]) == 1 and trie.session_count() == 0
