@@ -16,6 +16,7 @@ from .errors import (
     NodeConflict,
     NotDrained,
     NotOwner,
+    OwnerLost,
     PromptMismatch,
     RunNotEmpty,
     ScriptError,
@@ -29,6 +30,7 @@ from .errors import (
     UnknownLease,
 )
 from .gate import DrainResult, GateStatus, Lease, SettlementReceipt
+from .gc import GcReport
 from .keys import Keys
 from .replay import ExpireReport, Group, PutResult, Taken
 from .router import Route, RouteTable
@@ -48,6 +50,7 @@ __all__ = [
     "expert_key_lost",
     "AsyncTraceStore",
     "ConfigError",
+    "GcReport",
     "GatePoisoned",
     "GateSealed",
     "InvalidId",
@@ -57,6 +60,7 @@ __all__ = [
     "NodeConflict",
     "NotDrained",
     "NotOwner",
+    "OwnerLost",
     "PrefixMatch",
     "PromptMismatch",
     "ScriptError",
