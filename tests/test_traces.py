@@ -624,6 +624,35 @@ def test_concurrent_writers_and_readers_never_see_a_wrong_prefix(
                 assert tr.input_ids == expected[key]
 
 
+def test_turn_cost_does_not_grow_with_the_context(standalone_url: str, run_id: str) -> None:
+    """DESIGN s4 cost invariant: bytes on the wire per turn are O(new tokens)."""
+
+    def net(st: TraceStore) -> int:
+        s = st.redis.info("stats")
+        return int(s["total_net_input_bytes"]) + int(s["total_net_output_bytes"])
+
+    def steady_bytes(first_tokens: int) -> int:
+        st = TraceStore.connect(standalone_url, run=run_id)
+        try:
+            sid = f"ctx{first_tokens}"
+            text = "<|system|>" + "w" * (4 * first_tokens)
+            _turn(st, sid, text, "r0", list(range(first_tokens)), [1])
+            text += "r0"
+            before = net(st)
+            for k in range(6):
+                prompt = text + f"<|user|>question {k}<|end|>"
+                _turn(st, sid, prompt, f"answer {k}", [7] * 20, [8] * 20)
+                text = prompt + f"answer {k}"
+            after = net(st)
+            assert st.export_training_trace(sid, text).input_ids[-1] == 8
+            return after - before
+        finally:
+            st.close()
+
+    small, large = steady_bytes(250), steady_bytes(50_000)
+    assert large <= 1.2 * small, (small, large)
+
+
 def test_warm_lookup_is_one_round_trip(store: TraceStore) -> None:
     sid = "rtt"
     final = _three_turns(store, sid)
