@@ -139,10 +139,12 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         started_ray = True
     t_wall = time.perf_counter()
     reclaimed: dict[str, int] = {}
+    t_reclaimed = t_wall
     if resume_state is not None:
         if not store.sessions() and not store.redis.zcard(store.keys.released):
             deps.restore_store(store, os.path.join(_ckpt_dir(cfg), "store.ckpt"))
         reclaimed = reclaim_dead_owners(store, cfg.lease_ttl_s)
+    t_reclaimed = time.perf_counter()
     names = [f"w{i}" for i in range(cfg.workers)]
     cj = cfg.to_json()
     # threaded: the learner borrows refs and pushes weights while a rollout runs (safe: a
@@ -197,6 +199,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         if (refs == 0 and plasma_used == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    t_drained = time.perf_counter()
     counts = store_counts(store)
     gate = store.gate.status()
     for h in [*workers.values()]:
@@ -225,6 +228,12 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         "eval_reward_last": evals[-1] if evals else None,
         "steps_per_s": steps_done / max(1e-9, t_loop_end - t_loop),
         "wall_s": wall,
+        "phases_s": {
+            "reclaim": t_reclaimed - t_wall,
+            "start_actors_and_warm_start": t_loop - t_reclaimed,
+            "loop": t_loop_end - t_loop,
+            "drain_and_holders": t_drained - t_loop_end,
+        },
         "sessions_opened": counts["opened"],
         "sessions_released": counts["released"],
         "sessions_leaked": counts["live"],
