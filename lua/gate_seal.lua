@@ -1,10 +1,14 @@
 -- script: gate_seal
 -- Seal the gate (no new admission until reopen) or reopen it, and return
--- the status right after. Sealing a sealed gate keeps its first sealed_ms and
--- its first sealer. A sealer may name itself with a token: a reopen that
--- carries a token only reopens a seal made with that token (weight_update
--- leaves an operator's seal in place). Idempotent under client retry: a
--- retried seal finds its own token recorded.
+-- the status right after. Sealing a sealed gate keeps its first sealed_ms.
+-- A sealer may name itself with a token (weight_update does): a reopen that
+-- carries a token only reopens a seal held under that token. An anonymous
+-- seal (an operator's) is never taken over: it turns a token seal anonymous,
+-- so the weight update in progress leaves the gate sealed. A token seal takes
+-- over another token's seal (that updater crashed, or runs concurrently, which
+-- is unsupported), so a crashed updater's seal does not outlive the next
+-- weight update. Idempotent under client retry: a retried seal finds its own
+-- token recorded.
 -- KEYS: 3
 -- KEYS[1] = ts:{R}:gate            hash: state, version, sealed_ms, retry_ms, sealed_by
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms (read)
@@ -23,6 +27,8 @@ local token = ARGV[4] or ''
 if ARGV[1] == 'seal' then
   if state ~= 'sealed' then
     redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', gate_now_ms(), 'retry_ms', ARGV[2], 'sealed_by', token)
+  elseif by ~= '' and by ~= token then
+    redis.call('HSET', gate, 'sealed_by', token)
   end
 elseif state ~= 'open' and (token == '' or token == by) then
   redis.call('HSET', gate, 'state', 'open')

@@ -341,12 +341,21 @@ def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> N
             raise RuntimeError("push failed")
     assert g.status().state == "sealed"
     assert g.reopen().state == "open"
-    # a sealer token: a retried seal still knows it sealed; another token cannot reopen it
+    # an operator sealing during a weight update keeps the gate sealed after it
+    with g.weight_update(5, drain_timeout_s=1):
+        g.seal()
+    assert (g.status().state, g.status().version) == ("sealed", 5)
+    g.reopen()
+    # sealer tokens: a retried seal still holds; another token cannot reopen it
     io, ctx = store._io, store._ctx
     req = next(_seal_as(ctx, "a" * 32))
     assert io.execute(req)[-1] == io.execute(req)[-1] in ("a" * 32, b"a" * 32)
-    assert not io.run(_seal_as(ctx, "b" * 32))
     assert io.run(_reopen_as(ctx, "b" * 32)).state == "sealed"
+    # a weight update that died while sealed: the next one takes its seal over and reopens
+    with g.weight_update(6, drain_timeout_s=1):
+        pass
+    assert (g.status().state, g.status().version) == ("open", 6)
+    assert io.run(_seal_as(ctx, "a" * 32))
     assert io.run(_reopen_as(ctx, "a" * 32)).state == "open"
 
 

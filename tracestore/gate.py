@@ -404,7 +404,9 @@ def seal(ctx: Context, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS) -> Op[GateS
     """Seal the gate: from the moment this returns, every ``admit`` raises GateSealed.
 
     ``retry_after_ms`` is the hint refused admissions carry. Sealing a
-    sealed gate changes nothing. Returns the status right after sealing.
+    sealed gate keeps its seal time and hint; a weight update in progress
+    then leaves the gate sealed when it ends (an operator's seal is never
+    reopened by ``weight_update``). Returns the status right after sealing.
     One round trip (the script answers with the status it leaves).
     """
     if isinstance(retry_after_ms, bool) or not isinstance(retry_after_ms, int) or not (
@@ -426,7 +428,7 @@ def reopen(ctx: Context) -> Op[GateStatus]:
 
 
 def _seal_as(ctx: Context, token: str) -> Op[bool]:
-    """Seal under ``token``; True when this token holds the seal (it sealed an open gate)."""
+    """Seal under ``token``; True when this token holds the seal (False: an operator's seal)."""
     reply = yield _seal_eval(ctx, "seal", DEFAULT_RETRY_AFTER_MS, token)
     return _s(reply[-1]) == token
 
@@ -605,12 +607,12 @@ class Gate:
         with nothing poisoned and ``version`` must be larger than the current
         one; otherwise NotDrained, GatePoisoned or StaleVersion is raised and
         the body does not run. If the body raises, the gate is reopened
-        without installing and the error propagates. The gate is left as it
-        was found: reopened in every case when this call sealed it, left
-        sealed when it already was (an operator's ``tracestore gate seal``
-        survives a weight update). Run one weight update per run at a time:
-        a second one would find the gate sealed and install under the first
-        one's seal. Yields the
+        without installing and the error propagates. The gate is reopened in
+        every case, unless an operator sealed it (``seal()`` /
+        ``tracestore gate seal``, before or during the update): that seal
+        survives the weight update. A seal left by a crashed weight update is
+        taken over and reopened. Run one weight update per run at a time (a
+        second one would take over the first one's seal). Yields the
         :class:`DrainResult`. Validates ``version`` and the timeout before any I/O.
         """
         _version(version)
