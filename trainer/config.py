@@ -19,7 +19,7 @@ class TrainConfig:
     """Everything a run needs; defaults give a 1-2 minute run on 2 cores."""
 
     mode: str = "colocated"
-    steps: int = 12
+    steps: int = 20
     url: str | None = None
     run: str = field(default_factory=lambda: f"train-{int(time.time())}")
     out: str = "train-out"

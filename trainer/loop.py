@@ -164,7 +164,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         for step in range(start, cfg.steps + 1):
             if cfg.mode == "colocated":
                 ray.get(producer.produce.remote(cfg.prompts_per_step))
-            rec = ray.get(learner.step.remote(step))
+            rec = ray.get(learner.step.remote(step, 5.0 if cfg.mode == "colocated" else 60.0))
             history.append(rec)
             if progress is not None:
                 progress(rec)
@@ -213,7 +213,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
     store_s = sum(w["store_s"] for w in wstats) + pstats["store_s"] + lstats["store_s"]
     busy_s = sum(w["busy_s"] for w in wstats) + pstats["busy_s"] + lstats["busy_s"]
     rewards = [h["reward"] for h in history]
-    k = max(1, min(3, len(rewards) // 3))
+    k = max(1, min(5, len(rewards) // 4))  # first and last quarter, at most 5 steps
     evals = [h["eval_reward"] for h in history if "eval_reward" in h]
     aligns = [h["replay_max_abs_diff"] for h in history if h.get("replay_max_abs_diff") is not None]
     report: dict[str, Any] = {

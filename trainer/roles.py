@@ -472,7 +472,12 @@ class Learner:
         groups = self._take(owner, wait_s)
         wait = time.perf_counter() - t_take
         if not groups:
-            raise RuntimeError(f"step {step}: no batch within {wait_s}s (producer stalled?)")
+            ready = deps.replay_count(self.store, TASK, "completed")
+            raise RuntimeError(
+                f"step {step}: no batch of {self.cfg.prompts_per_step} groups within {wait_s}s "
+                f"({ready} ready; every group filtered, i.e. the policy collapsed, or the "
+                "producer stalled)"
+            )
         rewards: list[float] = []
         staleness: list[int] = []
         sids: list[str] = []

@@ -96,7 +96,7 @@ def train_options(f: Any) -> Any:
             show_default=True,
             help="colocated (generate, then train) or disaggregated (overlapped).",
         ),
-        click.option("--steps", type=int, default=12, show_default=True, help="Training steps."),
+        click.option("--steps", type=int, default=20, show_default=True, help="Training steps."),
         url_option,
         click.option(
             "--run",
