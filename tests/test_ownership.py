@@ -557,3 +557,28 @@ def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
         store.heartbeat("rollout:w", 0.4)
         assert store.gc().sessions_released == ()
     assert store.sessions("rollout:w") == ["s0", "s1"]
+
+
+def test_async_retry_after_cut_connection(backend: str, url: str, run_id: str, arun: Any) -> None:
+    with _proxy_for(backend, url) as proxy:
+
+        async def body() -> tuple[list[str], list[str]]:
+            st = await connect_async(proxy.url, run_id, retries=3)
+            try:
+                sids = [f"s{i}" for i in range(20)]
+                await st.open_sessions(sids, "train:1")
+                await st.release(["warm-up"], "train:1")
+                proxy.arm()
+                first = await st.release(sids[:10], "train:1", "consumed")
+                proxy.arm(skip=1)
+                rest = await st.release_owner("train:1", "consumed")
+                return first, rest
+            finally:
+                await st.close()
+
+        first, rest = arun(body())
+        assert proxy.cuts == 2
+    assert first == [f"s{i}" for i in range(10)]
+    assert sorted(rest) == sorted(f"s{i}" for i in range(10, 20))
+    with TraceStore.connect(url, run=run_id) as check:
+        assert Counter(e["sid"] for e in events(check)) == Counter(f"s{i}" for i in range(20))

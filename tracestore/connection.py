@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -191,6 +192,13 @@ def async_client(
     parsed = parse_url(resolve_url(url))
     cluster = _detect_cluster(parsed, opts)
     common = _common(opts)
+    # redis.asyncio awaits its retry object: the sync Retry would return the
+    # coroutine unawaited from inside its loop, so a lost reply was never retried.
+    common["retry"] = AsyncRetry(
+        ExponentialBackoff(cap=opts.backoff_cap_s, base=opts.backoff_base_s),
+        opts.retries,
+        supported_errors=(RedisConnectionError, RedisTimeoutError),
+    )
     if cluster:
         common.pop("retry_on_error")
         client: Any = AsyncRedisCluster.from_url(parsed.url, **common, max_connections=opts.max_connections)
