@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from tests._netcut import CutProxy
-from tests.conftest import connect_async
+from tests.conftest import _selected, connect_async
 from tracestore import InvalidId, SessionReleased, TraceStore
 from tracestore._io import SyncIO
 from tracestore.errors import OwnerLost
@@ -582,3 +582,79 @@ def test_async_retry_after_cut_connection(backend: str, url: str, run_id: str, a
     assert sorted(rest) == sorted(f"s{i}" for i in range(10, 20))
     with TraceStore.connect(url, run=run_id) as check:
         assert Counter(e["sid"] for e in events(check)) == Counter(f"s{i}" for i in range(20))
+
+
+def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> None:
+    """Scenario 4 on a cluster: one proxy per node, redis-py told to reach the nodes through them."""
+    if "cluster" not in _selected():
+        pytest.skip("cluster backend not selected (TRACESTORE_TEST_BACKENDS)")
+    from redis.cluster import RedisCluster
+
+    from tracestore.connection import ConnectionOptions, _common, parse_url
+    from tracestore.context import Context, StoreConfig
+    from tracestore.keys import Keys
+
+    base = parse_url(cluster_url).url
+    probe = redis.Redis.from_url(base)
+    try:
+        shards = probe.execute_command("CLUSTER", "SLOTS")
+    finally:
+        probe.close()
+    nodes = {(_s(s[2][0]), int(s[2][1])) for s in shards}
+    proxies = {addr: CutProxy(*addr) for addr in nodes}
+    by_port = {p.port: p for p in proxies.values()}
+    common = _common(ConnectionOptions(retries=3))
+    common.pop("retry_on_error")
+    client = RedisCluster.from_url(
+        base,
+        **common,
+        address_remap=lambda addr: ("127.0.0.1", proxies[(addr[0], int(addr[1]))].port)
+        if (addr[0], int(addr[1])) in proxies
+        else addr,
+    )
+    keys = Keys("ts", run_id)
+    st = TraceStore(SyncIO(client, cluster=True), Context(keys, True, StoreConfig()), cluster_url)
+    try:
+        st.init_run()
+
+        def proxy_of(key: str) -> CutProxy:
+            node = client.get_node_from_key(key)
+            return by_port[int(node.port)]
+
+        sids = [f"s{i}" for i in range(30)]
+        st.open_sessions(sids, "train:1")
+        for s in sids[:3]:
+            write_turn(st, s)
+        st.release(["warm-up"], "train:1")
+        control = proxy_of(keys.meta)
+
+        control.arm()  # the release script ran on the node; its reply is lost
+        assert st.release(sids[:10], "train:1", "consumed") == sids[:10]
+        assert control.cuts == 1
+
+        control.arm(skip=1)  # release_owner: SMEMBERS passes, the release reply is lost
+        assert sorted(st.release_owner("train:1", "consumed")) == sorted(sids[10:])
+        assert control.cuts == 2
+
+        control.arm()
+        st.open_session("o1", "rollout:0")
+        control.arm()
+        assert st.transfer(["o1"], "rollout:0", "replay") == ["o1"]
+        assert control.cuts == 4
+
+        # The purge pipeline of a data node loses its reply: re-run, idempotent.
+        st.open_sessions(["q0", "q1"], "train:2")
+        for s in ("q0", "q1"):
+            write_turn(st, s)
+        data = proxy_of(keys.dead("q0"))
+        data.arm(skip=2 if data is control else 0)  # release and clock replies come first there
+        assert st.release(["q0", "q1"], "train:2") == ["q0", "q1"]
+        assert data.cuts == 1 + (4 if data is control else 0)
+
+        ev = events(st)
+        assert Counter(e["sid"] for e in ev) == Counter([*sids, "q0", "q1"])
+        assert all(data_purged(st, s) for s in [*sids[:3], "q0", "q1"])
+    finally:
+        st.close()
+        for p in proxies.values():
+            p.close()

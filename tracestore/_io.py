@@ -157,7 +157,11 @@ class SyncIO:
             except RedisError as exc:
                 out = [exc] * len(idxs)
             for i, reply in zip(idxs, out, strict=True):
-                if isinstance(reply, RedisError) and _is_redirect(reply):
+                # A redirect (slot moved) or a lost connection: re-run the request
+                # alone through the cluster client, which follows MOVED/ASK and
+                # retries connection errors (a node's own pipeline does not). Safe
+                # because every mutating script replays its reply by op id.
+                if isinstance(reply, RedisError) and (_is_redirect(reply) or _is_connection(reply)):
                     reply = self._single(reqs[i], use_sha)
                 replies[i] = reply
         return replies
@@ -397,6 +401,13 @@ def _route_key(r: Eval | Cmd) -> str | None:
     if isinstance(r, Eval):
         return r.keys[0] if r.keys else None
     return r.key
+
+
+def _is_connection(exc: RedisError) -> bool:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError))
 
 
 def _is_redirect(exc: RedisError) -> bool:
