@@ -26,8 +26,9 @@ from click.testing import CliRunner  # noqa: E402
 
 from tracestore import TraceStore  # noqa: E402
 from tracestore.cli import main as cli  # noqa: E402
+from tracestore.servers import EmbeddedServer  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
-from trainer.loop import run  # noqa: E402
+from trainer.loop import run, store_counts  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -130,10 +131,40 @@ def test_resume_after_kill_following_checkpoint(cluster_url: str, tmp_path: Any)
     # resume: the new default run id is ignored, the checkpoint's is used
     report = run(_cfg(cluster_url, str(tmp_path), "disaggregated", resume=True, **kw))
     assert report["run"] == run_id and report["resumed_from_step"] == 2
+    assert not report["store_restored"]  # the server kept its state: reclaimed, not restored
     assert [h["step"] for h in report["history"]] == [1, 2, 3, 4]
     assert report["steps_this_process"] == 2
     assert report["gate_cycles"] == 4
     _check_nothing_leaked(report, cluster_url)
+
+
+def test_resume_on_a_fresh_server_restores_the_store_checkpoint(
+    standalone_url: str, tmp_path: Any
+) -> None:
+    """The server is lost too: the run resumes on an empty server from ``store.ckpt``.
+
+    Restored traces keep their tokens; their expert keys are marked lost (the
+    Ray objects died with the workers), so those samples train without
+    routing replay, and the counts continue from the checkpoint's.
+    """
+    kw = {"lease_ttl_s": 2.0}
+    first = run(_cfg(standalone_url, str(tmp_path), "colocated", crash_after_step=2, **kw))
+    assert first["crashed_after_step"] == 2
+    with open(tmp_path / "ckpt" / "state.json") as f:
+        run_id = TrainConfig.from_json(json.load(f)["cfg"]).run
+    with TraceStore.connect(standalone_url, run=run_id) as old:
+        before = store_counts(old)["opened"]  # colocated: nothing ran after the checkpoint
+    fresh = EmbeddedServer().start()
+    try:
+        report = run(_cfg(fresh.url, str(tmp_path), "colocated", resume=True, **kw))
+        assert report["store_restored"] and report["resumed_from_step"] == 2
+        # the restored sessions and tombstones count, then this process's own
+        new = sum(report["groups"].values()) * FAST["group_size"]
+        assert report["sessions_opened"] >= before + new
+        assert [h["step"] for h in report["history"]] == [1, 2, 3, 4]
+        _check_nothing_leaked(report, fresh.url)
+    finally:
+        fresh.stop()
 
 
 def _cli(*args: str) -> Any:

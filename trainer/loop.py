@@ -139,10 +139,13 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         started_ray = True
     t_wall = time.perf_counter()
     reclaimed: dict[str, int] = {}
+    restored = False
     t_reclaimed = t_wall
     if resume_state is not None:
         if not store.sessions() and not store.redis.zcard(store.keys.released):
+            # an empty run: the server was lost too, the store comes back from the checkpoint
             deps.restore_store(store, os.path.join(_ckpt_dir(cfg), "store.ckpt"))
+            restored = True
         reclaimed = reclaim_dead_owners(store, cfg.lease_ttl_s)
     t_reclaimed = time.perf_counter()
     names = [f"w{i}" for i in range(cfg.workers)]
@@ -253,6 +256,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         "routing_replay_fallbacks": lstats["replay_fallbacks"],
         "invalid_responses": sum(w["invalid"] for w in wstats),
         "reclaimed_after_crash": reclaimed,
+        "store_restored": restored,
         "drained_at_end": drained,
         "history": history,
     }

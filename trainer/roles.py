@@ -2,14 +2,20 @@
 
 Ownership of a rollout session, end to end (DESIGN s5):
 
-``rollout:<worker>`` (opened by the producer for the worker the router picked)
--> ``producer`` (transferred back when the worker returns) -> ``replay``
+``rollout:<worker>.<incarnation>`` (opened by the producer for the worker the
+router picked) -> ``producer.<incarnation>`` (transferred back when the worker
+returns) -> ``replay``
 (``replay.put``; failed and filtered groups are released there and then) ->
 ``train:<step>`` (``replay.take``) -> released by ``release_owner("train:<step>")``
 after the optimiser step. Evaluation sessions are owned by ``eval:<step>``
 and released in a ``finally``. Aborted groups (a weight update sealed the gate
 mid-episode) go back to the buffer as retryable ``aborted`` groups and are
 claimed back (``claim_retry``) and continued on the same worker (sticky route).
+
+Owner tags of long-lived roles carry the process incarnation and heartbeat:
+if the whole trainer dies and nobody resumes it, ``tracestore gc`` releases
+what they held (reason ``owner-lost``); a resumed trainer uses new tags, so
+an owner that gc declared lost never blocks it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from .task import Episode, Problem, make_problem
 from .tokenizer import TOKENIZER as TOK
 
 Sample = dict[str, Any]
-PRODUCER = "producer"
+HEARTBEAT_TTL_S = 120.0
 
 
 class Clock:
@@ -236,6 +242,7 @@ class Producer:
         self.router: Any = Timed(self.raw_store.router(sorted(workers)), self.clock)
         self.rng = random.Random(self.cfg.seed * 7919 + start_step)
         self.nonce = uuid.uuid4().hex[:6]
+        self.tag = f"producer.{self.nonce}"
         self.n = 0
         self.counts: dict[str, int] = {}
         self.opened = 0
@@ -272,10 +279,18 @@ class Producer:
         finally:
             self.busy_s += time.perf_counter() - t0
 
+    def _rollout_tag(self, worker: str) -> str:
+        return f"rollout:{worker}.{self.nonce}"
+
+    def _heartbeat(self) -> None:
+        for tag in (self.tag, *(self._rollout_tag(w) for w in self.workers)):
+            self.store.heartbeat(tag, HEARTBEAT_TTL_S)
+
     def _round(self) -> dict[str, int]:
         cfg = self.cfg
+        self._heartbeat()
         jobs: list[tuple[str, list[Sample]]] = []
-        for g in deps.replay_claim_retry(self.store, TASK, cfg.prompts_per_step, PRODUCER):
+        for g in deps.replay_claim_retry(self.store, TASK, cfg.prompts_per_step, self.tag):
             jobs.append((g.gid, [dict(s) for s in g.payload["samples"]]))
             self.claimed += 1
         while len(jobs) < cfg.prompts_per_step:
@@ -293,15 +308,15 @@ class Producer:
                 by_worker.setdefault(w, []).append(s)
                 (fresh if s["status"] == "new" else resumed).setdefault(w, []).append(s["sid"])
         for w, sids in fresh.items():
-            self.store.open_sessions(sids, f"rollout:{w}", version=version)
+            self.store.open_sessions(sids, self._rollout_tag(w), version=version)
             self.opened += len(sids)
         for w, sids in resumed.items():
-            self.store.transfer(sids, PRODUCER, f"rollout:{w}")
+            self.store.transfer(sids, self.tag, self._rollout_tag(w))
         calls = {w: self.workers[w].run.remote(ss) for w, ss in by_worker.items()}
         done: dict[str, Sample] = {}
         for w, ref in calls.items():
             out = self._ray.get(ref)
-            self.store.transfer([s["sid"] for s in out], f"rollout:{w}", PRODUCER)
+            self.store.transfer([s["sid"] for s in out], self._rollout_tag(w), self.tag)
             done.update({s["sid"]: s for s in out})
         stats: dict[str, int] = {}
         for gid, samples in jobs:
@@ -317,7 +332,7 @@ class Producer:
                 status == "aborted",
                 {"samples": samples},
             )
-            deps.replay_put(self.store, group, PRODUCER)
+            deps.replay_put(self.store, group, self.tag)
             stats[status] = stats.get(status, 0) + 1
             self.counts[status] = self.counts.get(status, 0) + 1
         if stats.get("aborted"):
