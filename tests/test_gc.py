@@ -181,3 +181,30 @@ def test_cli_gc_and_sessions(url: str, run_id: str, store: TraceStore) -> None:
     assert infos["rollout:gone"]["lost_ms"] is not None and infos["replay"]["sessions"] == 1
     r = runner.invoke(main, ["gc", "--url", url, "--run", run_id, "--tombstone-retention", "-1"])
     assert r.exit_code == 1 and "InvalidInput" in r.output
+
+
+def test_gc_async(url: str, run_id: str, arun: Any) -> None:
+    from tests.conftest import connect_async
+
+    async def body() -> Any:
+        st = await connect_async(url, run_id)
+        try:
+            await st.heartbeat("rollout:a", 0.05)
+            await st.open_sessions(["a0", "a1"], "rollout:a")
+            await st.open_sessions(["t0"], "train:1")
+            await st.redis.hset(st.keys.idx("t0"), "x", "1")  # some data of t0
+            await st.release(["t0"], "train:1", purge=False)
+            k = st.keys.events
+            await st.redis.xgroup_create(k, "h", id="0")
+            await st.redis.xreadgroup("h", "c", {k: ">"}, count=1)
+            time.sleep(0.1)
+            return await st.gc(group_idle_limit_s=3600)
+        finally:
+            await st.close()
+
+    rep = arun(body())
+    assert rep.owners_lost == ("rollout:a",)
+    assert sorted(rep.sessions_released) == ["a0", "a1"]
+    assert rep.sessions_purged == ("t0",)
+    assert rep.groups_removed == ()
+    assert rep.events_trimmed == 0  # the group still has the first event pending
