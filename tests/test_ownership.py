@@ -453,7 +453,7 @@ def test_retry_after_cut_connection_returns_same_ids_and_one_event(
             assert proxy.cuts == 1
             assert got == sids[:10]
 
-            proxy.arm(skip=2)  # the release and clock replies arrive, the purge reply is lost
+            proxy.arm(skip=1)  # the release reply arrives, the purge reply is lost
             got = st.release(sids[10:20], "train:1", "consumed")
             assert proxy.cuts == 2
             assert got == sids[10:20]
@@ -647,7 +647,7 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
         for s in ("q0", "q1"):
             write_turn(st, s)
         data = proxy_of(keys.dead("q0"))
-        data.arm(skip=2 if data is control else 0)  # release and clock replies come first there
+        data.arm(skip=1 if data is control else 0)  # the release reply comes first there
         assert st.release(["q0", "q1"], "train:2") == ["q0", "q1"]
         assert data.cuts == 1 + (4 if data is control else 0)
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from .context import Context
 from .keys import key_slot, validate_ids
-from .scripts import Batch, Cmd, Op, ServerTime, chunks, group_by_slot
+from .scripts import Batch, Cmd, Op, chunks, group_by_slot
 
 #: Sessions per MSET/UNLINK pair (a standalone server takes many sessions per command).
 PURGE_CHUNK = 1000
@@ -51,10 +51,9 @@ def purge_cmds(ctx: Context, sids: Sequence[str], now_ms: int) -> list[Cmd]:
 
 
 def purge_evals(ctx: Context, sids: list[str]) -> list[Cmd]:
-    """:func:`purge_cmds` stamped with the client clock, for a caller already inside a Batch.
+    """:func:`purge_cmds` stamped with the client clock (ms), to put in a Batch.
 
-    (The name is kept for callers written when each purge was a script; the
-    tombstone's value is informational, only its existence is checked.)
+    (The name is kept for callers written when each purge was a script.)
     """
     return purge_cmds(ctx, list(sids), int(time.time() * 1000))
 
@@ -62,21 +61,19 @@ def purge_evals(ctx: Context, sids: list[str]) -> list[Cmd]:
 def purge_sessions(ctx: Context, sids: list[str]) -> Op[int]:
     """Purge ``sids`` (validated already); returns the number of data keys deleted.
 
-    Two round trips: the server clock (the tombstone's value), then the
-    pipelined commands.
+    One pipelined round trip per node. The tombstone holds the client's clock
+    (ms): it is informational, only its existence is checked.
     """
     if not sids:
         return 0
-    now = yield ServerTime(ctx.keys.meta)
-    replies = yield Batch(tuple(purge_cmds(ctx, sids, now)))
+    replies = yield Batch(tuple(purge_evals(ctx, sids)))
     return sum(int(r) for r in replies[1::2])
 
 
 def drop_sessions_data(ctx: Context, sids: list[str]) -> Op[int]:
     """Delete the data of ``sids`` and tombstone it; returns the number of keys deleted.
 
-    Idempotent. Raises InvalidId before I/O. Two round trips (server clock,
-    then one pipeline per node).
+    Idempotent. Raises InvalidId before I/O. One pipelined round trip per node.
     """
     sids = validate_ids("session id", sids)
     return (yield from purge_sessions(ctx, sids))
