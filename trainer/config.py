@@ -34,7 +34,9 @@ class TrainConfig:
     warmup_steps: int = 120
     sync_every: int = 1
     eval_every: int = 4
-    eval_prompts: int = 16
+    eval_prompts: int = 32
+    #: Evaluation samples at a lower temperature (less noise than the training samples).
+    eval_temperature: float = 0.5
     checkpoint_every: int = 4
     max_staleness: int = 2
     #: Disaggregated: the producer pauses while this many completed groups wait.
@@ -67,6 +69,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ConfigError("group_size must be at least 2 (GRPO compares samples of a prompt)")
+        if not self.eval_temperature > 0 or not self.lr > 0:
+            raise ConfigError("eval_temperature and lr must be positive")
         if self.warmup_steps < 0 or self.max_staleness < 0:
             raise ConfigError("warmup_steps and max_staleness must be non-negative")
         return self

@@ -227,6 +227,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         "resumed_from_step": start - 1 if resume_state else None,
         "reward_first": sum(rewards[:k]) / k,
         "reward_last": sum(rewards[-k:]) / k,
+        "eval_reward_before": lstats["baseline_eval"],
         "eval_reward_first": evals[0] if evals else None,
         "eval_reward_last": evals[-1] if evals else None,
         "steps_per_s": steps_done / max(1e-9, t_loop_end - t_loop),
@@ -281,6 +282,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     a.plot(steps, [r["reward"] for r in h], marker="o", label="batch reward")
     ev = [(r["step"], r["eval_reward"]) for r in h if "eval_reward" in r]
+    if report.get("eval_reward_before") is not None:
+        ev.insert(0, (0, report["eval_reward_before"]))
     if ev:
         a.plot(*zip(*ev, strict=True), marker="s", label="eval reward")
     a.set_ylabel("reward")
@@ -299,8 +302,9 @@ def plot(report: dict[str, Any], path: str) -> None:
 REPORT_ROWS: list[tuple[str, str]] = [
     ("reward, first steps", "reward_first"),
     ("reward, last steps", "reward_last"),
-    ("eval reward, first", "eval_reward_first"),
-    ("eval reward, last", "eval_reward_last"),
+    ("eval reward, before RL", "eval_reward_before"),
+    ("eval reward, first eval", "eval_reward_first"),
+    ("eval reward, last eval", "eval_reward_last"),
     ("steps/s", "steps_per_s"),
     ("wall time (s)", "wall_s"),
     ("sessions opened", "sessions_opened"),

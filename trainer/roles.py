@@ -407,6 +407,7 @@ class Learner:
         self.gate_cycles = 0
         self.busy_s = 0.0
         self.replay_fallbacks = 0
+        self.baseline_eval: float | None = None
 
     # setup ---------------------------------------------------------------------------------
 
@@ -419,6 +420,7 @@ class Learner:
             self.opt.load_state_dict(ck["optimizer"])
             self.history = list(resume_state["history"])
             self.gate_cycles = int(resume_state.get("gate_cycles", 0))
+            self.baseline_eval = resume_state.get("baseline_eval")
             start = int(resume_state["step"]) + 1
         else:
             from .warmup import warm_start
@@ -426,6 +428,8 @@ class Learner:
             warm_start(self.model, TOK, steps=self.cfg.warmup_steps, seed=self.cfg.seed)
         self.version = int(self.store.gate.status().version)
         self._push(self.version)
+        if start == 1:
+            self.baseline_eval = self.evaluate(0)  # the warm-started policy, before RL
         return start
 
     def _push(self, version: int) -> None:
@@ -573,7 +577,11 @@ class Learner:
         return float(diff.max())
 
     def evaluate(self, step: int) -> float:
-        """``eval_prompts`` fresh problems, one sample each, as ``eval:<step>``; released in finally."""
+        """The same ``eval_prompts`` problems each time, one sample each at ``eval_temperature``.
+
+        Sessions are owned by ``eval:<step>`` and released in a ``finally``
+        (only those: replay-owned sessions are never touched).
+        """
         owner = f"eval:{step}"
         rng = random.Random(10_000 + self.cfg.seed)  # the same problems every time
         nonce = uuid.uuid4().hex[:6]
@@ -600,7 +608,10 @@ class Learner:
             by_worker: dict[str, list[Sample]] = {}
             for s in samples:
                 by_worker.setdefault(self.router.acquire(s["sid"]), []).append(s)
-            calls = [self.workers[w].run.remote(ss) for w, ss in by_worker.items()]
+            calls = [
+                self.workers[w].run.remote(ss, self.cfg.eval_temperature)
+                for w, ss in by_worker.items()
+            ]
             out = [s for ref in calls for s in self._ray.get(ref)]
             return float(np.mean([s["reward"] for s in out]))
         finally:
@@ -624,6 +635,7 @@ class Learner:
             "version": self.version,
             "history": self.history,
             "gate_cycles": self.gate_cycles,
+            "baseline_eval": self.baseline_eval,
             "cfg": self.cfg.to_json(),
         }
         tmp = os.path.join(directory, "state.json.tmp")
@@ -639,6 +651,7 @@ class Learner:
             "gate_cycles": self.gate_cycles,
             "version": self.version,
             "replay_fallbacks": self.replay_fallbacks,
+            "baseline_eval": self.baseline_eval,
         }
 
     def close(self) -> None:
