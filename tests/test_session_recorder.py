@@ -167,3 +167,37 @@ def test_recorder_looks_up_again_when_prompt_changed_and_conflicts_surface(
     assert len(holder.by_sid["s5"]) == 3
     tr = store.export_training_trace("s5", render([*msgs, a], False).rstrip())
     assert tr.expert_keys == holder.by_sid["s5"][:2]
+
+
+def test_async_recorder_writes_what_the_sync_one_reads(url: str, run_id: str, arun: Any) -> None:
+    """AsyncTurnRecorder (asyncio session servers): same split, same nodes."""
+    from tests.conftest import connect_async
+    from tracestore.session import AsyncTurnRecorder
+
+    holder = DictHolder()
+
+    async def go() -> tuple[list[int], Any]:
+        store = await connect_async(url, run_id)
+        try:
+            rec = AsyncTurnRecorder(store, render, tok.encode, holder)
+            msgs: list[dict[str, str]] = [{"role": "user", "content": "reach 5 from 1"}]
+            for t in range(2):
+                ids = await rec.before_request("a1", msgs)
+                out, lps, rows = engine(ids, f"add {t + 2}", seed=t)
+                a = {"role": "assistant", "content": f"add {t + 2}"}
+                await rec.after_response("a1", msgs, a, out, lps, rows, version=t)
+                msgs += [a, {"role": "tool", "content": "= 3"}]
+            with pytest.raises(InvalidInput):
+                await rec.after_response("a1", msgs, {"role": "assistant", "content": "x"}, [], [], None, 0)
+            return [len(holder.values)], msgs
+        finally:
+            await store.close()
+
+    n, msgs = arun(go())
+    assert n == [4]
+    with TraceStore.connect(url, run=run_id) as sync:
+        tr = sync.export_training_trace("a1", render(msgs[:-1], False).rstrip())
+    assert tr.expert_keys is not None and len(tr.expert_keys) == 4
+    routing = np.concatenate([holder.values[k] for k in tr.expert_keys])
+    assert routing.shape[0] == len(tr.input_ids) and not routing[0].any()
+    assert tr.versions[0] == 0 and tr.versions[-1] == 1

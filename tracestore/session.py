@@ -46,7 +46,7 @@ from .keys import validate_id
 from .traces import PrefixMatch, Turn
 
 if TYPE_CHECKING:
-    from .store import TraceStore
+    from .store import AsyncTraceStore, TraceStore
 
 Message = Mapping[str, Any]
 Render = Callable[[Sequence[Message], bool], str]
@@ -88,7 +88,133 @@ class RecorderStats:
     expert_bytes: int = 0
 
 
-class TurnRecorder:
+@dataclass(frozen=True)
+class _Plan:
+    """A checked response, ready to put and write."""
+
+    req: Request
+    response_text: str
+    output_ids: list[int]
+    logprobs: list[float]
+    version: int
+    parts: tuple[Any, Any] | None  # routed-expert rows of the delta and of the response
+
+
+class _Recorder:
+    """State and checks shared by :class:`TurnRecorder` and :class:`AsyncTurnRecorder`."""
+
+    def __init__(self, render: Render, encode: Encode, holder: ExpertHolder | None) -> None:
+        self.render = render
+        self.encode = encode
+        self.holder = holder
+        self.stats = RecorderStats()
+        self._pending: dict[str, Request] = {}
+
+    def forget(self, sid: str) -> None:
+        """Drop the remembered request of ``sid`` (after an aborted or failed request)."""
+        self._pending.pop(sid, None)
+
+    def _prompt(self, sid: str, messages: Sequence[Message]) -> str:
+        validate_id("session id", sid)
+        return self.render(messages, True)
+
+    def _remember(self, sid: str, prompt: str, match: PrefixMatch) -> Request:
+        req = Request(sid, prompt, match, list(self.encode(prompt[match.text_len :])))
+        self._pending[sid] = req
+        self.stats.requests += 1
+        return req
+
+    def _pending_for(self, sid: str, prompt: str) -> Request | None:
+        req = self._pending.get(sid)
+        return req if req is not None and req.prompt_text == prompt else None
+
+    def _plan(
+        self,
+        req: Request,
+        messages: Sequence[Message],
+        assistant_message: Message,
+        output_ids: Sequence[int],
+        logprobs: Sequence[float],
+        routed_experts: Any | None,
+        version: int,
+    ) -> _Plan:
+        """Every check of a response, before anything is put or written."""
+        sid, prompt = req.sid, req.prompt_text
+        new_text = self.render([*messages, assistant_message], False).rstrip()
+        if not new_text.startswith(prompt) or len(new_text) <= len(prompt):
+            raise self._invalid(
+                sid,
+                "assistant_message",
+                "the conversation rendered with the answer does not extend the prompt",
+            )
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise self._invalid(sid, "version", f"must be a non-negative int, got {version!r}")
+        out = list(output_ids)
+        lps = list(logprobs)
+        if not out:
+            raise self._invalid(sid, "output_ids", "empty response")
+        if len(lps) != len(out):
+            raise self._invalid(sid, "logprobs", f"{len(lps)} logprobs for {len(out)} output ids")
+        p, d = len(req.prefix.token_ids), len(req.delta_ids)
+        parts: tuple[Any, Any] | None = None
+        if routed_experts is not None and self.holder is not None:
+            shape = getattr(routed_experts, "shape", None)
+            rows = shape[0] if shape else -1
+            if rows != p + d + len(out):
+                raise self._invalid(
+                    sid,
+                    "routed_experts",
+                    f"{rows} rows for {p} prefix + {d} delta + {len(out)} output tokens",
+                )
+            parts = (routed_experts[p : p + d], routed_experts[p + d :])
+        return _Plan(req, new_text[len(prompt) :], out, lps, version, parts)
+
+    def _put(self, plan: _Plan) -> tuple[str | None, str | None]:
+        """Put the expert parts through the holder: ``(delta_key, response_key)``."""
+        if plan.parts is None or self.holder is None:
+            return None, None
+        t0 = time.perf_counter()
+        dkey = self.holder.put(plan.req.sid, plan.parts[0]) if plan.req.delta_ids else None
+        rkey = self.holder.put(plan.req.sid, plan.parts[1])
+        self.stats.holder_s += time.perf_counter() - t0
+        self.stats.expert_bytes += sum(int(getattr(x, "nbytes", 0)) for x in plan.parts)
+        return dkey, rkey
+
+    @staticmethod
+    def _record_args(plan: _Plan, keys: tuple[str | None, str | None]) -> dict[str, Any]:
+        req = plan.req
+        return {
+            "sid": req.sid,
+            "prompt_text": req.prompt_text,
+            "response_text": plan.response_text,
+            "prefix": req.prefix,
+            "delta_token_ids": req.delta_ids,
+            "response_token_ids": plan.output_ids,
+            "response_logprobs": plan.logprobs,
+            "version": plan.version,
+            "delta_expert_key": keys[0],
+            "response_expert_key": keys[1],
+        }
+
+    def _invalid(self, sid: str, field: str, message: str) -> InvalidInput:
+        self.stats.invalid += 1
+        self._pending.pop(sid, None)
+        return InvalidInput(field, message)
+
+
+_DOC_AFTER = """Record the turn: delta node (key = old prompt) and response node (key = new prompt).
+
+        ``messages`` are those passed to ``before_request``;
+        ``assistant_message`` is the parsed answer; ``output_ids`` /
+        ``logprobs`` what the engine generated; ``routed_experts`` the
+        engine's ``[input + output tokens, layers, top_k]`` array (None:
+        record no experts); ``version`` the weight version of the request's
+        gate lease. Raises InvalidInput (nothing put, nothing written) when the
+        response is invalid; otherwise the errors of ``record_turn``.
+        """
+
+
+class TurnRecorder(_Recorder):
     """XTuner-style ``on_request`` / ``on_response`` over a :class:`~tracestore.TraceStore`.
 
     ``render(messages, add_generation_prompt) -> str`` is the chat template,
@@ -97,6 +223,8 @@ class TurnRecorder:
     The recorder remembers the last prepared request of each session so that
     ``after_response`` does not look the prefix up again when the prompt is
     unchanged (otherwise it looks up again). Not thread-safe per session.
+    Costs: ``before_request`` one lookup (1 round trip warm), ``after_response``
+    one ``record_turn`` (1 round trip).
     """
 
     def __init__(
@@ -106,32 +234,22 @@ class TurnRecorder:
         encode: Encode,
         holder: ExpertHolder | None = None,
     ) -> None:
+        super().__init__(render, encode, holder)
         self.store = store
-        self.render = render
-        self.encode = encode
-        self.holder = holder
-        self.stats = RecorderStats()
-        self._pending: dict[str, Request] = {}
 
     def prepare(self, sid: str, messages: Sequence[Message]) -> Request:
         """Render, look up the stored prefix and tokenize the delta; writes nothing."""
-        validate_id("session id", sid)
-        prompt = self.render(messages, True)
+        prompt = self._prompt(sid, messages)
         t0 = time.perf_counter()
-        match = self.store.lookup(sid, prompt)
-        self.stats.store_s += time.perf_counter() - t0
-        req = Request(sid, prompt, match, list(self.encode(prompt[match.text_len :])))
-        self._pending[sid] = req
-        self.stats.requests += 1
-        return req
+        try:
+            match = self.store.lookup(sid, prompt)
+        finally:
+            self.stats.store_s += time.perf_counter() - t0
+        return self._remember(sid, prompt, match)
 
     def before_request(self, sid: str, messages: Sequence[Message]) -> list[int]:
         """The input ids to send for ``messages`` (stored prefix ids + delta ids)."""
         return self.prepare(sid, messages).input_ids
-
-    def forget(self, sid: str) -> None:
-        """Drop the remembered request of ``sid`` (after an aborted or failed request)."""
-        self._pending.pop(sid, None)
 
     def after_response(
         self,
@@ -143,83 +261,81 @@ class TurnRecorder:
         routed_experts: Any | None,
         version: int,
     ) -> Turn:
-        """Record the turn: delta node (key = old prompt) and response node (key = new prompt).
-
-        ``messages`` are those passed to :meth:`before_request`;
-        ``assistant_message`` is the parsed answer; ``output_ids`` /
-        ``logprobs`` what the engine generated; ``routed_experts`` the
-        engine's ``[input + output tokens, layers, top_k]`` array (None:
-        record no experts); ``version`` the weight version of the request's
-        gate lease. Raises InvalidInput (nothing put, nothing written) when the
-        response is invalid; otherwise the errors of ``record_turn``.
-        """
-        prompt = self.render(messages, True)
-        req = self._pending.get(sid)
-        if req is None or req.prompt_text != prompt:
-            req = self.prepare(sid, messages)
-        new_text = self.render([*messages, assistant_message], False).rstrip()
-        if not new_text.startswith(prompt) or len(new_text) <= len(prompt):
-            self._invalid(sid)
-            raise InvalidInput(
-                "assistant_message",
-                "the conversation rendered with the answer does not extend the prompt",
-            )
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            self._invalid(sid)
-            raise InvalidInput("version", f"must be a non-negative int, got {version!r}")
-        out = list(output_ids)
-        lps = list(logprobs)
-        if not out:
-            self._invalid(sid)
-            raise InvalidInput("output_ids", "empty response")
-        if len(lps) != len(out):
-            self._invalid(sid)
-            raise InvalidInput("logprobs", f"{len(lps)} logprobs for {len(out)} output ids")
-        p, d = len(req.prefix.token_ids), len(req.delta_ids)
-        parts: tuple[Any, Any] | None = None
-        if routed_experts is not None and self.holder is not None:
-            shape = getattr(routed_experts, "shape", None)
-            rows = shape[0] if shape else -1
-            if rows != p + d + len(out):
-                self._invalid(sid)
-                raise InvalidInput(
-                    "routed_experts",
-                    f"{rows} rows for {p} prefix + {d} delta + {len(out)} output tokens",
-                )
-            parts = (routed_experts[p : p + d], routed_experts[p + d :])
-        dkey = rkey = None
-        if parts is not None:
-            holder = self.holder
-            assert holder is not None
-            t0 = time.perf_counter()
-            if d:
-                dkey = holder.put(sid, parts[0])
-            rkey = holder.put(sid, parts[1])
-            self.stats.holder_s += time.perf_counter() - t0
-            self.stats.expert_bytes += sum(int(getattr(x, "nbytes", 0)) for x in parts)
+        req = self._pending_for(sid, self._prompt(sid, messages)) or self.prepare(sid, messages)
+        plan = self._plan(
+            req, messages, assistant_message, output_ids, logprobs, routed_experts, version
+        )
+        keys = self._put(plan)
         t0 = time.perf_counter()
         try:
-            turn = self.store.record_turn(
-                sid,
-                prompt,
-                new_text[len(prompt) :],
-                prefix=req.prefix,
-                delta_token_ids=req.delta_ids,
-                response_token_ids=out,
-                response_logprobs=lps,
-                version=version,
-                delta_expert_key=dkey,
-                response_expert_key=rkey,
-            )
+            turn = self.store.record_turn(**self._record_args(plan, keys))
         finally:
             self.stats.store_s += time.perf_counter() - t0
             self._pending.pop(sid, None)
         self.stats.turns += 1
         return turn
 
-    def _invalid(self, sid: str) -> None:
-        self.stats.invalid += 1
-        self._pending.pop(sid, None)
+    after_response.__doc__ = _DOC_AFTER
 
 
-__all__ = ["ExpertHolder", "RecorderStats", "Request", "TurnRecorder"]
+class AsyncTurnRecorder(_Recorder):
+    """:class:`TurnRecorder` over an :class:`~tracestore.AsyncTraceStore` (same methods, coroutines).
+
+    For asyncio session servers (an OpenAI-compatible proxy). The holder's
+    ``put`` is called synchronously (``RefHolder.put`` is a local ``ray.put``).
+    """
+
+    def __init__(
+        self,
+        store: AsyncTraceStore,
+        render: Render,
+        encode: Encode,
+        holder: ExpertHolder | None = None,
+    ) -> None:
+        super().__init__(render, encode, holder)
+        self.store = store
+
+    async def prepare(self, sid: str, messages: Sequence[Message]) -> Request:
+        """Render, look up the stored prefix and tokenize the delta; writes nothing."""
+        prompt = self._prompt(sid, messages)
+        t0 = time.perf_counter()
+        try:
+            match = await self.store.lookup(sid, prompt)
+        finally:
+            self.stats.store_s += time.perf_counter() - t0
+        return self._remember(sid, prompt, match)
+
+    async def before_request(self, sid: str, messages: Sequence[Message]) -> list[int]:
+        """The input ids to send for ``messages`` (stored prefix ids + delta ids)."""
+        return (await self.prepare(sid, messages)).input_ids
+
+    async def after_response(
+        self,
+        sid: str,
+        messages: Sequence[Message],
+        assistant_message: Message,
+        output_ids: Sequence[int],
+        logprobs: Sequence[float],
+        routed_experts: Any | None,
+        version: int,
+    ) -> Turn:
+        req = self._pending_for(sid, self._prompt(sid, messages)) or await self.prepare(
+            sid, messages
+        )
+        plan = self._plan(
+            req, messages, assistant_message, output_ids, logprobs, routed_experts, version
+        )
+        keys = self._put(plan)
+        t0 = time.perf_counter()
+        try:
+            turn: Turn = await self.store.record_turn(**self._record_args(plan, keys))
+        finally:
+            self.stats.store_s += time.perf_counter() - t0
+            self._pending.pop(sid, None)
+        self.stats.turns += 1
+        return turn
+
+    after_response.__doc__ = _DOC_AFTER
+
+
+__all__ = ["AsyncTurnRecorder", "ExpertHolder", "RecorderStats", "Request", "TurnRecorder"]
