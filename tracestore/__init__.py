@@ -34,6 +34,7 @@ from .gc import GcReport
 from .keys import Keys
 from .replay import ExpireReport, Group, PutResult, Taken
 from .router import Route, RouteTable
+from .session import AsyncTurnRecorder, TurnRecorder
 from .store import AsyncTraceStore, TraceStore, connect
 from .traces import Node, PrefixMatch, Segment, Trace, Turn
 
@@ -83,4 +84,6 @@ __all__ = [
     "RouteTable",
     "SettlementReceipt",
     "UnknownLease",
+    "AsyncTurnRecorder",
+    "TurnRecorder",
 ]

@@ -35,8 +35,10 @@ def holder_get(holder: Any, keys: Sequence[str]) -> list[Any]:
 
 
 def expert_key_lost(key: str) -> bool:
-    """True for an expert key that a checkpoint restore marked lost (``lost:<key>``)."""
-    return key.startswith("lost:")
+    """True for an expert key that a checkpoint restore marked lost (its Ray object is gone)."""
+    from tracestore import expert_key_lost as lost
+
+    return lost(key)
 
 
 def close_holder(holder: Any) -> None:
