@@ -28,6 +28,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 KEYS = (
     "reward_first",
     "reward_last",
+    "eval_reward_before",
     "eval_reward_first",
     "eval_reward_last",
     "steps_per_s",

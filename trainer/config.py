@@ -27,7 +27,7 @@ class TrainConfig:
     seed: int = 0
     workers: int = 2
     prompts_per_step: int = 4
-    group_size: int = 6
+    group_size: int = 8
     max_calls: int = 3
     max_new_tokens: int = 8
     lr: float = 2e-3
