@@ -658,3 +658,76 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
         st.close()
         for p in proxies.values():
             p.close()
+
+
+def test_disaggregated_race_with_the_replay_buffer(store_factory: Any) -> None:
+    """Producer puts groups into store.replay, learner takes and releases, evaluator runs beside."""
+    from tracestore.replay import Group
+
+    learner = store_factory()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    held: list[str] = []  # sessions of aborted, retryable groups: replay keeps them
+    put_ok: list[str] = []
+    evaluated: list[str] = []
+
+    def producer() -> None:
+        st = store_factory()
+        g = 0
+        try:
+            while not stop.is_set():
+                sids = [f"g{g}-{j}" for j in range(3)]
+                st.open_sessions(sids, "rollout:0")
+                for s in sids:
+                    write_turn(st, s)
+                aborted = g % 4 == 3
+                st.replay.put(
+                    Group(f"g{g}", "math", tuple(sids), "aborted" if aborted else "completed",
+                          min_version=0, retryable=aborted),
+                    "rollout:0",
+                )
+                (held if aborted else put_ok).extend(sids)
+                g += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    def evaluator() -> None:
+        st = store_factory()
+        try:
+            for step in range(4):
+                try:
+                    evaluate(st, step, 3, crash_after=1 if step % 2 else None)
+                except EvalCrashed:
+                    pass
+                evaluated.extend(f"ev{step}-{i}" for i in range(3 if step % 2 == 0 else 2))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer), threading.Thread(target=evaluator)]
+    for t in threads:
+        t.start()
+    consumed: list[str] = []
+    try:
+        for step in range(6):
+            owner = f"train:{step}"
+            deadline = time.monotonic() + 10
+            taken: list[Any] = []
+            while not taken and time.monotonic() < deadline and not errors:
+                taken = list(learner.replay.take("math", 2, owner=owner))
+            assert taken, errors
+            sids = [s for grp in taken for s in grp.sids]
+            assert all(data_intact(learner, s) for s in sids)
+            assert sorted(learner.release_owner(owner, "consumed")) == sorted(sids)
+            consumed += sids
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    ev = events(learner)
+    assert Counter(e["sid"] for e in ev) == Counter(consumed + evaluated)
+    assert all(data_purged(learner, s) for s in consumed + evaluated)
+    states = learner.session_states(held + [s for s in put_ok if s not in set(consumed)])
+    for s, st in states.items():
+        assert st == ("replay", "live"), (s, st)
+        assert data_intact(learner, s)
