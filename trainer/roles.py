@@ -56,7 +56,7 @@ class Clock:
 class Timed:
     """Proxy that times every method call of a tracestore object (store, gate, router)."""
 
-    _SUB = frozenset({"gate"})
+    _SUB = frozenset({"gate", "replay"})
 
     def __init__(self, target: Any, clock: Clock) -> None:
         self._t = target
@@ -539,8 +539,13 @@ class Learner:
         synced = False
         if step % self.cfg.sync_every == 0:
             new = self.version + 1
-            with self.store.gate.weight_update(new, self.cfg.drain_timeout_s):
+            # seal + drain before the body and install + reopen after it are tracestore time
+            t0 = time.perf_counter()
+            with self.raw_store.gate.weight_update(new, self.cfg.drain_timeout_s):
+                t1 = time.perf_counter()
                 self._push(new)
+                t2 = time.perf_counter()
+            self.clock.s += (t1 - t0) + (time.perf_counter() - t2)
             self.version = new
             self.gate_cycles += 1
             synced = True
