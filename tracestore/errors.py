@@ -12,7 +12,22 @@ from typing import Any
 
 
 class TracestoreError(Exception):
-    """Base class of every error tracestore raises."""
+    """Base class of every error tracestore raises.
+
+    Errors pickle with their attributes (``kind``, ``sid``, ``field``...), so
+    one raised inside a Ray actor reaches its caller intact; the subclasses'
+    keyword-rich ``__init__`` is not re-run on unpickling.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__.copy()))
+
+
+def _rebuild(cls: type[TracestoreError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
 
 
 class InvalidId(TracestoreError, ValueError):

@@ -67,9 +67,6 @@ class ExpertRefMissing(TracestoreError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
 
-    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # crosses process boundaries in Ray
-        return (type(self), (self.key, self.holder))
-
 
 @dataclass(frozen=True)
 class HolderStats:
