@@ -318,12 +318,14 @@ def _read(ctx: Context, sid: str, pick: Any) -> Op[tuple[_Index, list[Node], dic
         snap = _Index.from_pairs(epoch, version, reply[5 : 5 + npairs])
         cache.put(_idx_key(sid), snap, snap.nbytes)
     assert snap is not None
+    for digest, data in got.items():  # came over the wire: cache them
+        _cache_payload(cache, sid, epoch, digest, data)
     path = snap.path(pick(snap))
     missing = []
     for n in path:
         if n.id in got:
             continue
-        data = cache.get(_tok_key(sid, epoch, n.id))
+        data = cache.get(_tok_key(sid, epoch, n.id))  # (a hit is now most recently used)
         if data is None:
             missing.append(n.id)
         else:
@@ -335,8 +337,7 @@ def _read(ctx: Context, sid: str, pick: Any) -> Op[tuple[_Index, list[Node], dic
                 cache.discard(_idx_key(sid))
                 raise SessionReleased(sid, "its trace data was purged during the read")
             got[digest] = _b(data)
-    for digest, data in got.items():
-        _cache_payload(cache, sid, epoch, digest, data)
+            _cache_payload(cache, sid, epoch, digest, got[digest])
     return snap, path, got
 
 
