@@ -4,20 +4,21 @@
 -- version and deadline. Idempotent under client retry: the lease ids are
 -- generated once per call by the client, and a retry that finds the first
 -- lease already recorded returns the recorded admission.
--- KEYS: 2+
+-- KEYS: 3+
 -- CHUNK: 1000
 -- KEYS[1] = ts:{R}:gate            hash: state, version, retry_ms
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms
--- KEYS[3..n+2] = ts:{R}:gate:l:<lease>  hash of each lease (as gate_admit writes it)
+-- KEYS[3] = ts:{R}:released        zset: released sids (a released session gets no more requests)
+-- KEYS[4..n+3] = ts:{R}:gate:l:<lease>  hash of each lease (as gate_admit writes it)
 -- ARGV[1] = ttl (ms, > 0)
--- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[3..]
+-- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[4..]
 -- returns: {0, version (int), deadline_ms (int), replayed (0|1)}
--- errors: GATE_SEALED (version, retry_after_ms)
+-- errors: GATE_SEALED (version, retry_after_ms), SESSION_RELEASED (sid, detail): nothing admitted
 -- include: gate
-local gate, leases = KEYS[1], KEYS[2]
+local gate, leases, released = KEYS[1], KEYS[2], KEYS[3]
 local ttl = tonumber(ARGV[1])
-if #KEYS > 2 then
-  local prior = redis.call('HMGET', KEYS[3], 'version', 'deadline_ms')
+if #KEYS > 3 then
+  local prior = redis.call('HMGET', KEYS[4], 'version', 'deadline_ms')
   if prior[1] then
     return {0, tonumber(prior[1]), tonumber(prior[2]), 1}
   end
@@ -27,10 +28,16 @@ local version = tonumber(g[2] or '0')
 if g[1] == 'sealed' then
   return {1, 'GATE_SEALED', version, tonumber(g[3] or '500')}
 end
+for i = 4, #KEYS do
+  local sid = ARGV[2 + 3 * (i - 4) + 1]
+  if redis.call('ZSCORE', released, sid) then
+    return {1, 'SESSION_RELEASED', sid, 'released; it is admitted no more requests'}
+  end
+end
 local now = gate_now_ms()
 local deadline = now + ttl
-for i = 3, #KEYS do
-  local a = 2 + 3 * (i - 3)
+for i = 4, #KEYS do
+  local a = 2 + 3 * (i - 4)
   redis.call('ZADD', leases, deadline, ARGV[a])
   redis.call('HSET', KEYS[i], 'sid', ARGV[a + 1], 'holder', ARGV[a + 2], 'version', version,
     'admitted_ms', now, 'ttl_ms', ttl, 'deadline_ms', deadline)

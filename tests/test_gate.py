@@ -19,6 +19,7 @@ from tracestore.errors import (
     InvalidId,
     InvalidInput,
     NotDrained,
+    SessionReleased,
     StaleVersion,
     UnknownLease,
 )
@@ -186,6 +187,23 @@ def test_admit_many_is_all_or_none_and_settle_many_settles_each(store: TraceStor
     g.settle_many(rest, "aborted")  # the settle that empties the live set wakes the drainer
     t.join(3)
     assert out and out[0].drained and out[0].waited_s < 2
+
+
+def test_a_released_session_is_admitted_no_more_requests(store: TraceStore) -> None:
+    g = store.gate
+    store.open_session("done-1", "train:1")
+    store.open_session("live-1", "rollout:0")
+    lease = g.admit("done-1", "w0", 30)  # admitted while live
+    assert store.release(["done-1"], "train:1", "consumed") == ["done-1"]
+    g.settle(lease, "completed")  # an in-flight request still settles
+    before = dump_run(store)
+    with pytest.raises(SessionReleased) as info:
+        g.admit("done-1", "w0", 30)
+    assert info.value.sid == "done-1"
+    with pytest.raises(SessionReleased):  # all or none: the live session is not admitted either
+        g.admit_many([("live-1", "w0"), ("done-1", "w0")], 30)
+    assert dump_run(store) == before
+    assert g.admit("live-1", "w0", 30).sid == "live-1"
 
 
 def live_and_poison_leases(store: TraceStore) -> list[Lease]:

@@ -226,8 +226,9 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float) -> Op[Lease]:
     The lease carries the gate's current weight version and a deadline
     ``ttl_s`` seconds from now (server clock); past it, the lease is poisoned
     unless renewed or settled. Raises GateSealed (with ``retry_after_ms``)
-    while a weight update holds the gate, InvalidId/InvalidInput before any
-    I/O. Idempotent under client retry (the lease id is made once per call).
+    while a weight update holds the gate, SessionReleased when ``sid`` was
+    released (a worker must not generate for it), InvalidId/InvalidInput
+    before any I/O. Idempotent under client retry (the lease id is made once per call).
     One round trip.
     """
     validate_id("session id", sid)
@@ -236,7 +237,9 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float) -> Op[Lease]:
     k = ctx.keys
     lid = new_op_id()
     reply = yield Eval(
-        script("gate_admit"), (k.gate, k.gate_leases, k.gate_lease(lid)), (lid, sid, holder, ttl_ms)
+        script("gate_admit"),
+        (k.gate, k.gate_leases, k.gate_lease(lid), k.released),
+        (lid, sid, holder, ttl_ms),
     )
     return Lease(_s(reply[0]), int(reply[1]), sid, int(reply[2]))
 
@@ -246,8 +249,8 @@ def admit_many(ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float) 
 
     ``requests`` are ``(sid, holder)`` pairs, at most 1,000 per call (one
     atomic script, so a seal cannot split the batch). Every lease gets the
-    gate's current version and the same deadline. Raises GateSealed (nothing
-    admitted), InvalidId/InvalidInput before any I/O. Idempotent under client
+    gate's current version and the same deadline. Raises GateSealed or
+    SessionReleased (nothing admitted), InvalidId/InvalidInput before any I/O. Idempotent under client
     retry. One round trip for the whole batch; pair it with
     :func:`settle_many` to serve bursts of requests.
     """
@@ -263,7 +266,9 @@ def admit_many(ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float) 
     args: list[Any] = [ttl_ms]
     for lid, (sid, holder) in zip(lids, items, strict=True):
         args += (lid, sid, holder)
-    reply = yield Eval(sc, (k.gate, k.gate_leases, *(k.gate_lease(x) for x in lids)), tuple(args))
+    reply = yield Eval(
+        sc, (k.gate, k.gate_leases, k.released, *(k.gate_lease(x) for x in lids)), tuple(args)
+    )
     version, deadline = int(reply[0]), int(reply[1])
     return [Lease(lid, version, sid, deadline) for lid, (sid, _) in zip(lids, items, strict=True)]
 
