@@ -255,3 +255,25 @@ def test_train_step_raises_likelihood_of_positive_advantage_samples() -> None:
         train_step(model, opt, samples, tok.pad_id)
     after = seq_logp()
     assert after[0] > before[0] and after[1] < before[1]
+
+
+def test_generate_stops_when_aborted(policy) -> None:  # type: ignore[no-untyped-def]
+    prompt = tok.encode(render([{"role": "user", "content": "reach 4 from 8"}], True))
+    calls = []
+
+    def abort_after_two() -> bool:
+        calls.append(1)
+        return len(calls) > 2
+
+    g = torch.Generator().manual_seed(5)
+    gen = policy.generate(
+        prompt, max_new_tokens=16, stop_id=tok.stop_id, generator=g, should_abort=abort_after_two
+    )
+    assert gen.finish_reason in ("abort", "stop")
+    if gen.finish_reason == "abort":
+        assert len(gen.output_ids) == 2 and len(gen.logprobs) == 2
+        assert gen.routed_experts.shape[0] == len(prompt) + 2
+    never = policy.generate(
+        prompt, max_new_tokens=16, stop_id=tok.stop_id, should_abort=lambda: True
+    )
+    assert never.finish_reason == "abort" and never.output_ids == []

@@ -253,6 +253,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         "tracestore_time_share": store_s / max(1e-9, busy_s),
         "groups": pstats["groups"],
         "aborted_groups_claimed": pstats["claimed"],
+        "aborted_requests": sum(w["aborted_requests"] for w in wstats),
         "replay_max_abs_diff": max(aligns) if aligns else None,
         "routing_replay_fallbacks": lstats["replay_fallbacks"],
         "invalid_responses": sum(w["invalid"] for w in wstats),
@@ -320,6 +321,7 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("turns", "turns"),
     ("share of time in tracestore calls", "tracestore_time_share"),
     ("routing replay max |dlogp|", "replay_max_abs_diff"),
+    ("requests aborted in flight", "aborted_requests"),
     ("aborted groups claimed back", "aborted_groups_claimed"),
 ]
 

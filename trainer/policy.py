@@ -15,7 +15,7 @@ the router keeps learning while the expert choice matches the rollout.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -51,7 +51,7 @@ class Generation:
     output_ids: list[int]
     logprobs: list[float]
     routed_experts: np.ndarray  # int32 [len(prompt) + len(output), layers, top_k], row 0 dummy
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "abort"
 
 
 class Attention(nn.Module):
@@ -177,12 +177,15 @@ class MoEPolicy(nn.Module):
         stop_id: int,
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
+        should_abort: Callable[[], bool] | None = None,
     ) -> Generation:
         """Sample up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after ``stop_id``).
 
         Log-probabilities are those of the sampling distribution (softmax of
-        logits / temperature). Raises ValueError when the prompt is empty or
-        the result would not fit ``max_len``.
+        logits / temperature). ``should_abort`` is checked before every token
+        (an engine's abort request): when it returns True, generation stops
+        with ``finish_reason == "abort"``. Raises ValueError when the prompt is
+        empty or the result would not fit ``max_len``.
         """
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -201,6 +204,9 @@ class MoEPolicy(nn.Module):
             out_lp: list[float] = []
             finish = "length"
             for step in range(budget):
+                if should_abort is not None and should_abort():
+                    finish = "abort"
+                    break
                 logp = torch.log_softmax(logits[0, -1] / temperature, dim=-1)
                 tok = int(torch.multinomial(logp.exp(), 1, generator=generator).item())
                 out_ids.append(tok)
@@ -212,7 +218,8 @@ class MoEPolicy(nn.Module):
                     break
                 logits, used, cache = self(torch.tensor([[tok]], dtype=torch.long), cache=cache)
                 rows.append(used[0])
-            experts = torch.cat(rows, dim=0).to(torch.int32).numpy()
+            n_rows = len(prompt_ids) + len(out_ids)  # an abort may have fed one more token
+            experts = torch.cat(rows, dim=0)[:n_rows].to(torch.int32).numpy()
         finally:
             self.train(was_training)
         return Generation(out_ids, out_lp, experts, finish)

@@ -93,6 +93,10 @@ def final_key(messages: Sequence[dict[str, str]]) -> str:
 # -- rollout worker ---------------------------------------------------------------------------
 
 
+class _Aborted(Exception):
+    """The engine aborted the request (a weight update is coming)."""
+
+
 class RolloutWorker:
     """A policy copy plus a session server: gate lease per request, TurnRecorder, RefHolder."""
 
@@ -110,10 +114,24 @@ class RolloutWorker:
         self.gen = torch.Generator().manual_seed(self.cfg.seed * 1000 + sum(map(ord, name)))
         self.turn_s: list[float] = []
         self.busy_s = 0.0
+        self.aborted_requests = 0
+        self._abort = threading.Event()
+
+    def abort_requests(self) -> None:
+        """Abort generation in flight (before a weight update); cleared by :meth:`set_weights`.
+
+        An aborted request records nothing, its lease is settled ``aborted``
+        and its episode returns as ``aborted``, to be claimed back and
+        continued after the update. Safe to call from another thread (the
+        actor is threaded).
+        """
+        self._abort.set()
 
     def set_weights(self, state: dict[str, np.ndarray], version: int) -> int:
+        # the gate is sealed and drained here: no lease is live, so no generation runs
         load_numpy_state(self.policy, state)
         self.version = version
+        self._abort.clear()
         return version
 
     def get_refs(self, keys: list[str]) -> list[Any]:
@@ -128,6 +146,7 @@ class RolloutWorker:
             "store_s": self.clock.s + self.recorder.stats.holder_s,
             "busy_s": self.busy_s,
             "invalid": self.recorder.stats.invalid,
+            "aborted_requests": self.aborted_requests,
         }
 
     def close(self) -> None:
@@ -172,7 +191,10 @@ class RolloutWorker:
                     stop_id=TOK.stop_id,
                     generator=self.gen,
                     temperature=temperature,
+                    should_abort=self._abort.is_set,
                 )
+                if gen.finish_reason == "abort":
+                    raise _Aborted
                 content, stopped = strip_stop(TOK.decode(gen.output_ids))
                 assistant = {"role": "assistant", "content": content}
                 self.recorder.after_response(
@@ -184,6 +206,12 @@ class RolloutWorker:
                     gen.routed_experts,
                     lease.version,
                 )
+            except _Aborted:  # nothing recorded: the turn is redone after the update
+                self.recorder.forget(sid)
+                self.store.gate.settle(lease, "aborted")
+                self.aborted_requests += 1
+                s["status"] = "aborted"
+                break
             except Exception as exc:  # the request failed: its outcome is known, say so
                 self.recorder.forget(sid)
                 self.store.gate.settle(lease, "failed")
@@ -540,6 +568,8 @@ class Learner:
         if step % self.cfg.sync_every == 0:
             new = self.version + 1
             # seal + drain before the body and install + reopen after it are tracestore time
+            # like an engine pause: abort generation in flight, so the drain is short
+            self._ray.get([w.abort_requests.remote() for w in self.workers.values()])
             t0 = time.perf_counter()
             with self.raw_store.gate.weight_update(new, self.cfg.drain_timeout_s):
                 t1 = time.perf_counter()
