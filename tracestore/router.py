@@ -27,7 +27,7 @@ from .context import Context
 from .errors import InvalidInput
 from .gate import _ms
 from .keys import validate_id, validate_ids
-from .scripts import Batch, Eval, Op, chunks, script
+from .scripts import Batch, Eval, Op, chunks, new_op_id, script
 
 if TYPE_CHECKING:
     from ._io import AsyncIO, SyncIO
@@ -108,13 +108,18 @@ def retire(ctx: Context, sids: Sequence[str], retention_ms: int) -> Op[list[str]
     """Retire sessions: drop their routes and tombstone them for the retention.
 
     Returns the sids retired by this call (already retired ones are left as
-    they are). Raises InvalidId before I/O. One round trip per 4,000 sids.
+    they are); a retried call (reply lost) returns its first reply. Raises
+    InvalidId before I/O. One round trip per 4,000 sids.
     """
     ids = validate_ids("session id", sids)
     if not ids:
         return []
     sc = script("route_retire")
-    evals = tuple(Eval(sc, _keys(ctx), (retention_ms, *part)) for part in chunks(ids, sc.chunk))
+    ttl = ctx.config.op_ttl_s * 1000
+    evals = tuple(
+        Eval(sc, (*_keys(ctx), ctx.keys.op(new_op_id())), (retention_ms, ttl, *part))
+        for part in chunks(ids, sc.chunk)
+    )
     replies = yield Batch(evals)
     return [_s(x) for r in replies for x in r]
 
