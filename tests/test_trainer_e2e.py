@@ -66,6 +66,8 @@ def _check_nothing_leaked(report: dict[str, Any], url: str) -> None:
     assert report["object_store_bytes_at_end"] == 0
     assert report["poisoned_leases"] == 0
     assert report["invalid_responses"] == 0
+    # no rollout failed: nobody released a session another role was still writing
+    assert report["groups"].get("failed", 0) == 0
     # the learner released exactly what it took, every step
     for h in report["history"]:
         assert h["released"] == h["taken"] == h["samples"]
