@@ -43,6 +43,7 @@ KEYS = (
     "object_store_bytes_at_end",
     "gate_cycles",
     "poisoned_leases",
+    "aborted_requests",
     "aborted_groups_claimed",
     "replay_max_abs_diff",
     "routing_replay_fallbacks",

@@ -115,6 +115,29 @@ def test_routing_replay_reproduces_rollout_logprobs(standalone_url: str, tmp_pat
     assert report["routing_replay_fallbacks"] == 0
 
 
+def test_reward_improves_over_a_fixed_seed_run(standalone_url: str, tmp_path: Any) -> None:
+    """Default task and policy, fixed seed, 8 colocated steps: the evaluation reward rises.
+
+    The evaluation (32 fixed problems, temperature 0.5) of the warm-started
+    policy is compared with the one after RL; the margin is well below the
+    gain of the reference run (0.147 -> 0.258 here; 0.38 after 24 steps in
+    docs/benchmarks/trainer.md).
+    """
+    cfg = TrainConfig(
+        mode="colocated",
+        steps=8,
+        eval_every=8,
+        checkpoint_every=8,
+        seed=0,
+        url=standalone_url,
+        run=f"t-{uuid.uuid4().hex[:10]}",
+        out=str(tmp_path),
+    )
+    report = run(cfg)
+    assert report["eval_reward_last"] >= report["eval_reward_before"] + 0.05, report["history"]
+    _check_nothing_leaked(report, standalone_url)
+
+
 def test_resume_after_kill_following_checkpoint(cluster_url: str, tmp_path: Any) -> None:
     """Disaggregated, killed right after the checkpoint of step 2 while the producer is busy.
 
