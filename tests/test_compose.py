@@ -46,3 +46,18 @@ def test_compose_topology_matches_local_cluster() -> None:
         assert len(roles) == len(nodes)
     finally:
         local.stop()
+
+
+def test_compose_trainer_runs_the_main_job_against_the_cluster() -> None:
+    from tracestore.cli import main
+
+    services = _parse()["services"]
+    trainer = services["trainer"]
+    assert trainer["depends_on"]["cluster-init"]["condition"] == "service_completed_successfully"
+    assert trainer["environment"]["TRACESTORE_URL"] == "redis+cluster://127.0.0.1:7001"
+    script = " ".join(trainer["command"])
+    assert "torch==2.13.0" in script and "download.pytorch.org/whl/cpu" in script
+    args = script.split("tracestore train", 1)[1].split("&&")[0].split()
+    # the options parse with the real command (a renamed or removed option fails here)
+    ctx = main.commands["train"].make_context("train", list(args))
+    assert ctx.params["mode"] == "disaggregated" and ctx.params["steps"] > 0
