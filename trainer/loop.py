@@ -161,6 +161,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
     crashed = False
     history: list[dict[str, Any]] = list(resume_state["history"]) if resume_state else []
     forever = None
+    plasma_max = 0
     try:
         if cfg.mode == "disaggregated":
             forever = producer.run_forever.remote()
@@ -169,6 +170,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
                 ray.get(producer.produce.remote(cfg.prompts_per_step))
             rec = ray.get(learner.step.remote(step, 5.0 if cfg.mode == "colocated" else 60.0))
             history.append(rec)
+            plasma_max = max(plasma_max, _object_store_used())
             if progress is not None:
                 progress(rec)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
@@ -245,6 +247,7 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
         "refs_held_at_end": refs,
         "expert_bytes_held_at_end": sum(w["holder"]["bytes"] for w in wstats),
         "object_store_bytes_at_end": plasma_used,
+        "object_store_bytes_max_seen": plasma_max,
         "gate_cycles": lstats["gate_cycles"],
         "gate_version": gate.version,
         "poisoned_leases": gate.poisoned,
