@@ -1,4 +1,4 @@
-# tracestore — the two commands of the README: `make demo` and `make test`.
+# tracestore — the two commands of the README: `make train` (the main job) and `make test`.
 # Both create .venv on first use and install the package with its extras
 # (torch is pinned to the CPU build that pip finds locally: a bare `torch`
 # requirement would pull a multi-GB CUDA build).
@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench bench-traces clean
+.PHONY: install train demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## The main job on the embedded default server.
+## The main job on the embedded default server: a short run of the reference RL trainer.
+train: $(STAMP)
+	$(VENV)/bin/tracestore train
+
+## The scripted tour of every part, one table each.
 demo: $(STAMP)
 	$(VENV)/bin/tracestore demo
 
