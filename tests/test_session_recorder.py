@@ -188,7 +188,9 @@ def test_async_recorder_writes_what_the_sync_one_reads(url: str, run_id: str, ar
                 await rec.after_response("a1", msgs, a, out, lps, rows, version=t)
                 msgs += [a, {"role": "tool", "content": "= 3"}]
             with pytest.raises(InvalidInput):
-                await rec.after_response("a1", msgs, {"role": "assistant", "content": "x"}, [], [], None, 0)
+                await rec.after_response(
+                    "a1", msgs, {"role": "assistant", "content": "x"}, [], [], None, 0
+                )
             return [len(holder.values)], msgs
         finally:
             await store.close()
@@ -201,3 +203,15 @@ def test_async_recorder_writes_what_the_sync_one_reads(url: str, run_id: str, ar
     routing = np.concatenate([holder.values[k] for k in tr.expert_keys])
     assert routing.shape[0] == len(tr.input_ids) and not routing[0].any()
     assert tr.versions[0] == 0 and tr.versions[-1] == 1
+
+
+def test_session_recorder_demo_section(standalone_url: str) -> None:
+    from tracestore.demo import run_demo
+
+    rows = dict(
+        run_demo(standalone_url, only="session_recorder", echo=lambda s: None)[
+            "s25_session_recorder"
+        ]
+    )
+    assert "refused, nothing written" in str(rows["an empty response"])
+    assert "4 expert parts with 96 rows" in str(rows["export"])
