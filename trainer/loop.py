@@ -54,7 +54,8 @@ def reclaim_dead_owners(
     Requests in flight when the processes died hold leases nobody will
     settle: they stay live until their deadline, then poison the gate. The
     resuming trainer knows those holders are dead, so it waits for the
-    deadlines and clears the poison (a weight update is refused until then).
+    deadlines and clears the poison (a weight update is refused until then),
+    and reopens a gate that a learner killed inside a weight update left sealed.
     """
     out: dict[str, int] = {}
     for o in store.owners():
@@ -68,6 +69,9 @@ def reclaim_dead_owners(
     if st.poison:
         store.gate.clear_poison([p.lease_id for p in st.poison], "resumed-holders-restarted")
         out["poisoned leases cleared"] = len(st.poison)
+    if st.state == "sealed":  # the learner died inside a weight update: nobody else reopens
+        store.gate.reopen()
+        out["gate reopened"] = 1
     return out
 
 

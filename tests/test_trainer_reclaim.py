@@ -1,0 +1,30 @@
+"""What a resumed trainer does with what its killed processes left (no Ray needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tracestore import TraceStore  # noqa: E402
+from trainer.loop import reclaim_dead_owners, store_counts  # noqa: E402
+
+
+def test_reclaim_releases_dead_owners_resolves_their_leases_and_reopens_the_gate(
+    store: TraceStore,
+) -> None:
+    store.open_sessions(["r1", "r2"], "rollout:w0.dead")
+    store.open_sessions(["p1"], "producer.dead")
+    store.open_sessions(["b1"], "replay")  # a buffered group's session: kept
+    store.gate.admit("r1", "w0", 0.5)  # in flight when the worker died
+    store.gate.seal()  # the learner died inside a weight update
+    out = reclaim_dead_owners(store, lease_ttl_s=0.5)
+    assert out["rollout:w0.dead"] == 2 and out["producer.dead"] == 1
+    assert out["poisoned leases cleared"] == 1 and out["gate reopened"] == 1
+    assert store.sessions() == ["b1"]
+    st = store.gate.status()
+    assert st.state == "open" and st.live == 0 and st.poisoned == 0
+    counts = store_counts(store)
+    assert counts == {"opened": 4, "released": 3, "live": 1, "events": 3}
+    # a second pass finds nothing to do
+    assert reclaim_dead_owners(store, lease_ttl_s=0.5) == {}
