@@ -103,3 +103,14 @@ def test_gate_demo_section(standalone_url: str) -> None:
     for text in ("GateSealed, retry in 500 ms", "live=0, poisoned=1", "holder worker-3",
                  "refused: GatePoisoned", "cleared 1", "version 0 -> 1", "open, version 1", "version 2 ("):
         assert text in r.output, text
+
+
+def test_clear_poison_all_clears_more_than_one_status_page(store: TraceStore, url: str) -> None:
+    g = store.gate
+    leases = g.admit_many([(f"p-{i}", "w-dead") for i in range(150)], 30)
+    g.settle_many([x.id for x in leases], "unknown")  # outcome unknown: every lease is poisoned
+    assert g.status().poisoned == 150 and len(g.status().poison) == 100  # status lists 100
+    r = cli(url, store.run, "gate", "clear-poison", "--all", "--resolution", "worker-died")
+    assert r.exit_code == 0, r.output
+    assert "cleared 150 of 150 lease(s)" in r.output
+    assert g.status().poisoned == 0

@@ -66,9 +66,15 @@ def reclaim_dead_owners(
     while st.live and time.monotonic() < deadline:
         time.sleep(0.2)
         st = store.gate.status()
-    if st.poison:
-        store.gate.clear_poison([p.lease_id for p in st.poison], "resumed-holders-restarted")
-        out["poisoned leases cleared"] = len(st.poison)
+    cleared = 0
+    while st.poison:  # status() lists the poison set 100 at a time
+        got = store.gate.clear_poison([p.lease_id for p in st.poison], "resumed-holders-restarted")
+        cleared += len(got)
+        if not got:
+            break
+        st = store.gate.status()
+    if cleared:
+        out["poisoned leases cleared"] = cleared
     if st.state == "sealed":  # the learner died inside a weight update: nobody else reopens
         store.gate.reopen()
         out["gate reopened"] = 1

@@ -143,7 +143,7 @@ def gate_reopen(url: str | None, run: str) -> None:
 @url_option
 @run_option
 @click.argument("lease_ids", nargs=-1)
-@click.option("--all", "clear_all", is_flag=True, help="Clear every poisoned lease (up to 100 per call).")
+@click.option("--all", "clear_all", is_flag=True, help="Clear every poisoned lease.")
 @click.option("--resolution", required=True,
               help="What happened to those requests (kept on the lease record), e.g. aborted.")
 @guarded
@@ -152,12 +152,17 @@ def gate_clear_poison(url: str | None, run: str, lease_ids: tuple[str, ...], cle
     """Resolve poisoned leases (LEASE_IDS, or --all) so install can proceed."""
     with _connect(url, run) as store:
         ids = list(lease_ids)
-        if clear_all:
-            ids += [p.lease_id for p in store.gate.status().poison]
+        cleared = store.gate.clear_poison(ids, resolution) if ids else []
+        while clear_all:  # status() lists the poison set 100 at a time
+            batch = [p.lease_id for p in store.gate.status().poison]
+            got = store.gate.clear_poison(batch, resolution) if batch else []
+            ids += batch
+            cleared += got
+            if not got:
+                break
         if not ids:
             click.echo("nothing to clear (give lease ids or --all)")
             return
-        cleared = store.gate.clear_poison(ids, resolution)
     click.echo(f"cleared {len(cleared)} of {len(ids)} lease(s): {' '.join(cleared)}")
 
 
