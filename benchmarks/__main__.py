@@ -7,13 +7,10 @@ import importlib
 import pkgutil
 import sys
 import time
-from pathlib import Path
 
 import orjson
 
 import benchmarks
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,14 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(chosen) - set(names)
     if unknown:
         ap.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {names}")
-    RESULTS.mkdir(exist_ok=True)
+    results = benchmarks.results_dir(args.quick)
     for name in chosen:
         mod = importlib.import_module(f"benchmarks.bench_{name}")
         print(f"== benchmark {name}", flush=True)
         start = time.perf_counter()
         figures = mod.run(quick=args.quick)
         figures["_wall_s"] = round(time.perf_counter() - start, 2)
-        out = RESULTS / f"{name}.json"
+        out = results / f"{name}.json"
         out.write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
         print(f"   wrote {out}", flush=True)
     return 0

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks import results_dir
 
 KEYS = (
     "reward_first",
@@ -70,8 +70,7 @@ def run(quick: bool) -> dict[str, Any]:
                 fig["groups"] = rep["groups"]
                 fig["rewards"] = [round(h["reward"], 4) for h in rep["history"]]
                 out[mode] = fig
-                RESULTS.mkdir(exist_ok=True)
-                shutil.copy(Path(tmp) / "report.png", RESULTS / f"trainer_{mode}.png")
+                shutil.copy(Path(tmp) / "report.png", results_dir(quick) / f"trainer_{mode}.png")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     finally:
