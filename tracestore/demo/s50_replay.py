@@ -48,7 +48,7 @@ def run(store: TraceStore) -> list[tuple[str, object]]:
     rows.append(("installed version", f"{v0} -> {v1} (4 versions per sync)"))
 
     claimed = rb.claim_retry("math", 8, "rollout:w1")
-    rows.append(("producer claims the aborted groups back", [g.gid for g in claimed]))
+    rows.append(("producer claims the aborted groups, finishes and re-puts them", [g.gid for g in claimed]))
     for g in claimed:  # it finishes the rollouts (tokens of both versions) and puts them again
         rb.put(Group(g.gid, g.task, g.sids, min_version=v0, retryable=True), "rollout:w1")
     for i in range(3):
