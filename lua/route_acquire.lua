@@ -6,17 +6,24 @@
 -- concurrent acquires of one new session all get the same answer. The list
 -- comes from the caller (ARGV), so routers with different lists share the
 -- routes and the load counts but each only places sessions on its own list.
--- Idempotent under client retry (a retry finds the route it made).
--- KEYS: 3
+-- Idempotent under client retry: a call that placed or moved the session
+-- records its reply under the op key, so a retry returns the same `how` and
+-- `previous` (a sticky call writes nothing and stays sticky on retry).
+-- KEYS: 4
 -- KEYS[1] = ts:{R}:route           hash: sid -> entrypoint
 -- KEYS[2] = ts:{R}:route:load      zset: entrypoint -> sessions routed to it
 -- KEYS[3] = ts:{R}:route:retired   zset: sid -> tombstone expiry ms (server clock)
+-- KEYS[4] = ts:{R}:op:<op_id>      cached reply of this call (retry idempotency)
 -- ARGV[1] = session id
--- ARGV[2..n+1] = entrypoints (n >= 1, distinct)
+-- ARGV[2] = op reply TTL (ms)
+-- ARGV[3..n+2] = entrypoints (n >= 1, distinct)
 -- returns: {0, entrypoint, how ("sticky" | "new" | "moved"), previous entrypoint ("" unless moved)}
 -- errors: SESSION_RETIRED (sid)
-local route, load, retired = KEYS[1], KEYS[2], KEYS[3]
+-- include: op
+local route, load, retired, opkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local sid = ARGV[1]
+local cached = op_replay(opkey)
+if cached then return cached end
 local until_ms = redis.call('ZSCORE', retired, sid)
 if until_ms then
   local t = redis.call('TIME')
@@ -28,7 +35,7 @@ if until_ms then
 end
 local cur = redis.call('HGET', route, sid)
 local best, best_load = nil, nil
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   local ep = ARGV[i]
   if cur and ep == cur then
     return {0, cur, 'sticky', ''}
@@ -47,4 +54,4 @@ if cur then
 end
 redis.call('HSET', route, sid, best)
 redis.call('ZINCRBY', load, 1, best)
-return {0, best, how, prev}
+return op_record(opkey, tonumber(ARGV[2]), {0, best, how, prev})

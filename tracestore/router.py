@@ -90,10 +90,11 @@ def acquire_route(ctx: Context, entrypoints: tuple[str, ...], sid: str) -> Op[Ro
 
     Atomic: concurrent acquires of one new session all get the same answer.
     Raises SessionRetired for a retired session (HTTP 410 Gone), InvalidId
-    before I/O. One round trip.
+    before I/O. A retried call (reply lost) returns its first reply. One round trip.
     """
     validate_id("session id", sid)
-    reply = yield Eval(script("route_acquire"), _keys(ctx), (sid, *entrypoints))
+    keys = (*_keys(ctx), ctx.keys.op(new_op_id()))
+    reply = yield Eval(script("route_acquire"), keys, (sid, ctx.config.op_ttl_s * 1000, *entrypoints))
     prev = _s(reply[2])
     return Route(sid, _s(reply[0]), _s(reply[1]), prev or None)
 

@@ -1,0 +1,120 @@
+"""Audit of the mutating scripts against the ownership invariants (DESIGN sections 5-7).
+
+Each test re-sends a script call exactly as redis-py does after a lost reply
+(same EVALSHA, same op id), or drives a released session through the paths
+that could move it, on a real server.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tracestore import TraceStore
+from tracestore import gc as gcmod
+from tracestore import replay as rb
+from tracestore.replay import REPLAY_OWNER, Group
+from tracestore.router import acquire_route
+
+PRODUCER = "rollout:p"
+EPS = ["ep-a", "ep-b", "ep-c"]
+
+
+def _s(x: Any) -> Any:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _events(store: TraceStore) -> list[tuple[str, str]]:
+    return [(_s(f[b"sid"]), _s(f[b"reason"])) for _id, f in store.redis.xrange(store.keys.events)]
+
+
+def test_retried_route_acquire_returns_its_first_reply(store: TraceStore) -> None:
+    ctx, io = store._ctx, store._io
+    req = next(acquire_route(ctx, tuple(EPS), "ra-1"))  # a new session: placed, reply lost
+    first = io.execute(req)
+    again = io.execute(req)  # redis-py re-sends the same call
+    assert [_s(x) for x in again] == [_s(x) for x in first] and _s(first[1]) == "new"
+    assert store.router(EPS).table().load == {_s(first[0]): 1}
+    # a move (its entrypoint left the list): the retry still says moved, from where
+    ep = _s(first[0])
+    others = tuple(e for e in EPS if e != ep)
+    req = next(acquire_route(ctx, others, "ra-1"))
+    first = io.execute(req)
+    again = io.execute(req)
+    assert [_s(x) for x in first][1:] == ["moved", ep]
+    assert [_s(x) for x in again] == [_s(x) for x in first]
+    assert store.router(EPS).table().load == {_s(first[0]): 1}
+    # a sticky acquire writes nothing and stays sticky
+    assert store.router(EPS).acquire_route("ra-1").how == "sticky"
+
+
+def test_retried_gc_owner_lost_releases_once(store: TraceStore) -> None:
+    owner = "rollout:gone"
+    sids = ["gl-1", "gl-2", "gl-3"]
+    store.open_sessions(sids, owner)
+    store.heartbeat(owner, 0.05)
+    time.sleep(0.1)
+    gen = gcmod.release_lost_owner(store._ctx, owner)
+    members = store._io.execute(next(gen))
+    batch = gen.send(members)
+    first = store._io.execute(batch)
+    again = store._io.execute(batch)  # the whole pipeline re-sent after a lost reply
+    assert again == first
+    assert sorted(_s(x) for r in first for x in r[1:]) == sids
+    assert sorted(_events(store)) == [(s, "owner-lost") for s in sids]
+    assert store.sessions(owner) == []
+
+
+def test_retried_failed_put_releases_once(store: TraceStore) -> None:
+    sids = ("fp-1", "fp-2")
+    store.open_sessions(list(sids), PRODUCER)
+    req = next(rb.put(store._ctx, Group("fp", "math", sids, status="failed"), PRODUCER))
+    first = store._io.execute(req)
+    again = store._io.execute(req)
+    assert again == first and sorted(_s(x) for x in first[2:]) == list(sids)
+    assert sorted(_events(store)) == [(s, "failed") for s in sids]
+    assert store.replay.count() == 0
+
+
+def test_retried_expire_releases_once(store: TraceStore) -> None:
+    sids = ("ex-1", "ex-2")
+    store.open_sessions(list(sids), PRODUCER)
+    store.replay.put(Group("ex", "math", sids, min_version=0, retryable=False), PRODUCER)
+    gen = rb.expire(store._ctx, 10, 1, task="math")
+    req = next(gen)
+    plan = store._io.execute(req)
+    assert _s(plan[0]) == "NEED"
+    commit = gen.send(plan)
+    first = store._io.execute(commit)
+    again = store._io.execute(commit)
+    assert again == first
+    assert sorted(_events(store)) == [(s, "expired") for s in sids]
+    assert store.replay.count() == 0 and store.sessions(REPLAY_OWNER) == []
+
+
+def test_a_released_session_in_a_group_is_not_moved_by_take_claim_or_transfer(store: TraceStore) -> None:
+    a = ("rg-1", "rg-2")
+    b = ("ra-1", "ra-2")
+    store.open_sessions([*a, *b], PRODUCER)
+    store.replay.put(Group("rg", "math", a), PRODUCER)
+    store.replay.put(Group("ra", "math", b, status="aborted", retryable=True), PRODUCER)
+    # the buffer's owner releases one session of each group while they are stored
+    assert store.release([a[0], b[0]], REPLAY_OWNER, "dropped") == [a[0], b[0]]
+    assert store.transfer([a[0]], REPLAY_OWNER, "train:x") == []
+    taken = store.replay.take("math", 1, owner="train:0")
+    assert [g.gid for g in taken] == ["rg"]
+    claimed = store.replay.claim_retry("math", 1, "rollout:q")
+    assert [g.gid for g in claimed] == ["ra"]
+    # the live ones moved, the released ones stayed released and got no second event
+    assert store.sessions("train:0") == [a[1]] and store.sessions("rollout:q") == [b[1]]
+    assert store.owner_of(a[0]) is None and store.owner_of(b[0]) is None
+    st = store.session_states([a[0], b[0]])
+    assert all(v is not None and v[1] == "released" for v in st.values())
+    assert sorted(_events(store)) == sorted([(a[0], "dropped"), (b[0], "dropped")])
+    # nor can a group holding it be put again
+    import pytest
+
+    from tracestore import SessionReleased
+
+    with pytest.raises(SessionReleased):
+        store.replay.put(Group("rg2", "math", (a[0],)), "train:0")
