@@ -118,3 +118,85 @@ def test_a_released_session_in_a_group_is_not_moved_by_take_claim_or_transfer(st
 
     with pytest.raises(SessionReleased):
         store.replay.put(Group("rg2", "math", (a[0],)), "train:0")
+
+
+def test_every_release_path_racing_releases_each_session_once(store_factory: Any) -> None:
+    """release (buffer owner), take's expiry, expire and gc owner-lost race on the same sessions:
+    each session is returned by at most one call and gets exactly one event."""
+    import threading
+    from collections import Counter
+
+    main = store_factory()
+    groups = [Group(f"rc{i}", "math", (f"rc{i}.a", f"rc{i}.b"), min_version=0) for i in range(60)]
+    main.open_sessions([s for g in groups for s in g.sids], PRODUCER)
+    for g in groups:
+        main.replay.put(g, PRODUCER)
+    lost = [f"rl{i}" for i in range(60)]
+    main.open_sessions(lost, "rollout:lost")
+    main.heartbeat("rollout:lost", 0.05)
+    time.sleep(0.1)
+    every = [s for g in groups for s in g.sids]
+    returned: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def run(fn: Any) -> None:
+        st = store_factory()
+        try:
+            returned.append(list(fn(st)))
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    jobs = [
+        lambda st: st.release(every, REPLAY_OWNER, "dropped"),
+        lambda st: st.release(list(reversed(every)), REPLAY_OWNER, "dropped"),
+        lambda st: st.replay.take("math", 1, owner="train:0", current_version=5, max_staleness=1).released,
+        lambda st: st.replay.expire(5, 1, retryable=False).released_sids,
+        lambda st: st.gc(scan_data=False).sessions_released,
+        lambda st: st.gc(scan_data=False).sessions_released,
+        lambda st: st.release(lost, "rollout:lost", "late"),
+    ]
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    ids = Counter(s for r in returned for s in r)
+    assert ids and max(ids.values()) == 1
+    events = Counter(sid for sid, _reason in _events(main))
+    assert set(events) == set(every) | set(lost) and max(events.values()) == 1
+    assert set(ids) == set(events)
+    assert main.sessions(REPLAY_OWNER) == [] and main.sessions("rollout:lost") == []
+
+
+def test_gc_owner_lost_counts_a_later_chunk_that_saw_the_deadline_pass(store: TraceStore) -> None:
+    """The chunks of one gc_owner_lost pipeline each check the deadline; when it passes between
+    the first chunk and a later one, the later chunk releases its sessions: gc must report and
+    purge them (they are released and have their events), not drop them as 'owner alive'."""
+    from tracestore.scripts import Batch
+
+    owner = "rollout:edge"
+    n = 4001  # two chunks
+    sids = [f"ce{i:05d}" for i in range(n)]
+    store.open_sessions(sids, owner)
+    store.heartbeat(owner, 1.0)
+    gen = gcmod.release_lost_owner(store._ctx, owner)
+    members = store._io.execute(next(gen))
+    batch = gen.send(members)
+    assert isinstance(batch, Batch) and len(batch.requests) == 2
+    first = store._io.execute(batch.requests[0])  # the owner is still alive here
+    time.sleep(1.1)  # its deadline passes before the second chunk runs
+    second = store._io.execute(batch.requests[1])
+    assert int(first[0]) == 0 and int(second[0]) == 1 and _s(second[1]) == sids[-1]
+    released: list[str] = []
+    lost = False
+    try:
+        req = gen.send([first, second])
+        while True:
+            req = gen.send(store._io.execute(req))
+    except StopIteration as stop:
+        lost, released = stop.value
+    assert lost
+    assert sorted(released) == sids  # the later chunk's, then the rest on the next sweep
+    assert store.sessions(owner) == []
+    assert len(_events(store)) == n

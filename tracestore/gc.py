@@ -116,7 +116,9 @@ def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
             for p in parts
         ]
         replies = yield Batch(tuple(evals))
-        if not int(replies[0][0]):
+        # Each chunk re-checks the deadline: a later chunk may see it pass after the
+        # first one did not, and then it released its sessions (events appended).
+        if not any(int(r[0]) for r in replies):
             return False, released
         released.extend(_s(x) for r in replies for x in r[1:])
         if not sids:
