@@ -200,3 +200,45 @@ def test_gc_owner_lost_counts_a_later_chunk_that_saw_the_deadline_pass(store: Tr
     assert sorted(released) == sids  # the later chunk's, then the rest on the next sweep
     assert store.sessions(owner) == []
     assert len(_events(store)) == n
+
+
+def _turn(store: TraceStore, sid: str) -> None:
+    store.record_turn(
+        sid, "p", "r", prefix=store.lookup(sid, "p"), delta_token_ids=[1],
+        response_token_ids=[2], response_logprobs=[-0.5], version=0,
+    )
+
+
+def test_trimming_an_old_tombstone_keeps_the_data_tombstone_of_a_reuse(store: TraceStore) -> None:
+    """gc trims a tombstone past its retention (the id may be reused), then deletes the data
+    tombstone in a second round trip. If the id was reopened, released and purged in between,
+    that data tombstone is the new release's: deleting it would let writes to a purged session
+    succeed again (DESIGN section 5, invariant 3)."""
+    import pytest
+
+    from tracestore import SessionReleased
+
+    store.open_session("tr", "train:1")
+    _turn(store, "tr")
+    store.release(["tr"], "train:1")
+    time.sleep(0.3)
+    gen = gcmod._trim_tombstones(store._ctx, int(time.time() * 1000) - 200)
+    from tracestore.scripts import Eval
+
+    req = next(gen)
+    while True:  # up to and including the trim script; next: delete the old data tombstones
+        trim = isinstance(req, Eval) and req.script.name == "gc_trim_tombstones"
+        req = gen.send(store._io.execute(req))
+        if trim:
+            break
+    # meanwhile the forgotten id is reused, and released and purged again
+    store.open_session("tr", "rollout:0")
+    assert store.release(["tr"], "rollout:0") == ["tr"]
+    try:
+        while True:
+            req = gen.send(store._io.execute(req))
+    except StopIteration:
+        pass
+    assert store.redis.exists(store.keys.dead("tr"))
+    with pytest.raises(SessionReleased):
+        _turn(store, "tr")

@@ -177,12 +177,19 @@ def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
         sids = [_s(x) for x in old]
         if not sids:
             break
+        # Read the data tombstones while the release tombstones still forbid reuse: once
+        # trimmed, an id may be reopened, released and purged again before we delete, and
+        # that purge's tombstone must stay (gc_clear_dead deletes only the value read here).
+        deads = yield Batch(tuple(Cmd(("GET", k.dead(s)), key=k.dead(s)) for s in sids))
         reply = yield Eval(
             sc, (k.released, k.op(new_op_id()), *(k.session(s) for s in sids)), (cutoff, ttl, *sids)
         )
         trimmed = [_s(x) for x in reply]
-        if trimmed:
-            yield Batch(tuple(Cmd(("DEL", k.dead(s)), key=k.dead(s)) for s in trimmed))
+        dead_of = {s: d for s, d in zip(sids, deads, strict=True) if d is not None}
+        clear = [s for s in trimmed if s in dead_of]
+        if clear:
+            cd = script("gc_clear_dead")
+            yield Batch(tuple(Eval(cd, (k.dead(s),), (dead_of[s],)) for s in clear))
         total += len(trimmed)
         if len(sids) < sc.chunk or not trimmed:
             break
