@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import connect_async
 from tracestore import ScriptError, TraceStore
 from tracestore.keys import key_slot
-from tracestore.scripts import Batch, Eval, chunks, lua_dir, parse_script, registry, script
+from tracestore.scripts import Batch, Cmd, Eval, chunks, lua_dir, parse_script, registry, script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,6 +123,34 @@ def test_batch_groups_across_slots(store: TraceStore) -> None:
     assert store.drop_sessions_data(sids) == 5
     assert all(store.redis.exists(store.keys.dead(s)) for s in sids[:10])
     assert not any(store.redis.exists(store.keys.idx(s)) for s in sids[:5])
+
+
+def test_batch_keeps_the_order_of_requests_of_one_slot(url: str, run_id: str, arun: Any) -> None:
+    """Sync and asyncio, standalone and cluster: a Batch runs one slot's requests in order
+    (a purge's tombstone must land before its UNLINK), whatever it does across slots."""
+    keys = [f"ts:{{{run_id}/order-{j}}}:list" for j in range(8)]  # 8 slots, spread over nodes
+    batch = Batch(tuple(Cmd(("RPUSH", keys[i % 8], i), key=keys[i % 8]) for i in range(400)))
+    want = [[str(i) for i in range(j, 400, 8)] for j in range(8)]
+
+    async def go() -> list[Any]:
+        st = await connect_async(url, run_id)
+        try:
+            await st._io.execute(batch)
+            got = [await st.redis.lrange(k, 0, -1) for k in keys]
+            for k in keys:
+                await st.redis.delete(k)
+            return got
+        finally:
+            await st.close()
+
+    dec = lambda xs: [x.decode() if isinstance(x, bytes) else x for x in xs]  # noqa: E731
+    assert [dec(x) for x in arun(go())] == want
+    sync = TraceStore.connect(url, run=run_id)
+    try:
+        sync._io.execute(batch)
+        assert [dec(sync.redis.lrange(k, 0, -1)) for k in keys] == want
+    finally:
+        sync.close()
 
 
 def test_lua_runtime_error_becomes_script_error(store: TraceStore) -> None:

@@ -25,6 +25,7 @@ import redis.asyncio
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from .errors import ScriptError, StorageError, TracestoreError, raise_for_code
+from .keys import key_slot
 from .scripts import Batch, Cmd, Eval, Op, Request, ScanAll, ServerTime
 
 if TYPE_CHECKING:
@@ -298,11 +299,21 @@ class AsyncIO:
         if self.cluster:
             # The async cluster client routes each call (following redirects);
             # issuing them concurrently gives one round trip per node as well.
-            async def bounded(r: Eval | Cmd) -> Any:
-                async with self._inflight:
-                    return await self._single(r, use_sha)
+            # Requests of one hash slot keep their order (as in a pipeline):
+            # a purge's tombstone must land before its UNLINK.
+            out: list[Any] = [None] * len(reqs)
+            chains: dict[Any, list[int]] = {}
+            for i, r in enumerate(reqs):
+                key = r.keys[0] if isinstance(r, Eval) and r.keys else getattr(r, "key", None)
+                chains.setdefault(key_slot(key) if key is not None else ("alone", i), []).append(i)
 
-            return list(await asyncio.gather(*(bounded(r) for r in reqs)))
+            async def chain(idxs: list[int]) -> None:
+                for i in idxs:
+                    async with self._inflight:
+                        out[i] = await self._single(reqs[i], use_sha)
+
+            await asyncio.gather(*(chain(c) for c in chains.values()))
+            return out
         pipe: Any = self.client.pipeline(transaction=False)
         for r in reqs:
             _queue(pipe, r, use_sha)
