@@ -14,8 +14,12 @@ from pathlib import Path
 _RESULTS = Path(__file__).resolve().parent / "results"
 
 
+_OUT: list[Path] = []  # set by ``python -m benchmarks --out DIR``
+
+
 def results_dir(quick: bool) -> Path:
-    """Where a run writes its figures: ``results/`` (full) or ``results/quick/`` (smoke)."""
-    d = _RESULTS / "quick" if quick else _RESULTS
+    """Where a run writes its figures: ``--out DIR`` if given, else ``results/`` (full)
+    or ``results/quick/`` (smoke)."""
+    d = _OUT[-1] if _OUT else _RESULTS / "quick" if quick else _RESULTS
     d.mkdir(parents=True, exist_ok=True)
     return d

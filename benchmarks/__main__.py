@@ -7,6 +7,7 @@ import importlib
 import pkgutil
 import sys
 import time
+from pathlib import Path
 
 import orjson
 
@@ -18,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {names})")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--out", help="write the figures here (default: benchmarks/results[/quick])")
     args = ap.parse_args(argv)
+    if args.out:
+        benchmarks._OUT.append(Path(args.out).resolve())
     chosen = args.names or names
     unknown = set(chosen) - set(names)
     if unknown:
