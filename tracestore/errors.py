@@ -1,8 +1,9 @@
 """Typed errors (DESIGN section 9).
 
 Every error carries the ids involved and, where there is one, what to do
-next. Lua scripts report failures as result codes (``{"ERR", code, ...}``),
-never as free-form error strings, so nothing here parses Redis error text.
+next. Lua scripts report failures as result codes (``{1, CODE, fields...}``;
+success is ``{0, ...}``), never as free-form error strings, so nothing here
+parses Redis error text.
 """
 
 from __future__ import annotations

@@ -168,11 +168,6 @@ class Keys:
         return f"{self._c}:gate:signal"
 
     @property
-    def gate_receipts(self) -> str:
-        """``ts:{R}:gate:receipts`` hash lease -> first settlement receipt (json)."""
-        return f"{self._c}:gate:receipts"
-
-    @property
     def route(self) -> str:
         """``ts:{R}:route`` hash sid -> entrypoint."""
         return f"{self._c}:route"
