@@ -242,6 +242,22 @@ class RolloutWorker:
 # -- producer -------------------------------------------------------------------------------
 
 
+def new_sample(sid: str, prob: Problem, cfg: TrainConfig) -> Sample:
+    """A fresh episode of ``prob`` in session ``sid``, not started yet."""
+    ep = Episode(prob, max_calls=cfg.max_calls)
+    return {
+        "sid": sid,
+        "problem": prob.to_json(),
+        "messages": ep.messages,
+        "value": ep.value,
+        "calls": 0,
+        "turns": 0,
+        "done": False,
+        "status": "new",
+        "versions": [],
+    }
+
+
 def group_status(samples: Sequence[Sample]) -> str:
     """XTuner's priority: failed > aborted > filtered (no reward spread) > completed."""
     st = [s["status"] for s in samples]
@@ -282,21 +298,7 @@ class Producer:
         self.n += 1
         gid = f"g-{self.nonce}-{self.n}"
         prob = make_problem(self.rng, f"p{self.n}")
-        ep = Episode(prob, max_calls=self.cfg.max_calls)
-        samples = [
-            {
-                "sid": f"{gid}-{j}",
-                "problem": prob.to_json(),
-                "messages": ep.messages,
-                "value": ep.value,
-                "calls": 0,
-                "turns": 0,
-                "done": False,
-                "status": "new",
-                "versions": [],
-            }
-            for j in range(self.cfg.group_size)
-        ]
+        samples = [new_sample(f"{gid}-{j}", prob, self.cfg) for j in range(self.cfg.group_size)]
         return gid, samples
 
     def round(self) -> dict[str, int]:
@@ -623,20 +625,7 @@ class Learner:
         samples: list[Sample] = []
         for i in range(self.cfg.eval_prompts):
             prob = make_problem(rng, f"e{i}")
-            ep = Episode(prob, max_calls=self.cfg.max_calls)
-            samples.append(
-                {
-                    "sid": f"eval-{step}-{nonce}-{i}",
-                    "problem": prob.to_json(),
-                    "messages": ep.messages,
-                    "value": ep.value,
-                    "calls": 0,
-                    "turns": 0,
-                    "done": False,
-                    "status": "new",
-                    "versions": [],
-                }
-            )
+            samples.append(new_sample(f"eval-{step}-{nonce}-{i}", prob, self.cfg))
         sids = [s["sid"] for s in samples]
         try:
             self.store.open_sessions(sids, owner, version=self.version)
