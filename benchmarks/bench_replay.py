@@ -66,14 +66,13 @@ def fill(store: TraceStore, groups: list[Group]) -> None:
         store._io.execute(Batch(tuple(evals)))  # type: ignore[arg-type]
 
 
-def ts_put_rate(store: TraceStore, n: int, threads: int = 1) -> float:
-    groups = _groups(f"p{threads}-", n, 10)
-    store.open_sessions([s for g in groups for s in g.sids], PRODUCER)
-    per = n // threads
+def _put_rate(groups: list[Group], threads: int, put_one: Callable[[Group], Any]) -> float:
+    """Groups put per second, ``groups`` split evenly over ``threads`` threads."""
+    per = len(groups) // threads
 
     def work(j: int) -> None:
         for g in groups[j * per : (j + 1) * per]:
-            store.replay.put(g, PRODUCER)
+            put_one(g)
 
     start = time.perf_counter()
     ts = [threading.Thread(target=work, args=(j,)) for j in range(threads)]
@@ -84,15 +83,26 @@ def ts_put_rate(store: TraceStore, n: int, threads: int = 1) -> float:
     return per * threads / (time.perf_counter() - start)
 
 
-def ts_take_rate(store: TraceStore, n_groups: int, batch: int = 8) -> float:
+def _take_rate(n_groups: int, batch: int, take_batch: Callable[[int], list[Any]]) -> float:
+    """Groups taken per second, ``batch`` at a time, until ``n_groups`` or the buffer is empty."""
     taken = 0
     start = time.perf_counter()
     while taken + batch <= n_groups:
-        got = store.replay.take("math", batch, owner="train:bench")
+        got = take_batch(batch)
         if not got:
             break
         taken += len(got)
     return taken / (time.perf_counter() - start)
+
+
+def ts_put_rate(store: TraceStore, n: int, threads: int = 1) -> float:
+    groups = _groups(f"p{threads}-", n, 10)
+    store.open_sessions([s for g in groups for s in g.sids], PRODUCER)
+    return _put_rate(groups, threads, lambda g: store.replay.put(g, PRODUCER))
+
+
+def ts_take_rate(store: TraceStore, n_groups: int, batch: int = 8) -> float:
+    return _take_rate(n_groups, batch, lambda b: store.replay.take("math", b, owner="train:bench"))
 
 
 def _median(xs: list[float]) -> float:
@@ -156,32 +166,15 @@ def actor_put_rate(actor: Any, n: int, threads: int = 1) -> float:
 
     groups = _groups(f"p{threads}-", n, 10)
     ray.get(actor.open_sessions.remote([s for g in groups for s in g.sids], PRODUCER))
-    per = n // threads
-
-    def work(j: int) -> None:
-        for g in groups[j * per : (j + 1) * per]:
-            ray.get(actor.put.remote(g.gid, g.task, g.sids, g.status, g.min_version, g.retryable, g.payload, PRODUCER))
-
-    start = time.perf_counter()
-    ts = [threading.Thread(target=work, args=(j,)) for j in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return per * threads / (time.perf_counter() - start)
+    return _put_rate(groups, threads, lambda g: ray.get(
+        actor.put.remote(g.gid, g.task, g.sids, g.status, g.min_version, g.retryable, g.payload, PRODUCER)
+    ))
 
 
 def actor_take_rate(actor: Any, n_groups: int, batch: int = 8) -> float:
     import ray
 
-    taken = 0
-    start = time.perf_counter()
-    while taken + batch <= n_groups:
-        got = ray.get(actor.take.remote("math", batch, "train:bench"))
-        if not got:
-            break
-        taken += len(got)
-    return taken / (time.perf_counter() - start)
+    return _take_rate(n_groups, batch, lambda b: ray.get(actor.take.remote("math", b, "train:bench")))
 
 
 def actor_scale(cls: Any, size: int, reps: int) -> dict[str, float]:
