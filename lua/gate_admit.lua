@@ -14,6 +14,7 @@
 -- ARGV[4] = ttl (ms, > 0)
 -- returns: {0, lease id, version (int), deadline_ms (int), replayed (0|1)}
 -- errors: GATE_SEALED (version, retry_after_ms), SESSION_RELEASED (sid, detail)
+-- include: op
 -- include: gate
 local gate, leases, lkey = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]
@@ -29,7 +30,7 @@ end
 if redis.call('ZSCORE', KEYS[4], ARGV[2]) then
   return {1, 'SESSION_RELEASED', ARGV[2], 'released; it is admitted no more requests'}
 end
-local now = gate_now_ms()
+local now = now_ms()
 local deadline = now + tonumber(ARGV[4])
 redis.call('ZADD', leases, deadline, id)
 redis.call('HSET', lkey, 'sid', ARGV[2], 'holder', ARGV[3], 'version', version,

@@ -14,6 +14,7 @@
 -- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[4..]
 -- returns: {0, version (int), deadline_ms (int), replayed (0|1)}
 -- errors: GATE_SEALED (version, retry_after_ms), SESSION_RELEASED (sid, detail): nothing admitted
+-- include: op
 -- include: gate
 local gate, leases, released = KEYS[1], KEYS[2], KEYS[3]
 local ttl = tonumber(ARGV[1])
@@ -34,7 +35,7 @@ for i = 4, #KEYS do
     return {1, 'SESSION_RELEASED', sid, 'released; it is admitted no more requests'}
   end
 end
-local now = gate_now_ms()
+local now = now_ms()
 local deadline = now + ttl
 for i = 4, #KEYS do
   local a = 2 + 3 * (i - 4)

@@ -21,7 +21,7 @@
 local leases, poison, opkey = KEYS[1], KEYS[2], KEYS[3]
 local done = op_replay(opkey)
 if done then return done end
-local now = gate_now_ms()
+local now = now_ms()
 gate_sweep(leases, poison, now)
 local out = {0}
 for i = 4, #KEYS do

@@ -14,9 +14,10 @@
 -- returns: {0, state, version (int), live (int), wait_ms (int, -1 when live = 0),
 --           n_new, new poisoned ids..., n_poisoned (total), poisoned ids (first ARGV[1])...}
 -- errors: none
+-- include: op
 -- include: gate
 local gate, leases, poison, signal = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local now = gate_now_ms()
+local now = now_ms()
 local swept = gate_sweep(leases, poison, now)
 local live = redis.call('ZCARD', leases)
 local wait = -1

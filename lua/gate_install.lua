@@ -28,7 +28,7 @@ end
 if g[1] ~= 'sealed' then
   return {1, 'NOT_DRAINED', g[1] or 'open', redis.call('ZCARD', leases)}
 end
-local now = gate_now_ms()
+local now = now_ms()
 gate_sweep(leases, poison, now)
 local live = redis.call('ZCARD', leases)
 if live > 0 then

@@ -11,6 +11,7 @@
 -- ARGV[2] = ttl (ms, > 0), or 0 for the ttl the lease was admitted with
 -- returns: {0, lease id, version (int), deadline_ms (int)}
 -- errors: UNKNOWN_LEASE (lease id), INVALID_INPUT ("lease", already settled), GATE_POISONED (lease id)
+-- include: op
 -- include: gate
 local leases, poison, lkey = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]
@@ -21,7 +22,7 @@ end
 if l[3] then
   return {1, 'INVALID_INPUT', 'lease', 'lease ' .. id .. ' was already settled (' .. l[3] .. '); admit a new lease'}
 end
-local now = gate_now_ms()
+local now = now_ms()
 gate_sweep(leases, poison, now)
 if not redis.call('ZSCORE', leases, id) then
   return {1, 'GATE_POISONED', id}

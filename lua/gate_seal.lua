@@ -19,6 +19,7 @@
 -- ARGV[4] = sealer token ("" for none: an unconditional reopen)
 -- returns: the reply of gate_status, then the token of the current seal ("" when open or anonymous)
 -- errors: none
+-- include: op
 -- include: gate
 local gate = KEYS[1]
 local g = redis.call('HMGET', gate, 'state', 'sealed_by')
@@ -26,7 +27,7 @@ local state, by = g[1], g[2] or ''
 local token = ARGV[4] or ''
 if ARGV[1] == 'seal' then
   if state ~= 'sealed' then
-    redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', gate_now_ms(), 'retry_ms', ARGV[2], 'sealed_by', token)
+    redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', now_ms(), 'retry_ms', ARGV[2], 'sealed_by', token)
   elseif by ~= '' and by ~= token then
     redis.call('HSET', gate, 'sealed_by', token)
   end

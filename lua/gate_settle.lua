@@ -14,6 +14,7 @@
 -- ARGV[3] = retention of a settled, unpoisoned lease record (ms)
 -- returns: {0, lease id, outcome, version (int), settled_ms (int), late (0|1), poisoned (0|1), first (0|1)}
 -- errors: UNKNOWN_LEASE (lease id)
+-- include: op
 -- include: gate
 local leases, poison, signal, lkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, outcome = ARGV[1], ARGV[2]
@@ -24,7 +25,7 @@ end
 if l[3] then
   return {0, id, l[3], tonumber(l[1]), tonumber(l[4]), tonumber(l[5]), tonumber(l[6]), 0}
 end
-local now = gate_now_ms()
+local now = now_ms()
 local late = 0
 if now > tonumber(l[2]) then late = 1 end
 local removed = redis.call('ZREM', leases, id)

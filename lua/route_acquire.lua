@@ -26,8 +26,7 @@ local cached = op_replay(opkey)
 if cached then return cached end
 local until_ms = redis.call('ZSCORE', retired, sid)
 if until_ms then
-  local t = redis.call('TIME')
-  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  local now = now_ms()
   if tonumber(until_ms) > now then
     return {1, 'SESSION_RETIRED', sid}
   end

@@ -19,8 +19,7 @@
 local route, load, retired = KEYS[1], KEYS[2], KEYS[3]
 local cached = op_replay(KEYS[4])
 if cached then return cached end
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', retired, '-inf', now)
 local expires = now + tonumber(ARGV[1])
 local out = {0}

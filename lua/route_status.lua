@@ -10,9 +10,9 @@
 -- returns: {0, routed (int), retired (int, unexpired tombstones), n_load, (entrypoint, load)...,
 --           route of each ARGV sid ("" unrouted, "!retired" when tombstoned)...}
 -- errors: none
+-- include: op
 local route, load, retired = KEYS[1], KEYS[2], KEYS[3]
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local now = now_ms()
 local out = {0, redis.call('HLEN', route), redis.call('ZCOUNT', retired, '(' .. now, '+inf')}
 local l = redis.call('ZRANGE', load, 0, -1, 'WITHSCORES')
 out[#out + 1] = #l / 2

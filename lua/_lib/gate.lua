@@ -2,7 +2,7 @@
 -- Live leases are members of the zset ts:{R}:gate:leases scored by their
 -- deadline (ms, server clock); poisoned leases are fields of the hash
 -- ts:{R}:gate:poison (lease id -> reason json). Every key used here is passed
--- in by the caller (from KEYS).
+-- in by the caller (from KEYS). Include op first: the server clock is its now_ms.
 
 -- Move every live lease whose deadline has passed into the poison hash
 -- (invariant 2: past its deadline, the outcome of a request is not known).
@@ -34,15 +34,10 @@ local function gate_signal_if_empty(leases_key, signal_key)
   return 0
 end
 
-local function gate_now_ms()
-  local t = redis.call('TIME')
-  return t[1] * 1000 + math.floor(t[2] / 1000)
-end
-
 -- The gate's status as a flat reply (see gate_status.lua for its layout);
 -- read-only, shared by gate_status and gate_seal so both answer alike.
 local function gate_status_reply(gate, leases, poison, cap)
-  local now = gate_now_ms()
+  local now = now_ms()
   local g = redis.call('HMGET', gate, 'state', 'version', 'sealed_ms', 'installed_ms')
   local live = redis.call('ZCOUNT', leases, now, '+inf')
   local nextd = redis.call('ZRANGEBYSCORE', leases, now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
