@@ -214,9 +214,11 @@ def _groups(ctx: Context, now: int, idle_limit_ms: int) -> Op[tuple[list[str], l
     groups = [_pairs(g) if isinstance(g, list) else {_s(a): b for a, b in g.items()} for g in raw]
     removed: list[str] = []
     kept: list[dict[str, Any]] = []
-    for g in groups:
+    replies = yield Batch(
+        tuple(Cmd(("XINFO", "CONSUMERS", k.events, _s(g["name"])), key=k.events) for g in groups)
+    )
+    for g, consumers in zip(groups, replies, strict=True):
         name = _s(g["name"])
-        consumers = yield Cmd(("XINFO", "CONSUMERS", k.events, name), key=k.events)
         idles = [
             int(_pairs(c)["idle"]) if isinstance(c, list) else int(c["idle"]) for c in consumers
         ]
@@ -234,9 +236,6 @@ def _groups(ctx: Context, now: int, idle_limit_ms: int) -> Op[tuple[list[str], l
 
 def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_ms: int) -> Op[int]:
     k = ctx.keys
-    exists = yield Cmd(("EXISTS", k.events), key=k.events)
-    if not int(exists):
-        return 0
     if kept:
         marks: list[tuple[int, int]] = []
         for g in kept:
@@ -253,6 +252,7 @@ def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_m
         low = (max(0, now - retention_ms), 0)
     if low == (0, 0):
         return 0
+    # XTRIM of a missing stream answers 0: no EXISTS round trip needed.
     n = yield Cmd(("XTRIM", k.events, "MINID", f"{low[0]}-{low[1]}"), key=k.events)
     return int(n)
 
