@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tracestore import TraceStore
+from tracestore import PrefixMatch, TraceStore
 from tracestore.servers import EmbeddedServer
 
 from .baselines.actor_store import SessionServerClient, TextTrieStore, remote_class
@@ -100,6 +100,20 @@ def _net(r: Any) -> tuple[int, int]:
     return int(s["total_net_input_bytes"]), int(s["total_net_output_bytes"])
 
 
+def _record(store: TraceStore, sid: str, t: _Turn, i: int, prefix: PrefixMatch) -> None:
+    """``record_turn`` of turn ``i`` after its ``lookup`` returned ``prefix``."""
+    store.record_turn(
+        sid,
+        t.prompt,
+        t.response,
+        prefix=prefix,
+        delta_token_ids=t.delta,
+        response_token_ids=t.out,
+        response_logprobs=t.logprobs,
+        version=i,
+    )
+
+
 class _RoundTrips:
     """Counts the requests (round trips) a store sends."""
 
@@ -129,16 +143,7 @@ class _Tracestore:
         assert m.text_len == t.prefix_len, (sid, i, m.text_len, t.prefix_len)
         input_ids = m.token_ids + t.delta  # what goes to the engine
         assert len(input_ids) >= len(t.delta)
-        self.store.record_turn(
-            sid,
-            t.prompt,
-            t.response,
-            prefix=m,
-            delta_token_ids=t.delta,
-            response_token_ids=t.out,
-            response_logprobs=t.logprobs,
-            version=i,
-        )
+        _record(self.store, sid, t, i, m)
 
     def export(self, sid: str, key: str) -> int:
         return len(self.store.export_training_trace(sid, key).input_ids)
@@ -256,17 +261,7 @@ def _write_only(store: TraceStore, sessions: dict[str, list[_Turn]]) -> None:
     for i in range(TURNS):
         for sid, turns in sessions.items():
             t = turns[i]
-            m = store.lookup(sid, t.prompt)
-            store.record_turn(
-                sid,
-                t.prompt,
-                t.response,
-                prefix=m,
-                delta_token_ids=t.delta,
-                response_token_ids=t.out,
-                response_logprobs=t.logprobs,
-                version=i,
-            )
+            _record(store, sid, t, i, store.lookup(sid, t.prompt))
 
 
 def _python_bytes_per_token(sessions: dict[str, list[_Turn]]) -> float:
