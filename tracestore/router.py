@@ -31,7 +31,7 @@ from .scripts import Batch, Eval, Op, chunks, new_op_id, script
 
 if TYPE_CHECKING:
     from ._io import AsyncIO, SyncIO
-    from .store import AsyncTraceStore, TraceStore
+    from .store import TraceStore
 
 #: Default lifetime of a retirement tombstone.
 DEFAULT_RETENTION_S = 24 * 3600.0
@@ -201,11 +201,6 @@ def read_routes(store: TraceStore, sids: Sequence[str] = ()) -> RouteTable:
     return store._io.run(route_table(store._ctx, sids))
 
 
-async def read_routes_async(store: AsyncTraceStore, sids: Sequence[str] = ()) -> RouteTable:
-    """Async counterpart of :func:`read_routes`."""
-    return await store._io.run(route_table(store._ctx, sids))
-
-
 __all__ = [
     "DEFAULT_RETENTION_S",
     "AsyncRouter",
@@ -213,6 +208,5 @@ __all__ = [
     "RouteTable",
     "Router",
     "read_routes",
-    "read_routes_async",
     "validate_entrypoints",
 ]
