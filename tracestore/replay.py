@@ -47,7 +47,7 @@ from ._io import async_op, sync_op
 from .context import Context
 from .errors import InvalidInput, ScriptError
 from .keys import validate_id, validate_ids
-from .purge import purge_evals
+from .purge import purge_sessions
 from .scripts import Batch, Cmd, Eval, Op, new_op_id, script
 
 if TYPE_CHECKING:
@@ -275,11 +275,6 @@ def _with_keys(
     raise ScriptError(name, f"no stable plan after {MAX_ROUNDS} rounds (heavy contention)")
 
 
-def _purge(ctx: Context, sids: Sequence[str]) -> Op[None]:
-    if sids:
-        yield Batch(tuple(purge_evals(ctx, list(sids))))
-
-
 # -- operations ------------------------------------------------------------------------------------
 
 
@@ -344,7 +339,7 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
     if int(reply[0]):
         return PutResult(gid, True, int(reply[1]))
     released = tuple(_s(x) for x in reply[2:])
-    yield from _purge(ctx, released)
+    yield from purge_sessions(ctx, list(released))
     return PutResult(gid, False, None, released)
 
 
@@ -423,7 +418,7 @@ def take(
         i += 1 + nr
         m = int(reply[i])
         groups = _decode_groups(task, reply[i + 1 : i + 1 + 7 * m])
-        yield from _purge(ctx, rel)
+        yield from purge_sessions(ctx, rel)
         released += rel
         return Taken(tuple(groups), tuple(expired), tuple(released))
     raise ScriptError("rb_take", "stale groups keep appearing faster than they can be expired")
@@ -523,7 +518,7 @@ def expire(
             i += 1 + ng
             ns = int(reply[i])
             rs = [_s(x) for x in reply[i + 1 : i + 1 + ns]]
-            yield from _purge(ctx, rs)
+            yield from purge_sessions(ctx, rs)
             rel_s += rs
             if not more:
                 break
