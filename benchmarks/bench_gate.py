@@ -67,26 +67,26 @@ def batched_pairs(store: TraceStore, n: int, batch: int) -> float:
     return n / (time.perf_counter() - start)
 
 
+def _one_pipeline(io: Any, ops: list[Any]) -> list[Any]:
+    """Send the first request of every op in one pipeline; the results of the ops it completes."""
+    replies = io.execute(Batch(tuple(next(op) for op in ops)))
+    out = []
+    for op, rep in zip(ops, replies, strict=True):
+        try:
+            op.send(rep)
+        except StopIteration as stop:
+            out.append(stop.value)
+    return out
+
+
 def pipelined_pairs(store: TraceStore, n: int, batch: int) -> float:
     io, ctx = store._io, store._ctx
     start = time.perf_counter()
     for b in range(0, n, batch):
         k = min(batch, n - b)
-        gens = [admit(ctx, f"p{b + i}", "bench", 60) for i in range(k)]
-        replies = io.execute(Batch(tuple(next(g) for g in gens)))
-        leases: list[Lease] = []
-        for g, rep in zip(gens, replies, strict=True):
-            try:
-                g.send(rep)
-            except StopIteration as stop:
-                leases.append(stop.value)
-        sgens = [settle(ctx, lease, "completed") for lease in leases]
-        replies = io.execute(Batch(tuple(next(g) for g in sgens)))
-        for g, rep in zip(sgens, replies, strict=True):
-            try:
-                g.send(rep)
-            except StopIteration as stop:
-                assert not stop.value.poisoned
+        leases: list[Lease] = _one_pipeline(io, [admit(ctx, f"p{b + i}", "bench", 60) for i in range(k)])
+        for settled in _one_pipeline(io, [settle(ctx, lease, "completed") for lease in leases]):
+            assert not settled.poisoned
     return n / (time.perf_counter() - start)
 
 
