@@ -348,11 +348,6 @@ def _receipt(reply: list[Any]) -> SettlementReceipt:
     )
 
 
-def _status_eval(ctx: Context, limit: int = MAX_IDS) -> Eval:
-    k = ctx.keys
-    return Eval(script("gate_status"), (k.gate, k.gate_leases, k.gate_poison), (limit,))
-
-
 def _decode_status(r: list[Any]) -> GateStatus:
     state, version, sealed, installed, now, live, nextd = (
         _s(r[0]), int(r[1]), _opt(r[2]), _opt(r[3]), int(r[4]), int(r[5]), _opt(r[6])
@@ -392,7 +387,8 @@ def _decode_status(r: list[Any]) -> GateStatus:
 
 def status(ctx: Context) -> Op[GateStatus]:
     """Read the gate: state, version, live leases, poison set (first 100). One round trip."""
-    reply = yield _status_eval(ctx)
+    k = ctx.keys
+    reply = yield Eval(script("gate_status"), (k.gate, k.gate_leases, k.gate_poison), (MAX_IDS,))
     return _decode_status(reply)
 
 
