@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +36,7 @@ import orjson
 from .context import SCHEMA_VERSION, Context
 from .errors import InvalidInput, RunNotEmpty
 from .replay import STORED_STATUSES
-from .scripts import Batch, Cmd, Op, ScanAll, ServerTime
+from .scripts import Batch, Cmd, Op, ScanAll, ServerTime, chunks
 
 #: Identifies a tracestore checkpoint file (first line, ``format``).
 FORMAT = "tracestore-checkpoint"
@@ -178,7 +178,7 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
             }
         )
         # control plane, BATCH keys per round trip (TYPE, then value and TTL)
-        for part in _chunks(keys, BATCH):
+        for part in chunks(keys, BATCH):
             types = [_s(t) for t in (yield Batch(tuple(Cmd(("TYPE", key), key=key) for key in part)))]
             readable = [(key, t) for key, t in zip(part, types, strict=True) if t in _READ]
             reads: list[Cmd] = []
@@ -203,7 +203,7 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
                 q = k.rb_queue(task, status)
                 members = yield Cmd(("ZRANGE", q, 0, -1), key=q)
                 gids = [_s(g) for g in members]
-                for part in _chunks(gids, BATCH):
+                for part in chunks(gids, BATCH):
                     hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in part))
                     for gid, h in zip(part, hashes, strict=True):
                         fields = _pairs(h)
@@ -211,7 +211,7 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
                             w.line({"k": "group", "gid": gid, "fields": [[enc(f), enc(v)] for f, v in fields]})
                             ngroups += 1
         # traces of every session of the run
-        for part in _chunks(sids, BATCH):
+        for part in chunks(sids, BATCH):
             cmds: list[Cmd] = []
             for sid in part:
                 for key in (k.idx(sid), k.tok(sid), k.txt(sid)):
@@ -241,11 +241,6 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
         size = w.bytes
     os.replace(tmp, target)
     return CheckpointInfo(str(target), k.run, nkeys, ngroups, len(sids), nnodes, size)
-
-
-def _chunks(items: Sequence[str], n: int) -> Iterator[Sequence[str]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
 
 
 # -- restore --------------------------------------------------------------------------------
