@@ -24,9 +24,7 @@ def new_holder(store: TraceStore, name: str) -> Any:
 def holder_stats(holder: Any) -> dict[str, int]:
     """``{"sessions", "refs", "bytes"}`` of a holder."""
     st = holder.stats()
-    if isinstance(st, dict):
-        return {k: int(st.get(k, 0)) for k in ("sessions", "refs", "bytes")}
-    return {k: int(getattr(st, k, 0)) for k in ("sessions", "refs", "bytes")}
+    return {"sessions": st.sessions, "refs": st.refs, "bytes": st.bytes}
 
 
 def holder_get(holder: Any, keys: Sequence[str]) -> list[Any]:
