@@ -291,6 +291,7 @@ def _read(ctx: Context, sid: str, pick: Any) -> Op[tuple[_Index, list[Node], dic
     cache = node_cache(ctx)
     snap: _Index | None = cache.get(_idx_key(sid))
     want: list[str] = []
+    guess: list[Node] = []
     if snap is not None:
         guess = snap.path(pick(snap))
         want = [n.id for n in guess if cache.get(_tok_key(sid, snap.epoch, n.id)) is None]
@@ -320,7 +321,7 @@ def _read(ctx: Context, sid: str, pick: Any) -> Op[tuple[_Index, list[Node], dic
     assert snap is not None
     for digest, data in got.items():  # came over the wire: cache them
         _cache_payload(cache, sid, epoch, digest, data)
-    path = snap.path(pick(snap))
+    path = snap.path(pick(snap)) if changed else guess  # unchanged index: same pick
     missing = []
     for n in path:
         if n.id in got:
