@@ -9,7 +9,7 @@ an embedded valkey-server), the same configuration except the mode:
   producer claims back).
 
 Figures per mode: batch reward over the first and last quarter of the steps
-(the reward must improve), evaluation reward (16 fixed problems) at the first
+(the reward must improve), evaluation reward (32 fixed problems) at the first
 and last evaluation, steps/s of the training loop, p50 turn latency, share of
 the roles' busy time spent in tracestore calls, and the leak checks (sessions
 leaked, refs held, release events vs sessions opened). Plots of reward and
