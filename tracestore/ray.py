@@ -289,7 +289,7 @@ class RefHolder:
         if self.ephemeral if destroy_group is None else destroy_group:
             k = self.store.keys.events
             try:
-                self.store._io.run(_one(Cmd(("XGROUP", "DESTROY", k, self.name), key=k)))
+                self.store._io.execute(Cmd(("XGROUP", "DESTROY", k, self.name), key=k))
             except TracestoreError as exc:  # the group may be gone already; nothing leaks
                 log.warning("holder %s: could not destroy its group: %s", self.name, exc)
 
@@ -318,10 +318,10 @@ class RefHolder:
 
     def _group_names(self) -> set[str]:
         k = self.store.keys.events
-        exists = self.store._io.run(_one(Cmd(("EXISTS", k), key=k)))
+        exists = self.store._io.execute(Cmd(("EXISTS", k), key=k))
         if not int(exists):
             return set()
-        groups = self.store._io.run(_one(Cmd(("XINFO", "GROUPS", k), key=k)))
+        groups = self.store._io.execute(Cmd(("XINFO", "GROUPS", k), key=k))
         names = set()
         for g in groups:
             d = g if isinstance(g, dict) else {_s(g[i]): g[i + 1] for i in range(0, len(g) - 1, 2)}
@@ -335,7 +335,7 @@ class RefHolder:
             created = False
         else:
             try:
-                self.store._io.run(_one(Cmd(("XGROUP", "CREATE", k, self.name, "$", "MKSTREAM"), key=k)))
+                self.store._io.execute(Cmd(("XGROUP", "CREATE", k, self.name, "$", "MKSTREAM"), key=k))
                 created = True
             except TracestoreError as exc:
                 # Another process of the same holder name created it meanwhile.
@@ -343,7 +343,7 @@ class RefHolder:
                     raise
                 created = False
         # A consumer from the start, so gc sees this group as active even before it reads.
-        self.store._io.run(_one(Cmd(("XGROUP", "CREATECONSUMER", k, self.name, self._consumer), key=k)))
+        self.store._io.execute(Cmd(("XGROUP", "CREATECONSUMER", k, self.name, self._consumer), key=k))
         return created
 
     def _read(self, start_id: str) -> Op[Any]:
@@ -366,7 +366,7 @@ class RefHolder:
         if entries:
             k = self.store.keys.events
             ids = [eid for eid, _f in entries]
-            self.store._io.run(_one(Cmd(("XACK", k, self.name, *ids), key=k)))
+            self.store._io.execute(Cmd(("XACK", k, self.name, *ids), key=k))
 
     def _loop(self) -> None:
         own_pending = True  # first re-read what this consumer was given but did not ack
@@ -396,11 +396,6 @@ class RefHolder:
                         own_pending = False
                 except Exception as exc2:
                     log.warning("holder %s: cannot restore its group yet: %s", self.name, exc2)
-
-
-def _one(cmd: Cmd) -> Op[Any]:
-    reply = yield cmd
-    return reply
 
 
 class _RefHolderActor:
