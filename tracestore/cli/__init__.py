@@ -12,11 +12,14 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from ..errors import TracestoreError
+
+if TYPE_CHECKING:
+    from ..store import TraceStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,6 +58,13 @@ def run_option(f: F) -> F:
         show_default=True,
         help="Run id (namespace of keys ts:{RUN}:*).",
     )(f)
+
+
+def connect(url: str | None, run: str) -> TraceStore:
+    """A store of the existing run ``run`` (operator commands never create a run)."""
+    from ..store import TraceStore
+
+    return TraceStore.connect(url, run=run, create_run=False)
 
 
 def fail(message: str, code: int = 1) -> None:

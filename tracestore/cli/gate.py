@@ -16,11 +16,7 @@ from .._table import format_table
 from ..gate import GateStatus
 from ..router import read_routes
 from ..store import TraceStore
-from . import guarded, main, run_option, url_option
-
-
-def _connect(url: str | None, run: str) -> TraceStore:
-    return TraceStore.connect(url, run=run, create_run=False)
+from . import connect, guarded, main, run_option, url_option
 
 
 def _status_rows(st: GateStatus) -> list[list[object]]:
@@ -72,7 +68,7 @@ def gate() -> None:
 @guarded
 def gate_status(url: str | None, run: str, as_json: bool, check: bool) -> None:
     """State, version, live and poisoned leases (with their sessions and holders)."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         st = store.gate.status()
         _echo_status(store, st, as_json)
     if check and not st.installable:
@@ -87,7 +83,7 @@ def gate_status(url: str | None, run: str, as_json: bool, check: bool) -> None:
 @guarded
 def gate_seal(url: str | None, run: str, retry_after_ms: int) -> None:
     """Seal the gate: every admission is refused (GateSealed) until reopen."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         st = store.gate.seal(retry_after_ms)
         _echo_status(store, st, False)
 
@@ -100,7 +96,7 @@ def gate_seal(url: str | None, run: str, retry_after_ms: int) -> None:
 @guarded
 def gate_drain(url: str | None, run: str, timeout_s: float) -> None:
     """Wait until no lease is live (or the timeout); exit 2 unless drained and unpoisoned."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         res = store.gate.drain(timeout_s)
     click.echo(format_table(["drain", "value"], [
         ["drained", "yes" if res.drained else "no"],
@@ -123,7 +119,7 @@ def gate_drain(url: str | None, run: str, timeout_s: float) -> None:
 @guarded
 def gate_install(url: str | None, run: str, version: int) -> None:
     """Install weight VERSION (the gate must be sealed, drained and unpoisoned)."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         prev = store.gate.install(version)
     click.echo(f"installed version {version} (was {prev})")
 
@@ -134,7 +130,7 @@ def gate_install(url: str | None, run: str, version: int) -> None:
 @guarded
 def gate_reopen(url: str | None, run: str) -> None:
     """Reopen the gate: admissions resume under the current version."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         st = store.gate.reopen()
         _echo_status(store, st, False)
 
@@ -150,7 +146,7 @@ def gate_reopen(url: str | None, run: str) -> None:
 def gate_clear_poison(url: str | None, run: str, lease_ids: tuple[str, ...], clear_all: bool,
                       resolution: str) -> None:
     """Resolve poisoned leases (LEASE_IDS, or --all) so install can proceed."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         ids = list(lease_ids)
         cleared = store.gate.clear_poison(ids, resolution) if ids else []
         while clear_all:  # status() lists the poison set 100 at a time
@@ -173,7 +169,7 @@ def gate_clear_poison(url: str | None, run: str, lease_ids: tuple[str, ...], cle
 @guarded
 def routes(url: str | None, run: str, sids: tuple[str, ...]) -> None:
     """Session affinity: load per entrypoint, and the entrypoint of each of SIDS."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         table = read_routes(store, list(sids))
     click.echo(format_table(["entrypoint", "sessions"], sorted(table.load.items())))
     click.echo(f"routed sessions: {table.routed}; retired (tombstoned): {table.retired}")

@@ -18,11 +18,7 @@ import orjson
 from .._table import format_table
 from ..scripts import Op, ServerTime
 from ..store import TraceStore
-from . import guarded, main, run_option, url_option
-
-
-def _connect(url: str | None, run: str) -> TraceStore:
-    return TraceStore.connect(url, run=run, create_run=False)
+from . import connect, guarded, main, run_option, url_option
 
 
 @main.command("gc")
@@ -67,7 +63,7 @@ def gc_command(
     check: bool,
 ) -> None:
     """Run one garbage-collection pass over a run and print what it did."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         report = store.gc(
             tombstone_retention_s=tombstone_retention_s,
             group_idle_limit_s=group_idle_limit_s,
@@ -98,7 +94,7 @@ def gc_command(
 @guarded
 def sessions_command(url: str | None, run: str, owner: str | None, as_json: bool) -> None:
     """Owners of a run (live sessions, heartbeat, lost mark), or one owner's session ids."""
-    with _connect(url, run) as store:
+    with connect(url, run) as store:
         if owner is not None:
             sids = store.sessions(owner)
             click.echo(orjson.dumps(sids).decode() if as_json else "\n".join(sids))

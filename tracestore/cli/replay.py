@@ -14,8 +14,7 @@ import click
 import orjson
 
 from .._table import format_table
-from ..store import TraceStore
-from . import guarded, main, run_option, url_option
+from . import connect, guarded, main, run_option, url_option
 
 
 @main.group()
@@ -31,7 +30,7 @@ def replay() -> None:
 @guarded
 def replay_stats(url: str | None, run: str, task: str | None, as_json: bool) -> None:
     """Groups per task and status, oldest weight version, bytes of group records."""
-    with TraceStore.connect(url, run=run, create_run=False) as store:
+    with connect(url, run) as store:
         cells = store.replay.stats(task)
     if as_json:
         click.echo(orjson.dumps(cells, option=orjson.OPT_INDENT_2).decode())
@@ -59,7 +58,7 @@ def checkpoint() -> None:
 @guarded
 def checkpoint_save(url: str | None, run: str, path: Path) -> None:
     """Write the run (control plane, replay groups, traces) to PATH."""
-    with TraceStore.connect(url, run=run, create_run=False) as store:
+    with connect(url, run) as store:
         info = store.checkpoint(path)
     click.echo(
         f"saved run {run!r} to {info.path}: {info.keys} control keys, {info.groups} groups, "
@@ -74,7 +73,7 @@ def checkpoint_save(url: str | None, run: str, path: Path) -> None:
 @guarded
 def checkpoint_load(url: str | None, run: str, path: Path) -> None:
     """Restore PATH into the run, which must be empty (expert keys are marked lost)."""
-    with TraceStore.connect(url, run=run, create_run=False) as store:
+    with connect(url, run) as store:
         info = store.restore(path)
     click.echo(
         f"loaded {info.path} into run {run!r}: {info.groups} groups, {info.sessions} sessions, "
