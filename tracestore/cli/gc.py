@@ -16,8 +16,7 @@ import click
 import orjson
 
 from .._table import format_table
-from ..scripts import Op, ServerTime
-from ..store import TraceStore
+from ..scripts import ServerTime
 from . import connect, guarded, main, run_option, url_option
 
 
@@ -100,7 +99,7 @@ def sessions_command(url: str | None, run: str, owner: str | None, as_json: bool
             click.echo(orjson.dumps(sids).decode() if as_json else "\n".join(sids))
             return
         infos = store.owners()
-        now = store._io.run(_now(store))
+        now = store._io.execute(ServerTime(store.keys.meta))  # server clock (ms)
     if as_json:
         click.echo(orjson.dumps(infos, option=orjson.OPT_INDENT_2).decode())
         return
@@ -114,9 +113,3 @@ def sessions_command(url: str | None, run: str, owner: str | None, as_json: bool
         for o in infos
     ]
     click.echo(format_table(["owner", "live sessions", "heartbeat deadline", "state"], rows))
-
-
-def _now(store: TraceStore) -> Op[int]:
-    """The server clock (ms) of the run's control-plane node."""
-    now: int = yield ServerTime(store.keys.meta)
-    return now
