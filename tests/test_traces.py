@@ -8,6 +8,7 @@ clients, and identical results from the sync and async clients.
 from __future__ import annotations
 
 import math
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -163,6 +164,38 @@ def test_retry_is_idempotent_and_does_not_bump_the_index(store: TraceStore) -> N
     assert t2.written == 0 and (t2.delta, t2.response) == (t1.delta, t1.response)
     assert store.redis.hget(store.keys.idx("idem"), "#v") == v
     assert _session_dump(store, "idem") == before
+
+
+def test_match_of_lookup_records_the_same_nodes_as_a_rehashed_one(store: TraceStore) -> None:
+    """record_turn continues lookup's hash state only for exactly the text it hashed."""
+    sid = "rehash"
+    p1 = SYS + U1
+    _turn(store, sid, p1, R1, [1, 2], [3])
+    p2 = p1 + R1 + U3  # non-ASCII: character and byte offsets differ
+    m = store.lookup(sid, p2 + "tail the record does not get")
+    assert m.text_len == len(p1 + R1)
+    kw: dict[str, Any] = {
+        "delta_token_ids": [4],
+        "response_token_ids": [5],
+        "response_logprobs": [-0.5],
+        "version": 1,
+    }
+    t = store.record_turn(sid, p2, R3, prefix=m, **kw)
+    assert t.written == 2
+    assert t.delta is not None and t.delta.id == node_id(p2) and t.delta.parent == m.node.id  # type: ignore[union-attr]
+    assert t.response.id == node_id(p2 + R3) and t.response.parent == node_id(p2)
+    # the same match again (a retry), and a copy that lost the hash state: equal nodes
+    for again in (m, pickle.loads(pickle.dumps(m))):
+        assert again == m
+        t2 = store.record_turn(sid, p2, R3, prefix=again, **kw)
+        assert (t2.written, t2.delta, t2.response) == (0, t.delta, t.response)
+    assert store.export_training_trace(sid, p2 + R3).input_ids == [1, 2, 3, 4, 5]
+    # a prompt that differs inside the matched prefix is refused, wherever it differs
+    cut = m.text_len
+    for bad in ("X" + p2[1:], p2[: cut - 1] + "X" + p2[cut:]):
+        with pytest.raises(InvalidInput) as ei:
+            store.record_turn(sid, bad, R3, prefix=m, **kw)
+        assert ei.value.field == "prefix"
 
 
 def test_branch_after_a_retried_turn(store: TraceStore) -> None:

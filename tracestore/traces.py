@@ -121,6 +121,23 @@ class Segment:
     text: str | None = None
 
 
+class _HashedPrefix:
+    """The blake2b state after hashing ``text`` (a match's prefix); never updated in place.
+
+    Pickled or copied without it (hashlib objects are neither): record_turn
+    then hashes the prefix again.
+    """
+
+    __slots__ = ("text", "state")
+
+    def __init__(self, text: str, state: Any = None) -> None:
+        self.text = text
+        self.state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_HashedPrefix, ("",))
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     """The longest stored key that prefixes a text.
@@ -137,6 +154,9 @@ class PrefixMatch:
     node: Node | None
     path: tuple[Node, ...] = ()
     segments: tuple[Segment, ...] = ()
+    # Set by lookup(): the hash state at the matched end, so that record_turn
+    # need not hash the prefix again.
+    _hashed: _HashedPrefix | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -224,7 +244,13 @@ class _Index:
         return 200 + 250 * len(self.nodes)
 
     def longest(self, text: str, field_name: str, *, limit: int | None = None) -> Node | None:
-        """The node with the longest key that prefixes ``text`` (and ends <= ``limit``).
+        """The node with the longest key that prefixes ``text`` (and ends <= ``limit``)."""
+        return self.match(text, field_name, limit=limit)[0]
+
+    def match(
+        self, text: str, field_name: str, *, limit: int | None = None
+    ) -> tuple[Node | None, Any]:
+        """:meth:`longest`, and the hash state at its end (None when nothing matched).
 
         One pass over ``text``: the hash state is advanced from end to end and
         copied at each stored end (no text is hashed twice).
@@ -233,15 +259,17 @@ class _Index:
         h = _hasher()
         pos = 0
         best: Node | None = None
+        best_h: Any = None
         for end in self.ends:
             if end > n:
                 break
             h.update(_utf8(field_name, text[pos:end]))
             pos = end
-            node = self.nodes.get(h.copy().hexdigest())
+            at = h.copy()
+            node = self.nodes.get(at.hexdigest())
             if node is not None and node.end == end:
-                best = node
-        return best
+                best, best_h = node, at
+        return best, best_h
 
     def path(self, node: Node | None) -> list[Node]:
         out: list[Node] = []
@@ -368,11 +396,18 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
     """
     validate_id("session id", sid)
     _utf8("prompt_text", prompt_text)
-    snap, path, payloads = yield from _read(
-        ctx, sid, lambda ix: ix.longest(prompt_text, "prompt_text")
-    )
+    state: list[Any] = [None]
+
+    def pick(ix: _Index) -> Node | None:
+        node, state[0] = ix.match(prompt_text, "prompt_text")
+        return node
+
+    snap, path, payloads = yield from _read(ctx, sid, pick)
     node = path[-1] if path else None
-    return PrefixMatch(node.end if node else 0, _ids_of(path, payloads), node, tuple(path))
+    hashed = _HashedPrefix(prompt_text[: node.end], state[0]) if node is not None else None
+    return PrefixMatch(
+        node.end if node else 0, _ids_of(path, payloads), node, tuple(path), _hashed=hashed
+    )
 
 
 def search(ctx: Context, sid: str, text: str) -> Op[PrefixMatch]:
@@ -614,9 +649,19 @@ def record_turn(
             "delta_token_ids", "non-empty, but the prompt adds no text after the prefix"
         )
 
-    # One pass of hashing: the prefix (checked against the match), the prompt, the response.
-    h = _hasher()
-    h.update(prompt_text[:start].encode())
+    # One pass of hashing: the prefix (checked against the match), the prompt, the
+    # response. The prefix is not hashed again when lookup() hashed exactly it.
+    hashed = prefix._hashed
+    if (
+        isinstance(hashed, _HashedPrefix)
+        and hashed.state is not None
+        and len(hashed.text) == start
+        and prompt_text.startswith(hashed.text)
+    ):
+        h = hashed.state.copy()  # (copied: the match may be passed again, on a retry)
+    else:
+        h = _hasher()
+        h.update(prompt_text[:start].encode())
     if prefix.node is not None and h.hexdigest() != prefix.node.id:
         raise InvalidInput(
             "prefix",
