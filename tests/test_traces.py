@@ -196,6 +196,10 @@ def test_match_of_lookup_records_the_same_nodes_as_a_rehashed_one(store: TraceSt
         with pytest.raises(InvalidInput) as ei:
             store.record_turn(sid, bad, R3, prefix=m, **kw)
         assert ei.value.field == "prefix"
+    for bad_text in (None, b"bytes", p2 + "\udcff"):
+        with pytest.raises(InvalidInput) as ei:
+            store.record_turn(sid, bad_text, R3, prefix=m, **kw)  # type: ignore[arg-type]
+        assert ei.value.field == "prompt_text"
 
 
 def test_branch_after_a_retried_turn(store: TraceStore) -> None:

@@ -617,8 +617,21 @@ def record_turn(
     validate_id("session id", sid)
     if not isinstance(prefix, PrefixMatch):
         raise InvalidInput("prefix", "expected the PrefixMatch returned by lookup()")
-    _utf8("prompt_text", prompt_text)
-    _utf8("response_text", response_text)
+    # Each text is encoded once (checked as UTF-8, then hashed below). When
+    # lookup() hashed exactly the matched prefix of this prompt, its state is
+    # continued and only the rest of the prompt is encoded (the prefix was
+    # checked by that lookup).
+    hashed = prefix._hashed
+    if not (
+        isinstance(hashed, _HashedPrefix)
+        and hashed.state is not None
+        and len(hashed.text) == prefix.text_len
+        and isinstance(prompt_text, str)
+        and prompt_text.startswith(hashed.text)
+    ):
+        hashed = None
+    p_bytes = _utf8("prompt_text", prompt_text[len(hashed.text) :] if hashed else prompt_text)
+    r_bytes = _utf8("response_text", response_text)
     if not response_text:
         raise InvalidInput(
             "response_text", "must be non-empty (the response node's key must extend the prompt)"
@@ -651,26 +664,22 @@ def record_turn(
 
     # One pass of hashing: the prefix (checked against the match), the prompt, the
     # response. The prefix is not hashed again when lookup() hashed exactly it.
-    hashed = prefix._hashed
-    if (
-        isinstance(hashed, _HashedPrefix)
-        and hashed.state is not None
-        and len(hashed.text) == start
-        and prompt_text.startswith(hashed.text)
-    ):
+    if hashed is not None:
         h = hashed.state.copy()  # (copied: the match may be passed again, on a retry)
+        rest = memoryview(p_bytes)  # prompt_text[start:]
     else:
         h = _hasher()
-        h.update(prompt_text[:start].encode())
+        head = prompt_text[:start].encode()
+        h.update(head)
+        rest = memoryview(p_bytes)[len(head) :]
     if prefix.node is not None and h.hexdigest() != prefix.node.id:
         raise InvalidInput(
             "prefix",
             "the matched prefix is not a prefix of prompt_text (lookup a different prompt?)",
         )
-    if start < len(prompt_text):
-        h.update(prompt_text[start:].encode())
+    h.update(rest)
     prompt_id = h.hexdigest()
-    h.update(response_text.encode())
+    h.update(r_bytes)
     response_id = h.hexdigest()
 
     parent = prefix.node.id if prefix.node else None
