@@ -64,10 +64,13 @@ def _conversation(store: TraceStore, holder: DictHolder | None, sid: str, turns:
     ]
     kept: list[tuple[int, Any]] = []
     all_out: list[list[int]] = []
+    stored: list[int] = []  # the ids of the conversation recorded so far
     for t in range(turns):
         req = rec.prepare(sid, msgs)
         ids = rec.before_request(sid, msgs)
         assert ids == req.input_ids
+        # the stored ids are sent as they are: the whole previous conversation is the prefix
+        assert req.prefix.token_ids == stored and (req.prefix.text_len > 0) == (t > 0)
         out, lps, rows = engine(ids, f"add {t + 1}", seed=t)
         content, stopped = strip_stop(tok.decode(out))
         assert stopped
@@ -76,6 +79,7 @@ def _conversation(store: TraceStore, holder: DictHolder | None, sid: str, turns:
         assert turn.response.ntok == len(out) and turn.response.version == t
         kept.append((len(req.prefix.token_ids), rows))
         all_out.append(out)
+        stored = ids + out
         msgs += [assistant, {"role": "tool", "content": f"= {t}"}]
     return rec, msgs, kept, all_out
 
@@ -96,7 +100,7 @@ def test_recorder_round_trip_with_expert_split(store: TraceStore) -> None:
     gen = [i for i, lab in zip(tr.input_ids, tr.labels, strict=True) if lab != -100]
     assert gen == [x for out in all_out for x in out]
     assert tr.versions[-1] == 2 and tr.min_version == 0
-    # prefix reuse: the second turn sent the stored ids, not a re-tokenization
+    # (prefix reuse, the stored ids sent as they are, is checked turn by turn in _conversation)
     assert rec.stats.turns == 3 and rec.stats.invalid == 0
     assert rec.stats.expert_bytes == sum(r[p:].nbytes for p, r in kept)
 
@@ -167,6 +171,14 @@ def test_recorder_looks_up_again_when_prompt_changed_and_conflicts_surface(
     assert len(holder.by_sid["s5"]) == 3
     tr = store.export_training_trace("s5", render([*msgs, a], False).rstrip())
     assert tr.expert_keys == holder.by_sid["s5"][:2]
+    # a request prepared for other messages is not used: after_response looks its prompt up
+    rec.prepare("s6", [{"role": "user", "content": "reach 4 from 1"}])
+    t6 = rec.after_response("s6", msgs, a, out, lps, rows, 0)
+    assert t6.delta is not None and t6.delta.end == len(render(msgs, True))
+    assert store.export_training_trace("s6", render([*msgs, a], False).rstrip()).input_ids == [
+        *tok.encode(render(msgs, True)),
+        *out,
+    ]
 
 
 def test_async_recorder_writes_what_the_sync_one_reads(url: str, run_id: str, arun: Any) -> None:
