@@ -1,6 +1,6 @@
 -- script: gate_admit_many
--- Admit several requests at once (a server that takes a burst of requests):
--- all of them or, while the gate is sealed, none. Every lease gets the same
+-- Admit one request, or several at once (a server that takes a burst of
+-- requests): all of them or, while the gate is sealed, none. Every lease gets the same
 -- version and deadline. Idempotent under client retry: the lease ids are
 -- generated once per call by the client, and a retry that finds the first
 -- lease already recorded returns the recorded admission.
@@ -9,7 +9,7 @@
 -- KEYS[1] = ts:{R}:gate            hash: state, version, retry_ms
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms
 -- KEYS[3] = ts:{R}:released        zset: released sids (a released session gets no more requests)
--- KEYS[4..n+3] = ts:{R}:gate:l:<lease>  hash of each lease (as gate_admit writes it)
+-- KEYS[4..n+3] = ts:{R}:gate:l:<lease>  hash of each lease: sid, holder, version, admitted_ms, ttl_ms, deadline_ms
 -- ARGV[1] = ttl (ms, > 0)
 -- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[4..]
 -- returns: {0, version (int), deadline_ms (int), replayed (0|1)}

@@ -233,15 +233,8 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float) -> Op[Lease]:
     """
     validate_id("session id", sid)
     validate_id("holder", holder)
-    ttl_ms = _ms("ttl_s", ttl_s)
-    k = ctx.keys
-    lid = new_op_id()
-    reply = yield Eval(
-        script("gate_admit"),
-        (k.gate, k.gate_leases, k.gate_lease(lid), k.released),
-        (lid, sid, holder, ttl_ms),
-    )
-    return Lease(_s(reply[0]), int(reply[1]), sid, int(reply[2]))
+    (lease,) = yield from _admit(ctx, [(sid, holder)], _ms("ttl_s", ttl_s))
+    return lease
 
 
 def admit_many(ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float) -> Op[list[Lease]]:
@@ -261,13 +254,20 @@ def admit_many(ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float) 
     items = [(validate_id("session id", sid), validate_id("holder", holder)) for sid, holder in requests]
     if not items:
         return []
+    return (yield from _admit(ctx, items, ttl_ms))
+
+
+def _admit(ctx: Context, items: Sequence[tuple[str, str]], ttl_ms: int) -> Op[list[Lease]]:
+    """Admit validated ``(sid, holder)`` pairs (1..1,000) in one gate_admit_many call."""
     k = ctx.keys
     lids = [new_op_id() for _ in items]
     args: list[Any] = [ttl_ms]
     for lid, (sid, holder) in zip(lids, items, strict=True):
         args += (lid, sid, holder)
     reply = yield Eval(
-        sc, (k.gate, k.gate_leases, k.released, *(k.gate_lease(x) for x in lids)), tuple(args)
+        script("gate_admit_many"),
+        (k.gate, k.gate_leases, k.released, *(k.gate_lease(x) for x in lids)),
+        tuple(args),
     )
     version, deadline = int(reply[0]), int(reply[1])
     return [Lease(lid, version, sid, deadline) for lid, (sid, _) in zip(lids, items, strict=True)]
