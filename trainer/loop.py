@@ -150,9 +150,8 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
     t_wall = time.perf_counter()
     reclaimed: dict[str, int] = {}
     restored = False
-    t_reclaimed = t_wall
     if resume_state is not None:
-        if not store.sessions() and not store.redis.zcard(store.keys.released):
+        if store_counts(store)["opened"] == 0:
             # an empty run: the server was lost too, the store comes back from the checkpoint
             deps.restore_store(store, os.path.join(_ckpt_dir(cfg), "store.ckpt"))
             restored = True
