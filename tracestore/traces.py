@@ -248,14 +248,17 @@ class _Index:
         return self.match(text, field_name, limit=limit)[0]
 
     def match(
-        self, text: str, field_name: str, *, limit: int | None = None
+        self, text: str, field_name: str, *, limit: int | None = None, encoded: bytes = b""
     ) -> tuple[Node | None, Any]:
         """:meth:`longest`, and the hash state at its end (None when nothing matched).
 
         One pass over ``text``: the hash state is advanced from end to end and
-        copied at each stored end (no text is hashed twice).
+        copied at each stored end (no text is hashed twice). ``encoded``, when
+        the caller has it, is ``text`` in UTF-8: an ASCII text (as many bytes
+        as characters) is then hashed from it, without encoding it again.
         """
         n = len(text) if limit is None else min(limit, len(text))
+        raw = memoryview(encoded) if encoded and len(encoded) == len(text) else None
         h = _hasher()
         pos = 0
         best: Node | None = None
@@ -263,7 +266,7 @@ class _Index:
         for end in self.ends:
             if end > n:
                 break
-            h.update(_utf8(field_name, text[pos:end]))
+            h.update(raw[pos:end] if raw is not None else _utf8(field_name, text[pos:end]))
             pos = end
             at = h.copy()
             node = self.nodes.get(at.hexdigest())
@@ -395,11 +398,11 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
     cached (index, then the payloads the cache lacks).
     """
     validate_id("session id", sid)
-    _utf8("prompt_text", prompt_text)
+    encoded = _utf8("prompt_text", prompt_text)
     state: list[Any] = [None]
 
     def pick(ix: _Index) -> Node | None:
-        node, state[0] = ix.match(prompt_text, "prompt_text")
+        node, state[0] = ix.match(prompt_text, "prompt_text", encoded=encoded)
         return node
 
     snap, path, payloads = yield from _read(ctx, sid, pick)
