@@ -109,39 +109,64 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _scale(
+    fill_groups: Callable[[list[Group]], Any],
+    take: Callable[[int], Any],
+    expire: Callable[[], int],
+    size: int,
+    reps: int,
+) -> dict[str, float]:
+    """The ``scale`` figures of one buffer: ``take(n)`` takes n groups (512 with a staleness
+    bound, 1 without: the untimed warm-up), ``expire()`` expires non-retryable and counts."""
+    fill_groups(_groups("g", size, 10))
+    fill_groups(_groups("warm", 1, 10))
+    take(1)  # warm up: scripts loaded, connection open
+    take_t = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        got = take(512)
+        take_t.append(time.perf_counter() - t0)
+        assert len(got) == 512
+        fill_groups(_groups(f"refill{r}-", 512, 10))
+    exp_t, exp100_t = [], []
+    k = size // 100
+    for r in range(reps):
+        fill_groups(_groups(f"stale{r}-", k, 0))
+        t0 = time.perf_counter()
+        n = expire()
+        exp_t.append(time.perf_counter() - t0)
+        assert n == k
+        fill_groups(_groups(f"s100-{r}-", 100, 0))
+        t0 = time.perf_counter()
+        n = expire()
+        exp100_t.append(time.perf_counter() - t0)
+        assert n == 100
+    return {
+        "take512_ms": _ms(_median(take_t)),
+        "expire1pct_ms": _ms(_median(exp_t)),
+        "expire1pct_us_per_group": round(1e6 * _median(exp_t) / k, 2),
+        "expire100_ms": _ms(_median(exp100_t)),
+    }
+
+
 def ts_scale(url: str, size: int, reps: int) -> dict[str, float]:
     store = TraceStore.connect(url, run=f"bench-rb-{uuid.uuid4().hex[:8]}")
+
+    def take(n: int) -> Any:
+        if n == 1:
+            return store.replay.take("math", 1, owner="train:bench")
+        return store.replay.take("math", n, owner="train:bench", current_version=10, max_staleness=5)
+
     try:
-        fill(store, _groups("g", size, 10))
-        fill(store, _groups("warm", 1, 10))
-        store.replay.take("math", 1, owner="train:bench")  # warm up: scripts loaded, connection open
-        take_t = []
-        for r in range(reps):
-            t0 = time.perf_counter()
-            got = store.replay.take("math", 512, owner="train:bench", current_version=10, max_staleness=5)
-            take_t.append(time.perf_counter() - t0)
-            assert len(got) == 512
-            fill(store, _groups(f"refill{r}-", 512, 10))
-        exp_t, exp100_t = [], []
-        k = size // 100
-        for r in range(reps):
-            fill(store, _groups(f"stale{r}-", k, 0))
-            t0 = time.perf_counter()
-            rep = store.replay.expire(10, 5, retryable=False)
-            exp_t.append(time.perf_counter() - t0)
-            assert rep.expired == k
-            fill(store, _groups(f"s100-{r}-", 100, 0))
-            t0 = time.perf_counter()
-            rep = store.replay.expire(10, 5, retryable=False)
-            exp100_t.append(time.perf_counter() - t0)
-            assert rep.expired == 100
+        out = _scale(
+            lambda groups: fill(store, groups),
+            take,
+            lambda: store.replay.expire(10, 5, retryable=False).expired,
+            size,
+            reps,
+        )
         assert store.replay.count() == size
-        return {
-            "take512_ms": _ms(_median(take_t)),
-            "expire1pct_ms": _ms(_median(exp_t)),
-            "expire1pct_us_per_group": round(1e6 * _median(exp_t) / k, 2),
-            "expire100_ms": _ms(_median(exp100_t)),
-        }
+        return out
     finally:
         store.close()
 
@@ -181,36 +206,20 @@ def actor_scale(cls: Any, size: int, reps: int) -> dict[str, float]:
     import ray
 
     actor = cls.remote()
+
+    def take(n: int) -> Any:
+        if n == 1:
+            return ray.get(actor.take.remote("math", 1, "train:bench"))
+        return ray.get(actor.take.remote("math", n, "train:bench", 10, "fifo", 5))
+
     try:
-        actor_fill(actor, _groups("g", size, 10))
-        actor_fill(actor, _groups("warm", 1, 10))
-        ray.get(actor.take.remote("math", 1, "train:bench"))
-        take_t = []
-        for r in range(reps):
-            t0 = time.perf_counter()
-            got = ray.get(actor.take.remote("math", 512, "train:bench", 10, "fifo", 5))
-            take_t.append(time.perf_counter() - t0)
-            assert len(got) == 512
-            actor_fill(actor, _groups(f"refill{r}-", 512, 10))
-        exp_t, exp100_t = [], []
-        k = size // 100
-        for r in range(reps):
-            actor_fill(actor, _groups(f"stale{r}-", k, 0))
-            t0 = time.perf_counter()
-            n = ray.get(actor.expire.remote(10, 5, False))
-            exp_t.append(time.perf_counter() - t0)
-            assert n == k
-            actor_fill(actor, _groups(f"s100-{r}-", 100, 0))
-            t0 = time.perf_counter()
-            n = ray.get(actor.expire.remote(10, 5, False))
-            exp100_t.append(time.perf_counter() - t0)
-            assert n == 100
-        return {
-            "take512_ms": _ms(_median(take_t)),
-            "expire1pct_ms": _ms(_median(exp_t)),
-            "expire1pct_us_per_group": round(1e6 * _median(exp_t) / k, 2),
-            "expire100_ms": _ms(_median(exp100_t)),
-        }
+        return _scale(
+            lambda groups: actor_fill(actor, groups),
+            take,
+            lambda: ray.get(actor.expire.remote(10, 5, False)),
+            size,
+            reps,
+        )
     finally:
         ray.kill(actor)
 
