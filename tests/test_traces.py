@@ -256,6 +256,16 @@ def test_expert_keys_per_node_none_or_mix(store: TraceStore) -> None:
     assert ei.value.field == "expert_keys" and "2 of 4" in str(ei.value)
 
 
+def test_negative_zero_logprob_is_an_equal_rewrite_not_a_conflict(store: TraceStore) -> None:
+    m = PrefixMatch(0, [], None)
+    kw: dict[str, Any] = {"prefix": m, "delta_token_ids": [1], "response_token_ids": [2, 3], "version": 0}
+    first = store.record_turn("nz", "p", "r", response_logprobs=[0.0, -1.0], **kw)
+    before = _session_dump(store, "nz")
+    again = store.record_turn("nz", "p", "r", response_logprobs=[-0.0, -1.0], **kw)  # -0.0 == 0.0
+    assert (first.written, again.written) == (2, 0)
+    assert _session_dump(store, "nz") == before
+
+
 def test_node_conflict_changes_nothing(store: TraceStore) -> None:
     sid = "nc"
     _turn(store, sid, "p", "r", [1], [2], rkey="ref:a")

@@ -70,17 +70,23 @@ def int32_array(field: str, values: Iterable[int], *, non_negative: bool) -> arr
 
 
 def float32_logprobs(field: str, values: Iterable[float]) -> array:  # type: ignore[type-arg]
-    """``values`` as a float32 array; InvalidInput(field) on NaN or +inf (-inf is allowed)."""
+    """``values`` as a float32 array; InvalidInput(field) on NaN or +inf (-inf is allowed).
+
+    -0.0 is stored as 0.0: equal logprobs must pack to equal bytes, or a node
+    rewritten with an equal payload would raise NodeConflict.
+    """
     if isinstance(values, (str, bytes)):
         raise InvalidInput(field, "expected a sequence of floats, got a string")
     try:
         a = array("f", values)
     except (TypeError, OverflowError) as exc:
         raise InvalidInput(field, f"expected floats ({exc})") from None
-    for x in a:
+    for i, x in enumerate(a):
         # x != x is NaN; a finite double too large for float32 becomes +inf here.
         if x != x or x == _POS_INF:
             raise InvalidInput(field, f"logprobs must be finite or -inf, got {x}")
+        if x == 0.0:
+            a[i] = 0.0  # -0.0 == 0.0, and must pack the same
     return a
 
 
