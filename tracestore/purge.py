@@ -50,14 +50,6 @@ def purge_cmds(ctx: Context, sids: Sequence[str], now_ms: int) -> list[Cmd]:
     return out
 
 
-def purge_evals(ctx: Context, sids: list[str]) -> list[Cmd]:
-    """:func:`purge_cmds` stamped with the client clock (ms), to put in a Batch.
-
-    (The name is kept for callers written when each purge was a script.)
-    """
-    return purge_cmds(ctx, list(sids), int(time.time() * 1000))
-
-
 def purge_sessions(ctx: Context, sids: list[str]) -> Op[int]:
     """Purge ``sids`` (validated already); returns the number of data keys deleted.
 
@@ -66,7 +58,7 @@ def purge_sessions(ctx: Context, sids: list[str]) -> Op[int]:
     """
     if not sids:
         return 0
-    replies = yield Batch(tuple(purge_evals(ctx, sids)))
+    replies = yield Batch(tuple(purge_cmds(ctx, sids, int(time.time() * 1000))))
     return sum(int(r) for r in replies[1::2])
 
 
