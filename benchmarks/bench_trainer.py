@@ -58,7 +58,7 @@ def run(quick: bool) -> dict[str, Any]:
 
     steps = 6 if quick else 24
     out: dict[str, Any] = {"steps": steps}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         for mode in ("colocated", "disaggregated"):
             tmp = tempfile.mkdtemp(prefix=f"bench-trainer-{mode}-")

@@ -46,7 +46,7 @@ FAST: dict[str, Any] = {
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_runtime() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -143,8 +143,13 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> dict[str, Any]:
     os.makedirs(cfg.out, exist_ok=True)
     started_ray = False
     if not ray.is_initialized():
+        # address="local": always a private Ray, never a cluster a stale record points at
         ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
         )
         started_ray = True
     t_wall = time.perf_counter()
