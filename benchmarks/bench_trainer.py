@@ -53,8 +53,8 @@ KEYS = (
 def run(quick: bool) -> dict[str, Any]:
     import ray
 
-    from trainer.config import TrainConfig
-    from trainer.loop import run as train
+    from tracestore.trainer.config import TrainConfig
+    from tracestore.trainer.loop import run as train
 
     steps = 6 if quick else 24
     out: dict[str, Any] = {"steps": steps}

@@ -1,4 +1,5 @@
-"""The built wheel carries the Lua scripts; the core imports without torch or Ray."""
+"""The built wheel carries the Lua scripts and the trainer (as ``tracestore.trainer``, no
+top-level ``trainer`` module); the core imports without torch or Ray."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tracestore.scripts import registry
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_wheel_installs_and_finds_its_lua_scripts(tmp_path: Path) -> None:
+def test_wheel_installs_its_lua_scripts_and_the_trainer_as_tracestore_trainer(tmp_path: Path) -> None:
     out = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(ROOT)],
@@ -24,6 +25,12 @@ def test_wheel_installs_and_finds_its_lua_scripts(tmp_path: Path) -> None:
     assert {f"tracestore/lua/{n}.lua" for n in registry()} <= set(names)
     assert "tracestore/lua/_lib/op.lua" in names
     assert "tracestore/py.typed" in names
+    # the trainer ships inside the tracestore namespace: nothing else at the top level
+    # (a top-level `trainer` would clash with RL codebases' own `trainer` modules)
+    trainer_src = {f"tracestore/trainer/{p.name}" for p in (ROOT / "trainer").glob("*.py")}
+    assert "tracestore/trainer/loop.py" in trainer_src and trainer_src <= set(names)
+    tops = {n.split("/", 1)[0] for n in names}
+    assert tops == {"tracestore", wheel.name.split("-py3")[0] + ".dist-info"}, tops
 
     # A throwaway venv: the wheel installed by pip, dependencies borrowed from
     # this environment's site-packages as a plain path (so the editable
@@ -51,6 +58,20 @@ def test_wheel_installs_and_finds_its_lua_scripts(tmp_path: Path) -> None:
     assert lua.startswith(site) and lua.endswith("tracestore/lua")
     assert int(count) == len(registry())
 
+    # the trainer imports from the wheel under the one name the CLI, tests and benchmarks use
+    probe = (
+        "import importlib.util, tracestore.trainer.loop as loop, tracestore.cli.train as cli\n"
+        "print(loop.__file__); print(importlib.util.find_spec('trainer'))\n"
+    )
+    res = subprocess.run([str(py), "-c", probe], cwd=tmp_path, check=True, capture_output=True, text=True)
+    file, top = res.stdout.split()
+    assert file.startswith(site) and file.endswith("tracestore/trainer/loop.py"), file
+    assert top == "None"  # no top-level `trainer` installed
+    res = subprocess.run(
+        [str(py), "-m", "tracestore.trainer", "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "--mode" in res.stdout, res.stderr
+
 
 def test_core_imports_without_torch_or_ray() -> None:
     code = (
@@ -58,9 +79,10 @@ def test_core_imports_without_torch_or_ray() -> None:
         "sys.modules['torch'] = None; sys.modules['ray'] = None; sys.modules['numpy'] = None\n"
         "import pkgutil, importlib, tracestore\n"
         "for m in pkgutil.walk_packages(tracestore.__path__, 'tracestore.'):\n"
-        "    if m.name in ('tracestore.ray', 'tracestore.cli.__main__'):\n"
+        "    if m.name in ('tracestore.ray', 'tracestore.cli.__main__') or m.name.startswith('tracestore.trainer.'):\n"
         "        continue\n"
         "    importlib.import_module(m.name)\n"
+        "assert 'tracestore.trainer' in sys.modules  # the trainer package itself imports light\n"
         "print('ok')\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

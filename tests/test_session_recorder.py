@@ -15,8 +15,8 @@ np = pytest.importorskip("numpy")
 
 from tracestore import InvalidInput, NodeConflict, TraceStore  # noqa: E402
 from tracestore.session import TurnRecorder  # noqa: E402
-from trainer.chat import render, strip_stop  # noqa: E402
-from trainer.tokenizer import TOKENIZER as tok  # noqa: E402
+from tracestore.trainer.chat import render, strip_stop  # noqa: E402
+from tracestore.trainer.tokenizer import TOKENIZER as tok  # noqa: E402
 
 L, K = 2, 2
 

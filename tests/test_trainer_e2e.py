@@ -27,8 +27,8 @@ from click.testing import CliRunner  # noqa: E402
 from tracestore import TraceStore  # noqa: E402
 from tracestore.cli import main as cli  # noqa: E402
 from tracestore.servers import EmbeddedServer  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
-from trainer.loop import run, store_counts  # noqa: E402
+from tracestore.trainer.config import TrainConfig  # noqa: E402
+from tracestore.trainer.loop import run, store_counts  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

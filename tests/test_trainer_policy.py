@@ -12,11 +12,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.chat import render, render_after_response, strip_stop  # noqa: E402
-from trainer.grpo import IGNORE, TrainSample, collate, group_advantages, grpo_loss, train_step  # noqa: E402
-from trainer.policy import new_policy, replay_logprobs, set_determinism  # noqa: E402
-from trainer.task import Episode, Problem, make_problem, parse_action, score  # noqa: E402
-from trainer.tokenizer import TOKENIZER, ToyTokenizer  # noqa: E402
+from tracestore.trainer.chat import render, render_after_response, strip_stop  # noqa: E402
+from tracestore.trainer.grpo import (  # noqa: E402
+    IGNORE,
+    TrainSample,
+    collate,
+    group_advantages,
+    grpo_loss,
+    train_step,
+)
+from tracestore.trainer.policy import new_policy, replay_logprobs, set_determinism  # noqa: E402
+from tracestore.trainer.task import Episode, Problem, make_problem, parse_action, score  # noqa: E402
+from tracestore.trainer.tokenizer import TOKENIZER, ToyTokenizer  # noqa: E402
 
 tok = TOKENIZER
 

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tracestore import TraceStore  # noqa: E402
-from trainer.loop import reclaim_dead_owners, store_counts  # noqa: E402
+from tracestore.trainer.loop import reclaim_dead_owners, store_counts  # noqa: E402
 
 
 def test_reclaim_releases_dead_owners_resolves_their_leases_and_reopens_the_gate(

@@ -1,4 +1,4 @@
-"""``python -m trainer``: the same command as ``tracestore train``."""
+"""``python -m tracestore.trainer``: the same command as ``tracestore train``."""
 
 from __future__ import annotations
 

@@ -37,12 +37,12 @@ def _log_line(rec: dict[str, Any]) -> str:
 
 
 def train_command(**kw: Any) -> None:
-    """Shared body of ``tracestore train`` and ``python -m trainer``."""
+    """Shared body of ``tracestore train`` and ``python -m tracestore.trainer``."""
     try:
         from tqdm import tqdm
 
-        from trainer.config import ConfigError, TrainConfig
-        from trainer.loop import report_rows, run
+        from tracestore.trainer.config import ConfigError, TrainConfig
+        from tracestore.trainer.loop import report_rows, run
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the trainer needs the extra tracestore[ray] (torch, ray, tqdm): {exc}", EXIT_CONFIG)
         return
@@ -88,7 +88,7 @@ def train_command(**kw: Any) -> None:
 
 
 def train_options(f: Any) -> Any:
-    """The options of ``tracestore train`` (also used by ``python -m trainer``)."""
+    """The options of ``tracestore train`` (also used by ``python -m tracestore.trainer``)."""
     opts = [
         click.option(
             "--mode",
