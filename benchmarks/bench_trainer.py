@@ -64,11 +64,11 @@ def run(quick: bool) -> dict[str, Any]:
             tmp = tempfile.mkdtemp(prefix=f"bench-trainer-{mode}-")
             try:
                 rep = train(TrainConfig(mode=mode, steps=steps, seed=0, out=tmp))
-                fig = {k: rep[k] for k in KEYS}
-                fig["reward_gain"] = rep["reward_last"] - rep["reward_first"]
-                fig["phases_s"] = rep["phases_s"]
-                fig["groups"] = rep["groups"]
-                fig["rewards"] = [round(h["reward"], 4) for h in rep["history"]]
+                fig = {k: getattr(rep, k) for k in KEYS}
+                fig["reward_gain"] = rep.reward_last - rep.reward_first
+                fig["phases_s"] = rep.phases_s
+                fig["groups"] = rep.groups
+                fig["rewards"] = [round(h.reward, 4) for h in rep.history]
                 out[mode] = fig
                 shutil.copy(Path(tmp) / "report.png", results_dir(quick) / f"trainer_{mode}.png")
             finally:

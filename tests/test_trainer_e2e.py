@@ -27,8 +27,11 @@ from click.testing import CliRunner  # noqa: E402
 from tracestore import TraceStore  # noqa: E402
 from tracestore.cli import main as cli  # noqa: E402
 from tracestore.servers import EmbeddedServer  # noqa: E402
+from tracestore.trainer.checkpoint import load_state  # noqa: E402
 from tracestore.trainer.config import TrainConfig  # noqa: E402
-from tracestore.trainer.loop import run, store_counts  # noqa: E402
+from tracestore.trainer.housekeeping import store_counts  # noqa: E402
+from tracestore.trainer.loop import SimulatedCrash, run  # noqa: E402
+from tracestore.trainer.report import Report  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -56,27 +59,28 @@ def _cfg(url: str, tmp: str, mode: str, **kw: Any) -> TrainConfig:
     return TrainConfig(mode=mode, url=url, run=f"t-{uuid.uuid4().hex[:10]}", out=tmp, **opts)
 
 
-def _check_nothing_leaked(report: dict[str, Any], url: str) -> None:
-    assert report["sessions_opened"] > 0
-    assert report["sessions_leaked"] == 0
-    assert report["sessions_released"] == report["sessions_opened"]
-    assert report["release_events"] == report["sessions_opened"]
-    assert report["refs_held_at_end"] == 0
-    assert report["expert_bytes_held_at_end"] == 0
-    assert report["object_store_bytes_at_end"] == 0
-    assert report["poisoned_leases"] == 0
-    assert report["invalid_responses"] == 0
+def _check_nothing_leaked(report: Report, url: str) -> None:
+    assert report.sessions_opened > 0
+    assert report.sessions_leaked == 0
+    assert report.sessions_released == report.sessions_opened
+    assert report.release_events == report.sessions_opened
+    assert report.refs_held_at_end == 0
+    assert report.expert_bytes_held_at_end == 0
+    assert report.object_store_bytes_at_end == 0
+    assert report.poisoned_leases == 0
+    assert report.invalid_responses == 0
+    assert report.violations() == []
     # no rollout failed: nobody released a session another role was still writing
-    assert report["groups"].get("failed", 0) == 0
+    assert report.groups.get("failed", 0) == 0
     # the learner released exactly what it took, every step
-    for h in report["history"]:
-        assert h["released"] == h["taken"] == h["samples"]
+    for h in report.history:
+        assert h.released == h.taken == h.samples
     # the server agrees: no live session, no owner holding anything, buffer empty
-    with TraceStore.connect(url, run=report["run"]) as store:
+    with TraceStore.connect(url, run=report.run) as store:
         assert store.sessions() == []
         assert all(o.sessions == 0 for o in store.owners())
         assert store.replay.count() == 0
-        assert store.gate.status().version == report["gate_cycles"]
+        assert store.gate.status().version == report.gate_cycles
 
 
 @pytest.mark.parametrize(
@@ -94,12 +98,14 @@ def test_short_run_leaks_nothing(
     url = request.getfixturevalue(f"{server}_url")
     report = run(_cfg(url, str(tmp_path), mode))
     _check_nothing_leaked(report, url)
-    assert report["gate_cycles"] == 4 and len(report["history"]) == 4
+    assert report.gate_cycles == 4 and len(report.history) == 4
     if mode == "disaggregated":  # buffered groups' experts were in the object store mid-run
-        assert report["object_store_bytes_max_seen"] > 0
+        assert report.object_store_bytes_max_seen > 0
     # routed experts came back from the holders for every sample (no fallback)
-    assert report["routing_replay_fallbacks"] == 0
-    assert os.path.exists(tmp_path / "report.json") and os.path.exists(tmp_path / "report.png")
+    assert report.routing_replay_fallbacks == 0
+    assert os.path.exists(tmp_path / "report.png")
+    with open(tmp_path / "report.json") as f:  # report.json is the report
+        assert json.load(f) == json.loads(json.dumps(report.to_json()))
 
 
 def test_routing_replay_reproduces_rollout_logprobs(standalone_url: str, tmp_path: Any) -> None:
@@ -111,10 +117,10 @@ def test_routing_replay_reproduces_rollout_logprobs(standalone_url: str, tmp_pat
     log-probabilities: tokens, labels, logprobs and experts line up.
     """
     report = run(_cfg(standalone_url, str(tmp_path), "colocated", sync_every=2))
-    diffs = [h["replay_max_abs_diff"] for h in report["history"] if h["step"] % 2 == 1]
+    diffs = [h.replay_max_abs_diff for h in report.history if h.step % 2 == 1]
     assert diffs and all(d is not None for d in diffs)
     assert max(diffs) < 5e-5
-    assert report["routing_replay_fallbacks"] == 0
+    assert report.routing_replay_fallbacks == 0
 
 
 def test_reward_improves_over_a_fixed_seed_run(standalone_url: str, tmp_path: Any) -> None:
@@ -136,7 +142,8 @@ def test_reward_improves_over_a_fixed_seed_run(standalone_url: str, tmp_path: An
         out=str(tmp_path),
     )
     report = run(cfg)
-    assert report["eval_reward_last"] >= report["eval_reward_before"] + 0.05, report["history"]
+    assert report.eval_reward_last is not None and report.eval_reward_before is not None
+    assert report.eval_reward_last >= report.eval_reward_before + 0.05, report.history
     _check_nothing_leaked(report, standalone_url)
 
 
@@ -149,19 +156,21 @@ def test_resume_after_kill_following_checkpoint(cluster_url: str, tmp_path: Any)
     with the counts of one consistent run.
     """
     kw = {"lease_ttl_s": 2.0}
-    first = run(_cfg(cluster_url, str(tmp_path), "disaggregated", crash_after_step=2, **kw))
-    assert first["crashed_after_step"] == 2 and len(first["history"]) == 2
-    with open(tmp_path / "ckpt" / "state.json") as f:
-        run_id = TrainConfig.from_json(json.load(f)["cfg"]).run
+    with pytest.raises(SimulatedCrash) as crash:
+        run(_cfg(cluster_url, str(tmp_path), "disaggregated", crash_after_step=2, **kw))
+    assert crash.value.step == 2 and len(crash.value.history) == 2
+    state = load_state(TrainConfig(out=str(tmp_path)))
+    assert state is not None and state.step == 2
+    run_id = state.cfg.run
     with TraceStore.connect(cluster_url, run=run_id) as store:
         assert store.sessions()  # the killed processes left sessions behind
     # resume: the new default run id is ignored, the checkpoint's is used
     report = run(_cfg(cluster_url, str(tmp_path), "disaggregated", resume=True, **kw))
-    assert report["run"] == run_id and report["resumed_from_step"] == 2
-    assert not report["store_restored"]  # the server kept its state: reclaimed, not restored
-    assert [h["step"] for h in report["history"]] == [1, 2, 3, 4]
-    assert report["steps_this_process"] == 2
-    assert report["gate_cycles"] == 4
+    assert report.run == run_id and report.resumed_from_step == 2
+    assert not report.store_restored  # the server kept its state: reclaimed, not restored
+    assert [h.step for h in report.history] == [1, 2, 3, 4]
+    assert report.steps_this_process == 2
+    assert report.gate_cycles == 4
     _check_nothing_leaked(report, cluster_url)
 
 
@@ -175,20 +184,22 @@ def test_resume_on_a_fresh_server_restores_the_store_checkpoint(
     routing replay, and the counts continue from the checkpoint's.
     """
     kw = {"lease_ttl_s": 2.0}
-    first = run(_cfg(standalone_url, str(tmp_path), "colocated", crash_after_step=2, **kw))
-    assert first["crashed_after_step"] == 2
-    with open(tmp_path / "ckpt" / "state.json") as f:
-        run_id = TrainConfig.from_json(json.load(f)["cfg"]).run
+    with pytest.raises(SimulatedCrash) as crash:
+        run(_cfg(standalone_url, str(tmp_path), "colocated", crash_after_step=2, **kw))
+    assert crash.value.step == 2
+    state = load_state(TrainConfig(out=str(tmp_path)))
+    assert state is not None
+    run_id = state.cfg.run
     with TraceStore.connect(standalone_url, run=run_id) as old:
-        before = store_counts(old)["opened"]  # colocated: nothing ran after the checkpoint
+        before = store_counts(old).opened  # colocated: nothing ran after the checkpoint
     fresh = EmbeddedServer().start()
     try:
         report = run(_cfg(fresh.url, str(tmp_path), "colocated", resume=True, **kw))
-        assert report["store_restored"] and report["resumed_from_step"] == 2
+        assert report.store_restored and report.resumed_from_step == 2
         # the restored sessions and tombstones count, then this process's own
-        new = sum(report["groups"].values()) * FAST["group_size"]
-        assert report["sessions_opened"] >= before + new
-        assert [h["step"] for h in report["history"]] == [1, 2, 3, 4]
+        new = sum(report.groups.values()) * FAST["group_size"]
+        assert report.sessions_opened >= before + new
+        assert [h.step for h in report.history] == [1, 2, 3, 4]
         _check_nothing_leaked(report, fresh.url)
     finally:
         fresh.stop()

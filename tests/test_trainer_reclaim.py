@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tracestore import TraceStore  # noqa: E402
-from tracestore.trainer.loop import reclaim_dead_owners, store_counts  # noqa: E402
+from tracestore.trainer.housekeeping import StoreCounts, reclaim_dead_owners, store_counts  # noqa: E402
 
 
 def test_reclaim_releases_dead_owners_resolves_their_leases_and_reopens_the_gate(
@@ -25,6 +25,6 @@ def test_reclaim_releases_dead_owners_resolves_their_leases_and_reopens_the_gate
     st = store.gate.status()
     assert st.state == "open" and st.live == 0 and st.poisoned == 0
     counts = store_counts(store)
-    assert counts == {"opened": 4, "released": 3, "live": 1, "events": 3}
+    assert counts == StoreCounts(opened=4, released=3, live=1, events=3)
     # a second pass finds nothing to do
     assert reclaim_dead_owners(store, lease_ttl_s=0.5) == {}

@@ -1,4 +1,4 @@
-"""``tracestore train``: the reference agentic RL loop (``trainer/``) end to end.
+"""``tracestore train``: the reference agentic RL loop (:mod:`tracestore.trainer`) end to end.
 
 Runs rollout workers, a producer and a learner as Ray actors against one
 tracestore run, prints a log line per step under a progress bar, then a
@@ -10,29 +10,32 @@ torch, Ray, matplotlib and tqdm are imported only when the command runs
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .._table import format_table
 from . import fail, main, url_option
 
+if TYPE_CHECKING:
+    from tracestore.trainer.report import StepRecord
+
 EXIT_CONFIG = 2
 
 
-def _log_line(rec: dict[str, Any]) -> str:
+def _log_line(rec: StepRecord) -> str:
     parts = [
-        f"step {rec['step']:>3}",
-        f"reward {rec['reward']:.3f}",
-        f"staleness {rec['staleness_mean']:.1f}/{rec['staleness_max']}",
-        f"loss {rec['loss']:+.3f}",
-        f"released {rec['released']}",
-        f"v{rec['version']}",
+        f"step {rec.step:>3}",
+        f"reward {rec.reward:.3f}",
+        f"staleness {rec.staleness_mean:.1f}/{rec.staleness_max}",
+        f"loss {rec.loss:+.3f}",
+        f"released {rec.released}",
+        f"v{rec.version}",
     ]
-    if rec.get("replay_max_abs_diff") is not None:
-        parts.append(f"replay |dlogp| {rec['replay_max_abs_diff']:.1e}")
-    if "eval_reward" in rec:
-        parts.append(f"eval {rec['eval_reward']:.3f}")
+    if rec.replay_max_abs_diff is not None:
+        parts.append(f"replay |dlogp| {rec.replay_max_abs_diff:.1e}")
+    if rec.eval_reward is not None:
+        parts.append(f"eval {rec.eval_reward:.3f}")
     return "  ".join(parts)
 
 
@@ -42,7 +45,8 @@ def train_command(**kw: Any) -> None:
         from tqdm import tqdm
 
         from tracestore.trainer.config import ConfigError, TrainConfig
-        from tracestore.trainer.loop import report_rows, run
+        from tracestore.trainer.loop import SimulatedCrash, run
+        from tracestore.trainer.report import report_rows
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the trainer needs the extra tracestore[ray] (torch, ray, tqdm): {exc}", EXIT_CONFIG)
         return
@@ -54,9 +58,9 @@ def train_command(**kw: Any) -> None:
         fail(str(exc), EXIT_CONFIG)
     bar = tqdm(total=cfg.steps, desc=f"train {cfg.mode}", unit="step", file=sys.stderr)
 
-    def progress(rec: dict[str, Any]) -> None:
-        if bar.n == 0 and rec["step"] > 1:
-            bar.update(rec["step"] - 1)
+    def progress(rec: StepRecord) -> None:
+        if bar.n == 0 and rec.step > 1:
+            bar.update(rec.step - 1)
         bar.update(1)
         tqdm.write(_log_line(rec), file=sys.stdout)
 
@@ -66,23 +70,15 @@ def train_command(**kw: Any) -> None:
         bar.close()
         fail(str(exc), EXIT_CONFIG)
         return
+    except SimulatedCrash as crash:
+        bar.close()
+        fail(f"simulated crash after step {crash.step}", 3)
+        return
     bar.close()
-    if "crashed_after_step" in report:
-        fail(f"simulated crash after step {report['crashed_after_step']}", 3)
     click.echo("")
     click.echo(format_table(["report", "value"], report_rows(report)))
-    click.echo(f"\nreport: {cfg.out}/report.json, plot: {cfg.out}/report.png, run: {cfg.run}")
-    bad = [
-        name
-        for name, key in (
-            ("sessions leaked", "sessions_leaked"),
-            ("refs held at end", "refs_held_at_end"),
-            ("poisoned leases", "poisoned_leases"),
-        )
-        if report.get(key)
-    ]
-    if report["release_events"] != report["sessions_opened"]:
-        bad.append("release events != sessions opened")
+    click.echo(f"\nreport: {cfg.out}/report.json, plot: {cfg.out}/report.png, run: {report.run}")
+    bad = report.violations()
     if bad:
         fail("invariants violated: " + ", ".join(bad), 1)
 

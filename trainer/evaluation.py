@@ -1,0 +1,67 @@
+"""Evaluation: the same ``eval_prompts`` problems every time, one sample each at ``eval_temperature``.
+
+Runs in the learner. Sessions are opened for the owner tag ``eval:<step>``
+and released in a ``finally`` (only those: replay-owned sessions are never
+touched), and their routes retired.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import numpy as np
+
+from tracestore import TraceStore
+from tracestore.router import Router
+
+from .actors import Workers
+from .clock import Stopwatch
+from .config import TrainConfig
+from .dispatch import route, run_on_workers
+from .sample import Sample
+from .task import make_problem
+
+
+class Evaluator:
+    """``evaluator(step, version)``: the mean reward of the evaluation problems now."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        store: TraceStore,
+        router: Router,
+        workers: Workers,
+        store_time: Stopwatch,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.router = router
+        self.workers = workers
+        self.store_time = store_time
+
+    def samples(self, step: int) -> list[Sample]:
+        """Fresh samples of the evaluation problems (the same problems for every step)."""
+        rng = random.Random(10_000 + self.cfg.seed)
+        nonce = uuid.uuid4().hex[:6]
+        return [
+            Sample.new(f"eval-{step}-{nonce}-{i}", make_problem(rng, f"e{i}"), self.cfg.max_calls)
+            for i in range(self.cfg.eval_prompts)
+        ]
+
+    def __call__(self, step: int, version: int) -> float:
+        """Roll the evaluation samples out with weights ``version``; their mean reward."""
+        owner = f"eval:{step}"
+        samples = self.samples(step)
+        sids = [s.sid for s in samples]
+        try:
+            with self.store_time():
+                self.store.open_sessions(sids, owner, version=version)
+                by_worker = route(self.router, samples)
+            out = run_on_workers(self.workers, by_worker, self.cfg.eval_temperature)
+            rewards = [s.reward for ss in out.values() for s in ss]
+            return float(np.mean(rewards))
+        finally:
+            with self.store_time():
+                self.store.release_owner(owner, "eval-done")
+                self.router.retire(sids)

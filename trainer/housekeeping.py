@@ -1,0 +1,102 @@
+"""What the driver does with the store around the loop: count, reclaim after a crash, drain at the end.
+
+These run in the driver process (no Ray needed). :func:`store_counts` is the
+trainer's only read below the public API (see its docstring).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tracestore import TraceStore
+
+from .config import TASK
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    """Sessions opened, released (tombstones) and live, and release events, read from the server."""
+
+    opened: int
+    released: int
+    live: int
+    events: int
+
+
+def store_counts(store: TraceStore) -> StoreCounts:
+    """The run's session counts, from the server (so they hold across a resume).
+
+    The one place the trainer reads raw Redis (``store.redis``: ZCARD of the
+    release tombstones, XLEN of the release stream), because no public method
+    counts them yet; exact per-run counters (``store.stats()``) replace it.
+    Two round trips plus the owner scan of ``sessions()``.
+    """
+    k = store.keys
+    live = len(store.sessions())
+    released = int(store.redis.zcard(k.released))
+    events = int(store.redis.xlen(k.events))
+    return StoreCounts(opened=live + released, released=released, live=live, events=events)
+
+
+def reclaim_dead_owners(
+    store: TraceStore, lease_ttl_s: float, keep: tuple[str, ...] = ("replay",)
+) -> dict[str, int]:
+    """After a crash: release what the dead processes' owner tags still hold; resolve their leases.
+
+    Requests in flight when the processes died hold leases nobody will
+    settle: they stay live until their deadline, then poison the gate. The
+    resuming trainer knows those holders are dead, so it waits for the
+    deadlines and clears the poison (a weight update is refused until then),
+    and reopens a gate that a learner killed inside a weight update left sealed.
+    Returns sessions released per owner tag, plus ``poisoned leases cleared``
+    and ``gate reopened`` when it did those.
+    """
+    out: dict[str, int] = {}
+    for o in store.owners():
+        if o.owner not in keep and o.sessions:
+            out[o.owner] = len(store.release_owner(o.owner, "owner-lost"))
+    deadline = time.monotonic() + lease_ttl_s + 5.0
+    st = store.gate.status()
+    while st.live and time.monotonic() < deadline:
+        time.sleep(0.2)
+        st = store.gate.status()
+    cleared = 0
+    while st.poison:  # status() lists the poison set 100 at a time
+        got = store.gate.clear_poison([p.lease_id for p in st.poison], "resumed-holders-restarted")
+        cleared += len(got)
+        if not got:
+            break
+        st = store.gate.status()
+    if cleared:
+        out["poisoned leases cleared"] = cleared
+    if st.state == "sealed":  # the learner died inside a weight update: nobody else reopens
+        store.gate.reopen()
+        out["gate reopened"] = 1
+    return out
+
+
+def drain_run(store: TraceStore, version: int) -> dict[str, int]:
+    """End of run: take what is left in the buffer and release every owner's sessions.
+
+    Returns how many groups it took (``completed``, ``retry``) and sessions
+    it released per owner (``released:<owner>``).
+    """
+    left: dict[str, int] = {}
+    try:
+        n = store.replay.count(task=TASK, status="completed")
+        if n:
+            got = store.replay.take(
+                TASK, n, owner="shutdown", current_version=version, max_staleness=10**9
+            )
+            left["completed"] = len(got)
+        for _ in range(100):
+            claimed = store.replay.claim_retry(TASK, 64, "shutdown")
+            if not claimed:
+                break
+            left["retry"] = left.get("retry", 0) + len(claimed)
+    finally:
+        for o in store.owners():
+            if o.sessions:
+                left[f"released:{o.owner}"] = len(store.release_owner(o.owner, "run-end"))
+    return left

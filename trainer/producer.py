@@ -1,0 +1,202 @@
+"""Producer: turns prompts into replay groups of ``group_size`` samples, rolled out on the workers.
+
+Each round claims aborted groups back from the buffer (``claim_retry``),
+adds new prompts, places every unfinished session on a worker (sticky),
+hands the sessions to that worker's owner tag, runs the samples there, takes
+the sessions back and puts each group into the buffer with its status
+(``replay.put``: failed and filtered groups are released there and then).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tracestore import Group, TraceStore
+from tracestore.router import Router
+
+from .actors import Workers
+from .clock import Stopwatch
+from .config import TASK, TrainConfig
+from .dispatch import route, run_on_workers
+from .sample import Sample, from_payload, group_status, min_version, to_payload
+from .task import make_problem
+
+#: Owner tags of long-lived roles heartbeat: gc reclaims them when a dead trainer is not resumed.
+HEARTBEAT_TTL_S = 120.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """A group being rolled out: its id and its samples."""
+
+    gid: str
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class ProducerStats:
+    """Groups put by status, sessions opened, groups claimed back, time in tracestore and busy."""
+
+    groups: dict[str, int]
+    opened: int
+    claimed: int
+    store_s: float
+    busy_s: float
+
+
+class Producer:
+    """A Ray actor (two threads: :meth:`run_forever` and :meth:`stop` run at once)."""
+
+    def __init__(self, cfg: TrainConfig, workers: Workers, start_step: int) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.store = TraceStore.connect(cfg.url, run=cfg.run)
+        self.router: Router = self.store.router(sorted(workers))
+        self.rng = random.Random(cfg.seed * 7919 + start_step)
+        self.nonce = uuid.uuid4().hex[:6]
+        self.tag = f"producer.{self.nonce}"
+        self.n = 0
+        self.counts: dict[str, int] = {}
+        self.opened = 0
+        self.claimed = 0
+        self.store_time = Stopwatch()
+        self.busy = Stopwatch()
+        self._stop = threading.Event()
+
+    # -- modes -----------------------------------------------------------------------------
+
+    def produce(self, n_completed: int) -> dict[str, int]:
+        """Rounds until ``n_completed`` completed groups are in the buffer (colocated mode)."""
+        for _ in range(50):
+            if self._ready() >= n_completed:
+                break
+            self.round()
+        return dict(self.counts)
+
+    def run_forever(self) -> dict[str, int]:
+        """Keep ``max_buffer`` completed groups ready until :meth:`stop` (disaggregated mode)."""
+        while not self._stop.is_set():
+            if self._ready() >= self.cfg.max_buffer:
+                time.sleep(0.02)
+                continue
+            self.round()
+        return dict(self.counts)
+
+    def stop(self) -> None:
+        """Make :meth:`run_forever` return after its current round."""
+        self._stop.set()
+
+    # -- one round -------------------------------------------------------------------------
+
+    def round(self) -> dict[str, int]:
+        """Claim aborted groups back, add new prompts, roll out, put every group; counts by status."""
+        with self.busy():
+            self._heartbeat()
+            jobs = self._claim_back()
+            while len(jobs) < self.cfg.prompts_per_step:
+                jobs.append(self._new_job())
+            with self.store_time():
+                version = self.store.gate.status().version
+            done = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
+            put = self._put(jobs, done, version)
+            if put.get("aborted"):  # a weight update is under way: let it finish first
+                self._wait_gate_open()
+        return put
+
+    def _claim_back(self) -> list[Job]:
+        with self.store_time():
+            groups = self.store.replay.claim_retry(TASK, self.cfg.prompts_per_step, self.tag)
+        self.claimed += len(groups)
+        return [Job(g.gid, from_payload(g.payload)) for g in groups]
+
+    def _new_job(self) -> Job:
+        self.n += 1
+        gid = f"g-{self.nonce}-{self.n}"
+        prob = make_problem(self.rng, f"p{self.n}")
+        n = self.cfg.group_size
+        return Job(gid, [Sample.new(f"{gid}-{j}", prob, self.cfg.max_calls) for j in range(n)])
+
+    def _roll_out(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
+        """Run ``samples`` on their workers, each owned by the worker's tag meanwhile."""
+        with self.store_time():
+            by_worker = route(self.router, samples)
+            for w, ss in by_worker.items():
+                self._hand_over(w, ss, version)
+        results = run_on_workers(self.workers, by_worker)
+        with self.store_time():
+            for w, out in results.items():
+                self.store.transfer([s.sid for s in out], self._rollout_tag(w), self.tag)
+        return {s.sid: s for out in results.values() for s in out}
+
+    def _hand_over(self, worker: str, samples: Sequence[Sample], version: int) -> None:
+        """Open new sessions for the worker's tag; move continued ones to it from ours."""
+        fresh = [s.sid for s in samples if s.status == "new"]
+        resumed = [s.sid for s in samples if s.status != "new"]
+        if fresh:
+            self.store.open_sessions(fresh, self._rollout_tag(worker), version=version)
+            self.opened += len(fresh)
+        if resumed:
+            self.store.transfer(resumed, self.tag, self._rollout_tag(worker))
+
+    def _put(self, jobs: Sequence[Job], done: dict[str, Sample], version: int) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for job in jobs:
+            samples = [done.get(s.sid, s) for s in job.samples]
+            status = group_status(samples)
+            group = Group(
+                gid=job.gid,
+                task=TASK,
+                sids=tuple(s.sid for s in samples),
+                status=status,
+                min_version=min_version(samples, version),
+                retryable=status == "aborted",
+                payload=to_payload(samples),
+            )
+            with self.store_time():
+                self.store.replay.put(group, self.tag)
+            counts[status] = counts.get(status, 0) + 1
+            self.counts[status] = self.counts.get(status, 0) + 1
+        return counts
+
+    # -- store plumbing --------------------------------------------------------------------
+
+    def _rollout_tag(self, worker: str) -> str:
+        return f"rollout:{worker}.{self.nonce}"
+
+    def _heartbeat(self) -> None:
+        with self.store_time():
+            for tag in (self.tag, *(self._rollout_tag(w) for w in self.workers)):
+                self.store.heartbeat(tag, HEARTBEAT_TTL_S)
+
+    def _ready(self) -> int:
+        with self.store_time():
+            return self.store.replay.count(task=TASK, status="completed")
+
+    def _wait_gate_open(self, timeout_s: float = 60.0) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and not self._stop.is_set():
+            with self.store_time():
+                if self.store.gate.status().state == "open":
+                    return
+            time.sleep(0.02)
+
+    # -- report ----------------------------------------------------------------------------
+
+    def stats(self) -> ProducerStats:
+        """Counters for the report."""
+        return ProducerStats(
+            groups=dict(self.counts),
+            opened=self.opened,
+            claimed=self.claimed,
+            store_s=self.store_time.seconds,
+            busy_s=self.busy.seconds,
+        )
+
+    def close(self) -> None:
+        """Close the store (the producer's sessions are released by the driver's drain)."""
+        self.store.close()

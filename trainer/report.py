@@ -1,0 +1,298 @@
+"""What a run reports: one :class:`StepRecord` per step, and the :class:`Report` at the end.
+
+:func:`build_report` assembles the report from typed parts (the roles'
+stats, what the store and Ray hold at the end, the phase timings);
+:func:`report_rows` is the table ``tracestore train`` prints,
+:meth:`Report.violations` what makes it exit 1, :func:`plot` the figure.
+``report.json`` is :meth:`Report.to_json` (one flat object).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tracestore import GateStatus
+
+    from .config import TrainConfig
+    from .housekeeping import StoreCounts
+    from .learner import LearnerStats
+    from .producer import ProducerStats
+    from .rollout import WorkerStats
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step: batch reward and staleness, loss, bookkeeping, optional evaluation."""
+
+    step: int
+    reward: float
+    staleness_mean: float
+    staleness_max: int
+    groups: int
+    samples: int
+    released: int
+    taken: int
+    loss: float
+    approx_kl: float
+    #: Max |replayed - rollout| logprob over samples made by the current weights (None: none).
+    replay_max_abs_diff: float | None
+    version: int
+    synced: bool
+    wait_s: float
+    eval_reward: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (checkpoints, report.json); ``eval_reward`` only on evaluation steps."""
+        d = dataclasses.asdict(self)
+        if self.eval_reward is None:
+            del d["eval_reward"]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepRecord:
+        """Inverse of :meth:`to_json`."""
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass(frozen=True)
+class Start:
+    """How this process started: the first step it runs, and what it did with a resumed run."""
+
+    step: int
+    resumed: bool
+    #: Sessions released per dead owner tag, leases cleared, gate reopened (after a crash).
+    reclaimed: dict[str, int] = field(default_factory=dict)
+    #: The server was empty: the store came back from the checkpoint.
+    restored: bool = False
+
+
+@dataclass(frozen=True)
+class EndState:
+    """What is left when the loop is over: the store's counts and gate, the roles, Ray's store."""
+
+    counts: StoreCounts
+    gate: GateStatus
+    workers: list[WorkerStats]
+    producer: ProducerStats
+    learner: LearnerStats
+    drained: dict[str, int]
+    object_store_bytes: int
+    object_store_bytes_max: int
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Wall-clock seconds of each phase of the run, and steps/s of the loop."""
+
+    reclaim: float
+    start_actors_and_warm_start: float
+    loop: float
+    drain_and_holders: float
+    wall: float
+
+
+@dataclass(frozen=True)
+class Report:
+    """The end-of-run report (``report.json``); see docs/trainer.md for each field."""
+
+    mode: str
+    run: str
+    steps: int
+    steps_this_process: int
+    resumed_from_step: int | None
+    # learning
+    reward_first: float
+    reward_last: float
+    eval_reward_before: float | None
+    eval_reward_first: float | None
+    eval_reward_last: float | None
+    replay_max_abs_diff: float | None
+    routing_replay_fallbacks: int
+    # speed
+    steps_per_s: float
+    wall_s: float
+    phases_s: dict[str, float]
+    p50_turn_latency_ms: float
+    turns: int
+    tracestore_time_share: float
+    # bookkeeping: nothing may be left behind
+    sessions_opened: int
+    sessions_released: int
+    sessions_leaked: int
+    release_events: int
+    refs_held_at_end: int
+    expert_bytes_held_at_end: int
+    object_store_bytes_at_end: int
+    object_store_bytes_max_seen: int
+    gate_cycles: int
+    gate_version: int
+    poisoned_leases: int
+    # rollouts
+    groups: dict[str, int]
+    aborted_groups_claimed: int
+    aborted_requests: int
+    invalid_responses: int
+    # resume and end of run
+    reclaimed_after_crash: dict[str, int]
+    store_restored: bool
+    drained_at_end: dict[str, int]
+    history: list[StepRecord]
+
+    def violations(self) -> list[str]:
+        """The invariants this run broke (empty when nothing leaked)."""
+        bad = [
+            name
+            for name, n in (
+                ("sessions leaked", self.sessions_leaked),
+                ("refs held at end", self.refs_held_at_end),
+                ("poisoned leases", self.poisoned_leases),
+            )
+            if n
+        ]
+        if self.release_events != self.sessions_opened:
+            bad.append("release events != sessions opened")
+        return bad
+
+    def to_json(self) -> dict[str, Any]:
+        """``report.json``: every field, the history as step records' JSON."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["history"] = [h.to_json() for h in self.history]
+        return d
+
+    def write(self, directory: str) -> None:
+        """Write ``report.json`` and ``report.png`` into ``directory``."""
+        with open(f"{directory}/report.json", "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+        plot(self, f"{directory}/report.png")
+
+
+def build_report(
+    cfg: TrainConfig, start: Start, history: list[StepRecord], end: EndState, phases: Phases
+) -> Report:
+    """The report of a run that ended normally."""
+    rewards = [h.reward for h in history]
+    k = max(1, min(5, len(rewards) // 4))  # first and last quarter, at most 5 steps
+    evals = [h.eval_reward for h in history if h.eval_reward is not None]
+    aligns = [h.replay_max_abs_diff for h in history if h.replay_max_abs_diff is not None]
+    turn_s = [t for w in end.workers for t in w.turn_s]
+    steps_done = cfg.steps + 1 - start.step
+    return Report(
+        mode=cfg.mode,
+        run=cfg.run,
+        steps=cfg.steps,
+        steps_this_process=steps_done,
+        resumed_from_step=start.step - 1 if start.resumed else None,
+        reward_first=sum(rewards[:k]) / k,
+        reward_last=sum(rewards[-k:]) / k,
+        eval_reward_before=end.learner.baseline_eval,
+        eval_reward_first=evals[0] if evals else None,
+        eval_reward_last=evals[-1] if evals else None,
+        replay_max_abs_diff=max(aligns) if aligns else None,
+        routing_replay_fallbacks=end.learner.replay_fallbacks,
+        steps_per_s=steps_done / max(1e-9, phases.loop),
+        wall_s=phases.wall,
+        phases_s={k: v for k, v in dataclasses.asdict(phases).items() if k != "wall"},
+        p50_turn_latency_ms=1000 * _p50(turn_s),
+        turns=len(turn_s),
+        tracestore_time_share=_store_share(end),
+        sessions_opened=end.counts.opened,
+        sessions_released=end.counts.released,
+        sessions_leaked=end.counts.live,
+        release_events=end.counts.events,
+        refs_held_at_end=sum(w.holder.refs for w in end.workers),
+        expert_bytes_held_at_end=sum(w.holder.bytes for w in end.workers),
+        object_store_bytes_at_end=end.object_store_bytes,
+        object_store_bytes_max_seen=end.object_store_bytes_max,
+        gate_cycles=end.learner.gate_cycles,
+        gate_version=end.gate.version,
+        poisoned_leases=end.gate.poisoned,
+        groups=end.producer.groups,
+        aborted_groups_claimed=end.producer.claimed,
+        aborted_requests=sum(w.aborted_requests for w in end.workers),
+        invalid_responses=sum(w.invalid for w in end.workers),
+        reclaimed_after_crash=start.reclaimed,
+        store_restored=start.restored,
+        drained_at_end=end.drained,
+        history=history,
+    )
+
+
+def _p50(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else 0.0
+
+
+def _store_share(end: EndState) -> float:
+    """Seconds inside tracestore calls over the roles' busy seconds."""
+    store_s = sum(w.store_s for w in end.workers) + end.producer.store_s + end.learner.store_s
+    busy_s = sum(w.busy_s for w in end.workers) + end.producer.busy_s + end.learner.busy_s
+    return store_s / max(1e-9, busy_s)
+
+
+REPORT_ROWS: list[tuple[str, str]] = [
+    ("reward, first steps", "reward_first"),
+    ("reward, last steps", "reward_last"),
+    ("eval reward, before RL", "eval_reward_before"),
+    ("eval reward, first eval", "eval_reward_first"),
+    ("eval reward, last eval", "eval_reward_last"),
+    ("steps/s", "steps_per_s"),
+    ("wall time (s)", "wall_s"),
+    ("sessions opened", "sessions_opened"),
+    ("sessions released", "sessions_released"),
+    ("sessions leaked", "sessions_leaked"),
+    ("release events", "release_events"),
+    ("refs held at end", "refs_held_at_end"),
+    ("routed-expert bytes held at end", "expert_bytes_held_at_end"),
+    ("Ray object store bytes in use at end", "object_store_bytes_at_end"),
+    ("gate cycles", "gate_cycles"),
+    ("poisoned leases", "poisoned_leases"),
+    ("p50 turn latency (ms)", "p50_turn_latency_ms"),
+    ("turns", "turns"),
+    ("share of time in tracestore calls", "tracestore_time_share"),
+    ("routing replay max |dlogp|", "replay_max_abs_diff"),
+    ("requests aborted in flight", "aborted_requests"),
+    ("aborted groups claimed back", "aborted_groups_claimed"),
+]
+
+
+def report_rows(report: Report) -> list[list[object]]:
+    """The ``[label, value]`` rows ``tracestore train`` prints (floats to 3 digits, share in %)."""
+    rows: list[list[object]] = []
+    for label, key in REPORT_ROWS:
+        v = getattr(report, key)
+        if isinstance(v, float):
+            v = f"{v:.3g}" if key != "tracestore_time_share" else f"{100 * v:.1f}%"
+        rows.append([label, "-" if v is None else v])
+    return rows
+
+
+def plot(report: Report, path: str) -> None:
+    """Reward (batch mean, evaluation) and staleness over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = report.history
+    steps = [r.step for r in h]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    a.plot(steps, [r.reward for r in h], marker="o", label="batch reward")
+    ev = [(r.step, r.eval_reward) for r in h if r.eval_reward is not None]
+    if report.eval_reward_before is not None:
+        ev.insert(0, (0, report.eval_reward_before))
+    if ev:
+        a.plot(*zip(*ev, strict=True), marker="s", label="eval reward")
+    a.set_ylabel("reward")
+    a.legend()
+    a.set_title(f"tracestore train ({report.mode}, run {report.run})")
+    b.plot(steps, [r.staleness_mean for r in h], marker="o", label="mean staleness")
+    b.plot(steps, [r.staleness_max for r in h], marker="x", label="max staleness")
+    b.set_xlabel("step")
+    b.set_ylabel("versions behind")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
