@@ -80,7 +80,7 @@ def load_state(cfg: TrainConfig) -> CheckpointState | None:
         return CheckpointState.from_json(json.load(f))
 
 
-def save(
+def write_checkpoint(
     state: CheckpointState, model: torch.nn.Module, opt: torch.optim.Optimizer, store: TraceStore
 ) -> None:
     """Write the checkpoint of ``state.cfg``'s run: ``model.pt``, ``store.ckpt``, then ``state.json``."""

@@ -1,0 +1,114 @@
+"""What the learner trains on: every taken sample's trace, advantage and borrowed routing.
+
+For each sample of the groups a step took: its group-relative advantage, the
+training trace of its last turn (``export_training_trace``; key: the
+conversation up to its last answer) and its routed experts, borrowed from
+the worker whose ``RefHolder`` keeps them (one ``get_refs`` call per worker),
+concatenated, the dummy row dropped. A sample whose experts are gone (keys
+marked lost by a store restore, or a holder that no longer has them) trains
+without routing replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from tracestore import Group, Trace, TraceStore, expert_key_lost
+
+from .actors import Workers
+from .clock import Stopwatch
+from .grpo import TrainSample, group_advantages
+from .sample import Sample, from_payload
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A step's training samples and what its record reports about them."""
+
+    samples: list[TrainSample]
+    sids: list[str]
+    rewards: list[float]
+    #: Versions behind the current weights, per group.
+    staleness: list[int]
+    #: Indices of samples made entirely by the current weights, with their routing.
+    same_version: list[int]
+    groups: int
+
+
+class BatchBuilder:
+    """``builder.build(groups, version)`` -> :class:`Batch`; counts routing fallbacks."""
+
+    def __init__(self, store: TraceStore, workers: Workers, store_time: Stopwatch) -> None:
+        self.store = store
+        self.workers = workers
+        self.store_time = store_time
+        #: Borrow calls that failed (those samples trained without routing replay).
+        self.fallbacks = 0
+
+    def build(self, groups: Sequence[Group], version: int) -> Batch:
+        """The batch of ``groups`` for a policy at weight ``version``."""
+        scored: list[tuple[Sample, float]] = []
+        staleness: list[int] = []
+        for g in groups:
+            samples = from_payload(g.payload)
+            scored += zip(samples, group_advantages([s.reward for s in samples]), strict=True)
+            staleness.append(version - g.min_version)
+        traces = self._export([s for s, _ in scored])
+        wanted = [(s.worker, tr.expert_keys or []) for (s, _), tr in zip(scored, traces, strict=True)]
+        train: list[TrainSample] = []
+        same_version: list[int] = []
+        for (_, adv), tr, parts in zip(scored, traces, self._borrow(wanted), strict=True):
+            routing = _routing(parts, len(tr.input_ids))
+            if routing is not None and min(tr.versions) == max(tr.versions) == version:
+                same_version.append(len(train))
+            train.append(
+                TrainSample(
+                    np.asarray(tr.input_ids, dtype=np.int64),
+                    np.asarray(tr.labels, dtype=np.int64),
+                    np.asarray(tr.logprobs, dtype=np.float32),
+                    routing,
+                    adv,
+                )
+            )
+        sids = [s.sid for s, _ in scored]
+        rewards = [s.reward for s, _ in scored]
+        return Batch(train, sids, rewards, staleness, same_version, len(groups))
+
+    def _export(self, samples: Sequence[Sample]) -> list[Trace]:
+        """The training trace of each sample's last turn. One round trip per sample."""
+        with self.store_time():
+            return [self.store.export_training_trace(s.sid, s.final_key()) for s in samples]
+
+    def _borrow(self, wanted: list[tuple[str | None, list[str]]]) -> list[list[np.ndarray] | None]:
+        """Routed-expert parts of each ``(worker, keys)``: one borrow call per worker, one get.
+
+        None for a trace whose keys are lost or whose holder no longer has them.
+        """
+        by_worker: dict[str, list[str]] = {}
+        for w, keys in wanted:
+            if w is not None and keys and not any(expert_key_lost(k) for k in keys):
+                by_worker.setdefault(w, []).extend(keys)
+        lent: dict[str, np.ndarray] = {}
+        for w, keys in by_worker.items():
+            try:
+                refs = ray.get(self.workers[w].get_refs.remote(keys))
+                lent.update(zip(keys, ray.get(refs), strict=True))
+                del refs
+            except Exception:
+                self.fallbacks += 1
+        return [
+            [lent[k] for k in keys] if keys and all(k in lent for k in keys) else None
+            for _, keys in wanted
+        ]
+
+
+def _routing(parts: list[np.ndarray] | None, n_tokens: int) -> np.ndarray | None:
+    """A trace's routed experts, ``[n_tokens - 1, layers, k]`` (dummy row dropped), or None."""
+    if parts is None:
+        return None
+    routing = np.concatenate([np.asarray(p) for p in parts])[1:].astype(np.int64)
+    return routing if routing.shape[0] == n_tokens - 1 else None
