@@ -58,7 +58,9 @@ class BatchBuilder:
             scored += zip(samples, group_advantages([s.reward for s in samples]), strict=True)
             staleness.append(version - g.min_version)
         traces = self._export([s for s, _ in scored])
-        wanted = [(s.worker, tr.expert_keys or []) for (s, _), tr in zip(scored, traces, strict=True)]
+        wanted = [
+            (s.worker, tr.expert_keys or []) for (s, _), tr in zip(scored, traces, strict=True)
+        ]
         train: list[TrainSample] = []
         same_version: list[int] = []
         for (_, adv), tr, parts in zip(scored, traces, self._borrow(wanted), strict=True):

@@ -208,4 +208,3 @@ class Learner:
     def close(self) -> None:
         """Close the store."""
         self.store.close()
-
