@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -165,9 +166,9 @@ class Report:
 
     def write(self, directory: str) -> None:
         """Write ``report.json`` and ``report.png`` into ``directory``."""
-        with open(f"{directory}/report.json", "w") as f:
+        with open(os.path.join(directory, "report.json"), "w") as f:
             json.dump(self.to_json(), f, indent=2)
-        plot(self, f"{directory}/report.png")
+        plot(self, os.path.join(directory, "report.png"))
 
 
 def build_report(
