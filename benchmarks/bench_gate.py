@@ -67,9 +67,9 @@ def batched_pairs(store: TraceStore, n: int, batch: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _one_pipeline(io: Any, ops: list[Any]) -> list[Any]:
+def _one_pipeline(store: TraceStore, ops: list[Any]) -> list[Any]:
     """Send the first request of every op in one pipeline; the results of the ops it completes."""
-    replies = io.execute(Batch(tuple(next(op) for op in ops)))
+    replies = store.execute(Batch(tuple(next(op) for op in ops)))
     out = []
     for op, rep in zip(ops, replies, strict=True):
         try:
@@ -80,12 +80,12 @@ def _one_pipeline(io: Any, ops: list[Any]) -> list[Any]:
 
 
 def pipelined_pairs(store: TraceStore, n: int, batch: int) -> float:
-    io, ctx = store._io, store._ctx
+    ctx = store.context
     start = time.perf_counter()
     for b in range(0, n, batch):
         k = min(batch, n - b)
-        leases: list[Lease] = _one_pipeline(io, [admit(ctx, f"p{b + i}", "bench", 60) for i in range(k)])
-        for settled in _one_pipeline(io, [settle(ctx, lease, "completed") for lease in leases]):
+        leases: list[Lease] = _one_pipeline(store, [admit(ctx, f"p{b + i}", "bench", 60) for i in range(k)])
+        for settled in _one_pipeline(store, [settle(ctx, lease, "completed") for lease in leases]):
             assert not settled.poisoned
     return n / (time.perf_counter() - start)
 

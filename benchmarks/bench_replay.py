@@ -62,8 +62,8 @@ def fill(store: TraceStore, groups: list[Group]) -> None:
     for i in range(0, len(groups), FILL_BATCH):
         part = groups[i : i + FILL_BATCH]
         store.open_sessions([s for g in part for s in g.sids], PRODUCER)
-        evals = [next(put(store._ctx, g, PRODUCER)) for g in part]
-        store._io.execute(Batch(tuple(evals)))  # type: ignore[arg-type]
+        evals = [next(put(store.context, g, PRODUCER)) for g in part]
+        store.execute(Batch(tuple(evals)))
 
 
 def _put_rate(groups: list[Group], threads: int, put_one: Callable[[Group], Any]) -> float:

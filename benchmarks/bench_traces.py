@@ -119,14 +119,13 @@ class _RoundTrips:
 
     def __init__(self, store: TraceStore) -> None:
         self.n = 0
-        io: Any = store._io
-        orig = io.execute
+        orig = store.execute
 
         def counting(req: Any) -> Any:
             self.n += 1
             return orig(req)
 
-        io.execute = counting
+        store.execute = counting  # type: ignore[method-assign]
 
 
 class _Tracestore:

@@ -14,7 +14,7 @@ from tracestore import TraceStore
 from tracestore import gc as gcmod
 from tracestore import replay as rb
 from tracestore.replay import REPLAY_OWNER, Group
-from tracestore.router import acquire_route
+from tracestore.router import acquire_route, route_scope
 
 PRODUCER = "rollout:p"
 EPS = ["ep-a", "ep-b", "ep-c"]
@@ -29,18 +29,18 @@ def _events(store: TraceStore) -> list[tuple[str, str]]:
 
 
 def test_retried_route_acquire_returns_its_first_reply(store: TraceStore) -> None:
-    ctx, io = store._ctx, store._io
-    req = next(acquire_route(ctx, tuple(EPS), "ra-1"))  # a new session: placed, reply lost
-    first = io.execute(req)
-    again = io.execute(req)  # redis-py re-sends the same call
+    ctx = store.context
+    req = next(acquire_route(route_scope(ctx, EPS), "ra-1"))  # a new session: placed, reply lost
+    first = store.execute(req)
+    again = store.execute(req)  # redis-py re-sends the same call
     assert [_s(x) for x in again] == [_s(x) for x in first] and _s(first[1]) == "new"
     assert store.router(EPS).table().load == {_s(first[0]): 1}
     # a move (its entrypoint left the list): the retry still says moved, from where
     ep = _s(first[0])
     others = tuple(e for e in EPS if e != ep)
-    req = next(acquire_route(ctx, others, "ra-1"))
-    first = io.execute(req)
-    again = io.execute(req)
+    req = next(acquire_route(route_scope(ctx, others), "ra-1"))
+    first = store.execute(req)
+    again = store.execute(req)
     assert [_s(x) for x in first][1:] == ["moved", ep]
     assert [_s(x) for x in again] == [_s(x) for x in first]
     assert store.router(EPS).table().load == {_s(first[0]): 1}
@@ -54,11 +54,11 @@ def test_retried_gc_owner_lost_releases_once(store: TraceStore) -> None:
     store.open_sessions(sids, owner)
     store.heartbeat(owner, 0.05)
     time.sleep(0.1)
-    gen = gcmod.release_lost_owner(store._ctx, owner)
-    members = store._io.execute(next(gen))
+    gen = gcmod.release_lost_owner(store.context, owner)
+    members = store.execute(next(gen))
     batch = gen.send(members)
-    first = store._io.execute(batch)
-    again = store._io.execute(batch)  # the whole pipeline re-sent after a lost reply
+    first = store.execute(batch)
+    again = store.execute(batch)  # the whole pipeline re-sent after a lost reply
     assert again == first
     assert sorted(_s(x) for r in first for x in r[1:]) == sids
     assert sorted(_events(store)) == [(s, "owner-lost") for s in sids]
@@ -68,9 +68,9 @@ def test_retried_gc_owner_lost_releases_once(store: TraceStore) -> None:
 def test_retried_failed_put_releases_once(store: TraceStore) -> None:
     sids = ("fp-1", "fp-2")
     store.open_sessions(list(sids), PRODUCER)
-    req = next(rb.put(store._ctx, Group("fp", "math", sids, status="failed"), PRODUCER))
-    first = store._io.execute(req)
-    again = store._io.execute(req)
+    req = next(rb.put(store.context, Group("fp", "math", sids, status="failed"), PRODUCER))
+    first = store.execute(req)
+    again = store.execute(req)
     assert again == first and sorted(_s(x) for x in first[2:]) == list(sids)
     assert sorted(_events(store)) == [(s, "failed") for s in sids]
     assert store.replay.count() == 0
@@ -80,13 +80,13 @@ def test_retried_expire_releases_once(store: TraceStore) -> None:
     sids = ("ex-1", "ex-2")
     store.open_sessions(list(sids), PRODUCER)
     store.replay.put(Group("ex", "math", sids, min_version=0, retryable=False), PRODUCER)
-    gen = rb.expire(store._ctx, 10, 1, task="math")
+    gen = rb.expire(store.context, 10, 1, task="math")
     req = next(gen)
-    plan = store._io.execute(req)
+    plan = store.execute(req)
     assert _s(plan[0]) == "NEED"
     commit = gen.send(plan)
-    first = store._io.execute(commit)
-    again = store._io.execute(commit)
+    first = store.execute(commit)
+    again = store.execute(commit)
     assert again == first
     assert sorted(_events(store)) == [(s, "expired") for s in sids]
     assert store.replay.count() == 0 and store.sessions(REPLAY_OWNER) == []
@@ -180,20 +180,20 @@ def test_gc_owner_lost_counts_a_later_chunk_that_saw_the_deadline_pass(store: Tr
     sids = [f"ce{i:05d}" for i in range(n)]
     store.open_sessions(sids, owner)
     store.heartbeat(owner, 1.0)
-    gen = gcmod.release_lost_owner(store._ctx, owner)
-    members = store._io.execute(next(gen))
+    gen = gcmod.release_lost_owner(store.context, owner)
+    members = store.execute(next(gen))
     batch = gen.send(members)
     assert isinstance(batch, Batch) and len(batch.requests) == 2
-    first = store._io.execute(batch.requests[0])  # the owner is still alive here
+    first = store.execute(batch.requests[0])  # the owner is still alive here
     time.sleep(1.1)  # its deadline passes before the second chunk runs
-    second = store._io.execute(batch.requests[1])
+    second = store.execute(batch.requests[1])
     assert int(first[0]) == 0 and int(second[0]) == 1 and _s(second[1]) == sids[-1]
     released: list[str] = []
     lost = False
     try:
         req = gen.send([first, second])
         while True:
-            req = gen.send(store._io.execute(req))
+            req = gen.send(store.execute(req))
     except StopIteration as stop:
         lost, released = stop.value
     assert lost
@@ -222,13 +222,13 @@ def test_trimming_an_old_tombstone_keeps_the_data_tombstone_of_a_reuse(store: Tr
     _turn(store, "tr")
     store.release(["tr"], "train:1")
     time.sleep(0.3)
-    gen = gcmod._trim_tombstones(store._ctx, int(time.time() * 1000) - 200)
+    gen = gcmod._trim_tombstones(store.context, int(time.time() * 1000) - 200)
     from tracestore.scripts import Eval
 
     req = next(gen)
     while True:  # up to and including the trim script; next: delete the old data tombstones
         trim = isinstance(req, Eval) and req.script.name == "gc_trim_tombstones"
-        req = gen.send(store._io.execute(req))
+        req = gen.send(store.execute(req))
         if trim:
             break
     # meanwhile the forgotten id is reused, and released and purged again
@@ -236,7 +236,7 @@ def test_trimming_an_old_tombstone_keeps_the_data_tombstone_of_a_reuse(store: Tr
     assert store.release(["tr"], "rollout:0") == ["tr"]
     try:
         while True:
-            req = gen.send(store._io.execute(req))
+            req = gen.send(store.execute(req))
     except StopIteration:
         pass
     assert store.redis.exists(store.keys.dead("tr"))

@@ -19,7 +19,7 @@ def cli(url: str, run: str, *args: str) -> Result:
 
 
 def test_operator_walks_a_weight_update_through_the_cli(store: TraceStore, url: str) -> None:
-    run = store.run
+    run = store.run_id
     g = store.gate
     live = g.admit("sess-live", "worker-7", 30)
     dead = g.admit("sess-dead", "worker-dead", 0.05)
@@ -73,11 +73,11 @@ def test_operator_walks_a_weight_update_through_the_cli(store: TraceStore, url: 
 
 
 def test_cli_refuses_bad_arguments(store: TraceStore, url: str) -> None:
-    r = cli(url, store.run, "gate", "seal", "--retry-after-ms", "0")
+    r = cli(url, store.run_id, "gate", "seal", "--retry-after-ms", "0")
     assert r.exit_code == 1 and "retry_after_ms" in r.output
-    r = cli(url, store.run, "gate", "drain", "--timeout", "-1")
+    r = cli(url, store.run_id, "gate", "drain", "--timeout", "-1")
     assert r.exit_code == 1 and "timeout_s" in r.output
-    r = cli(url, store.run, "gate", "clear-poison", "bad{id}", "--resolution", "x")
+    r = cli(url, store.run_id, "gate", "clear-poison", "bad{id}", "--resolution", "x")
     assert r.exit_code == 1 and "InvalidId" in r.output
     assert store.gate.status().state == "open"
 
@@ -86,14 +86,14 @@ def test_routes_shows_load_and_routes(store: TraceStore, url: str) -> None:
     router = store.router(["ep-a", "ep-b"])
     placed = {sid: router.acquire(sid) for sid in ("s0", "s1", "s2")}
     router.retire(["s2"])
-    r = cli(url, store.run, "routes", "s0", "s1", "s2", "nowhere")
+    r = cli(url, store.run_id, "routes", "s0", "s1", "s2", "nowhere")
     assert r.exit_code == 0, r.output
     out = r.output
     assert "routed sessions: 2; retired (tombstoned): 1" in out
     assert "(retired: 410 Gone)" in out and "(not routed)" in out
     lines = {ln.split()[0]: ln.split()[1] for ln in out.splitlines() if ln.startswith(("s0 ", "s1 "))}
     assert lines == {"s0": placed["s0"], "s1": placed["s1"]}
-    r = cli(url, store.run, "routes")
+    r = cli(url, store.run_id, "routes")
     assert r.exit_code == 0 and "ep-a" in r.output and "ep-b" in r.output
 
 
@@ -110,7 +110,7 @@ def test_clear_poison_all_clears_more_than_one_status_page(store: TraceStore, ur
     leases = g.admit_many([(f"p-{i}", "w-dead") for i in range(150)], 30)
     g.settle_many([x.id for x in leases], "unknown")  # outcome unknown: every lease is poisoned
     assert g.status().poisoned == 150 and len(g.status().poison) == 100  # status lists 100
-    r = cli(url, store.run, "gate", "clear-poison", "--all", "--resolution", "worker-died")
+    r = cli(url, store.run_id, "gate", "clear-poison", "--all", "--resolution", "worker-died")
     assert r.exit_code == 0, r.output
     assert "cleared 150 of 150 lease(s)" in r.output
     assert g.status().poisoned == 0

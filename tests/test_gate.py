@@ -35,11 +35,10 @@ def dump_run(store: TraceStore) -> dict[str, tuple[Any, bool]]:
     Two dumps compare equal only when no key of the run was created, deleted
     or changed in between (refusals must leave the state untouched).
     """
-    io = store._io
-    keys = sorted(io.execute(ScanAll(f"{store.keys.prefix}:{{{store.run}*")))
+    keys = sorted(store.execute(ScanAll(f"{store.keys.prefix}:{{{store.run_id}*")))
     if not keys:
         return {}
-    replies = io.execute(
+    replies = store.execute(
         Batch(tuple(Cmd(("DUMP", k), key=k) for k in keys) + tuple(Cmd(("PTTL", k), key=k) for k in keys))
     )
     n = len(keys)
@@ -48,8 +47,7 @@ def dump_run(store: TraceStore) -> dict[str, tuple[Any, bool]]:
 
 def live_and_poison(store: TraceStore) -> tuple[set[str], set[str]]:
     k = store.keys
-    io = store._io
-    live, poison = io.execute(
+    live, poison = store.execute(
         Batch((Cmd(("ZRANGE", k.gate_leases, 0, -1), key=k.gate_leases), Cmd(("HKEYS", k.gate_poison), key=k.gate_poison)))
     )
     dec = lambda xs: {x.decode() if isinstance(x, bytes) else x for x in xs}  # noqa: E731
@@ -155,9 +153,8 @@ def test_admit_many_is_all_or_none_and_settle_many_settles_each(store: TraceStor
     rec = g.lease_records([leases[7].id])[0]
     assert rec is not None and (rec.sid, rec.holder) == ("burst-7", "w1")
     # a retry of the same call (same lease ids) returns the recorded admission, admits nothing more
-    io = store._io
-    req = next(admit_many(store._ctx, reqs[:5], 30))
-    first, again = io.execute(req), io.execute(req)
+    req = next(admit_many(store.context, reqs[:5], 30))
+    first, again = store.execute(req), store.execute(req)
     assert first[:2] == again[:2] and (first[2], again[2]) == (0, 1)
     assert g.status().live == 305
     g.seal()
@@ -289,7 +286,7 @@ time.sleep(600)
 def test_killed_holder_expires_into_poison_then_clear_and_install(store: TraceStore, url: str) -> None:
     g = store.gate
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, url, store.run, "1.0"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, url, store.run_id, "1.0"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None
@@ -365,16 +362,16 @@ def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> N
     assert (g.status().state, g.status().version) == ("sealed", 5)
     g.reopen()
     # sealer tokens: a retried seal still holds; another token cannot reopen it
-    io, ctx = store._io, store._ctx
+    ctx = store.context
     req = next(_seal_as(ctx, "a" * 32))
-    assert io.execute(req)[-1] == io.execute(req)[-1] in ("a" * 32, b"a" * 32)
-    assert io.run(_reopen_as(ctx, "b" * 32)).state == "sealed"
+    assert store.execute(req)[-1] == store.execute(req)[-1] in ("a" * 32, b"a" * 32)
+    assert store.run(_reopen_as(ctx, "b" * 32)).state == "sealed"
     # a weight update that died while sealed: the next one takes its seal over and reopens
     with g.weight_update(6, drain_timeout_s=1):
         pass
     assert (g.status().state, g.status().version) == ("open", 6)
-    assert io.run(_seal_as(ctx, "a" * 32))
-    assert io.run(_reopen_as(ctx, "a" * 32)).state == "open"
+    assert store.run(_seal_as(ctx, "a" * 32))
+    assert store.run(_reopen_as(ctx, "a" * 32)).state == "open"
 
 
 def test_async_weight_update_and_drain(url: str, run_id: str, arun: Any) -> None:
@@ -458,22 +455,22 @@ def test_concurrent_installers_one_wins_and_version_is_monotonic(store_factory: 
 
 
 def test_retried_scripts_replay_their_first_reply(store: TraceStore) -> None:
-    io, ctx = store._io, store._ctx
+    ctx = store.context
     # admit: the lease id is the operation id, so a retry returns the same lease
     gen = admit(ctx, "s", "w", 30)
     req = next(gen)
-    first, retry = io.execute(req), io.execute(req)
+    first, retry = store.execute(req), store.execute(req)
     assert first[:2] == retry[:2] and (first[2], retry[2]) == (0, 1)  # version, deadline; replayed
     assert store.gate.status().live == 1
     lid = req.args[1]  # ARGV: ttl, then (lease id, sid, holder)
     # settle: a retry returns the first receipt
     req = next(settle(ctx, lid, "completed"))
-    a, b = io.execute(req), io.execute(req)
+    a, b = store.execute(req), store.execute(req)
     assert a[:6] == b[:6] and (a[6], b[6]) == (1, 0)
     # install: a retried success is not reported as StaleVersion
     store.gate.seal()
     req = next(install(ctx, 5))
-    assert io.execute(req) == io.execute(req)
+    assert store.execute(req) == store.execute(req)
     assert store.gate.status().version == 5
     with pytest.raises(StaleVersion):
         store.gate.install(5)
@@ -544,12 +541,12 @@ def test_drain_wakes_on_the_last_settle_without_polling(store: TraceStore) -> No
 
     def drainer() -> None:
         # Drive the drain operation by hand to count the requests it sends.
-        gen = drain(store._ctx, 10)
+        gen = drain(store.context, 10)
         try:
             req = next(gen)
             while True:
                 requests.append(type(req).__name__ if not isinstance(req, Cmd) else str(req.args[0]))
-                req = gen.send(store._io.execute(req))
+                req = gen.send(store.execute(req))
         except StopIteration as stop:
             out["res"] = stop.value
             out["t"] = time.monotonic()

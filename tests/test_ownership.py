@@ -85,7 +85,7 @@ def offline_twin(store: TraceStore) -> TraceStore:
     port = sock.getsockname()[1]
     sock.close()
     dead = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
-    return TraceStore(SyncIO(dead, cluster=False), store._ctx, f"redis://127.0.0.1:{port}")
+    return TraceStore(SyncIO(dead, cluster=False), store.context, f"redis://127.0.0.1:{port}")
 
 
 # -- scenario 7: bad input ---------------------------------------------------------------

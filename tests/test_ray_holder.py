@@ -193,7 +193,7 @@ def test_holder_recreates_its_group_after_gc_removed_it(store: TraceStore) -> No
 
 def test_ready_actor(store: TraceStore, url: str) -> None:
     store.open_sessions(["w0", "w1"], "rollout:7")
-    actor = RefHolderActor.remote(url, store.run, name="actor-holder", reconcile_s=60)
+    actor = RefHolderActor.remote(url, store.run_id, name="actor-holder", reconcile_s=60)
     try:
         keys = [ray.get(actor.put.remote(s, array(i))) for i, s in enumerate(["w0", "w1"])]
         refs = ray.get(actor.get.remote(keys))

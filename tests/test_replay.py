@@ -329,17 +329,17 @@ def test_retried_calls_replay_their_reply(store: TraceStore) -> None:
     from tracestore import replay as rb
 
     g = _group(store, "g1")
-    gen = rb.put(store._ctx, g, PRODUCER)
+    gen = rb.put(store.context, g, PRODUCER)
     ev = next(gen)
-    first = store._io.execute(ev)
-    assert store._io.execute(ev) == first  # redis-py resent the same call: same reply, no GroupExists
+    first = store.execute(ev)
+    assert store.execute(ev) == first  # redis-py resent the same call: same reply, no GroupExists
     assert store.replay.count() == 1 and store.redis.get(store.keys.rb_seq) == b"1"
-    gen = rb.take(store._ctx, "math", 1, owner="train:0")
-    plan = store._io.execute(next(gen))
+    gen = rb.take(store.context, "math", 1, owner="train:0")
+    plan = store.execute(next(gen))
     assert plan[0] == b"NEED" or plan[0] == "NEED"
     commit = gen.send(plan)
-    done = store._io.execute(commit)
-    assert store._io.execute(commit) == done
+    done = store.execute(commit)
+    assert store.execute(commit) == done
     assert store.owner_of(g.sids[0]) == "train:0" and store.replay.count() == 0
 
 
@@ -368,7 +368,7 @@ def test_take_behind_a_large_stale_backlog(store: TraceStore) -> None:
 
     stale = [Group(f"old{i}", "math", (f"old{i}.s",), min_version=0, retryable=i % 2 == 0) for i in range(2100)]
     store.open_sessions([g.sids[0] for g in stale], PRODUCER)
-    store._io.execute(Batch(tuple(next(rb.put(store._ctx, g, PRODUCER)) for g in stale)))
+    store.execute(Batch(tuple(next(rb.put(store.context, g, PRODUCER)) for g in stale)))
     _put(store, "fresh", min_version=9)
     got = store.replay.take("math", 1, owner="train:0", current_version=9, max_staleness=1)
     assert [g.gid for g in got] == ["fresh"]

@@ -13,7 +13,7 @@ from tests.conftest import connect_async
 from tests.test_gate import dump_run
 from tracestore import TraceStore
 from tracestore.errors import InvalidId, InvalidInput, SessionRetired
-from tracestore.router import retire
+from tracestore.router import retire, route_scope
 
 EPS = ["ep-a", "ep-b", "ep-c", "ep-d"]
 
@@ -95,9 +95,9 @@ def test_sticky_and_moved_when_its_entrypoint_is_removed(store: TraceStore) -> N
 def test_a_retried_retire_returns_its_first_reply(store: TraceStore) -> None:
     r = store.router(EPS)
     r.acquire("rt-1")
-    req = next(retire(store._ctx, ["rt-1", "rt-2"], 60_000))  # one call, its reply lost
-    first = store._io.execute(req)
-    again = store._io.execute(req)  # redis-py re-sends the same scripts
+    req = next(retire(route_scope(store.context, EPS, retention_s=60), ["rt-1", "rt-2"]))  # one call, its reply lost
+    first = store.execute(req)
+    again = store.execute(req)  # redis-py re-sends the same scripts
     assert first == again
     assert [x.decode() if isinstance(x, bytes) else x for x in first[0]] == ["rt-1", "rt-2"]
     assert r.retire(["rt-1", "rt-2"]) == []  # a new call: nothing left to retire

@@ -135,7 +135,7 @@ def test_batch_keeps_the_order_of_requests_of_one_slot(url: str, run_id: str, ar
     async def go() -> list[Any]:
         st = await connect_async(url, run_id)
         try:
-            await st._io.execute(batch)
+            await st.execute(batch)
             got = [await st.redis.lrange(k, 0, -1) for k in keys]
             for k in keys:
                 await st.redis.delete(k)
@@ -147,7 +147,7 @@ def test_batch_keeps_the_order_of_requests_of_one_slot(url: str, run_id: str, ar
     assert [dec(x) for x in arun(go())] == want
     sync = TraceStore.connect(url, run=run_id)
     try:
-        sync._io.execute(batch)
+        sync.execute(batch)
         assert [dec(sync.redis.lrange(k, 0, -1)) for k in keys] == want
     finally:
         sync.close()
@@ -157,10 +157,10 @@ def test_lua_runtime_error_becomes_script_error(store: TraceStore) -> None:
     bad = parse_script("boom", "-- script: boom\n-- KEYS: 1\nreturn {0, redis.call('INCR', KEYS[1])}")
     key = store.keys.meta  # a hash: INCR fails with WRONGTYPE inside the script
     with pytest.raises(ScriptError) as exc:
-        store._io.execute(Eval(bad, (key,)))
+        store.execute(Eval(bad, (key,)))
     assert exc.value.script == "boom"
     with pytest.raises(ScriptError, match="boom"):
-        store._io.execute(Batch((Eval(bad, (key,)),)))
+        store.execute(Batch((Eval(bad, (key,)),)))
 
 
 def test_cluster_refuses_cross_slot_raw_but_runtime_never_sends_it(cluster_url: str, run_id: str) -> None:

@@ -115,7 +115,7 @@ def test_round_trip_labels_versions(store: TraceStore) -> None:
     assert m.text_len == len(final) and m.token_ids == tr.input_ids
     assert m.node == tr.nodes[-1] and m.path == tr.nodes
     # a fresh client (cold cache) sees the same
-    other = TraceStore.connect(store.url, run=store.run)
+    other = TraceStore.connect(store.url, run=store.run_id)
     try:
         assert other.export_training_trace(sid, final) == tr
         assert other.lookup(sid, nxt) == m
@@ -580,7 +580,7 @@ def test_two_clients_warm_cache_never_stale(store_factory: Callable[..., TraceSt
     _turn(b, sid, p1, R1, [7], [8])  # same keys, other tokens, new epoch
     assert a.lookup(sid, p1 + R1 + U2).token_ids == [7, 8]
     assert a.export_training_trace(sid, p1 + R1).input_ids == [7, 8]
-    assert len(node_cache(b._ctx)) > 0 and node_cache(b._ctx).nbytes <= 4096
+    assert len(node_cache(b.context)) > 0 and node_cache(b.context).nbytes <= 4096
 
 
 def test_concurrent_writers_and_readers_never_see_a_wrong_prefix(
@@ -706,14 +706,13 @@ def test_warm_lookup_is_one_round_trip(store: TraceStore) -> None:
     nxt = final + "<|user|>more<|end|><|assistant|>"
     store.lookup(sid, nxt)  # warm
     calls: list[Any] = []
-    io: Any = store._io
-    orig = io.execute
+    orig = store.execute
 
     def counting(req: Any) -> Any:
         calls.append(req)
         return orig(req)
 
-    io.execute = counting
+    store.execute = counting  # type: ignore[method-assign]
     try:
         m = store.lookup(sid, nxt)
         assert m.text_len == len(final)
@@ -725,7 +724,7 @@ def test_warm_lookup_is_one_round_trip(store: TraceStore) -> None:
         store.export_training_trace(sid, nxt + "ok")
         assert len(calls) == 1
     finally:
-        del io.execute
+        del store.execute
 
 
 # -- sync and async clients agree -------------------------------------------------------------

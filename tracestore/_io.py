@@ -1,6 +1,7 @@
-"""Sync and asyncio I/O layers: drive an operation generator against Redis.
+"""Sync and asyncio I/O layers: execute the requests that operations yield against Redis.
 
-Both layers do the same four things, and nothing else:
+The stores drive operations (:mod:`tracestore.twin`); each request they
+meet comes here. Both layers do the same four things, and nothing else:
 
 * run :class:`~tracestore.scripts.Eval` with EVALSHA, and on NOSCRIPT (the
   script cache empties on restart and failover) re-run it once with EVAL,
@@ -11,14 +12,15 @@ Both layers do the same four things, and nothing else:
 * wrap redis-py exceptions into :class:`~tracestore.errors.StorageError`
   (connection, timeout) or :class:`~tracestore.errors.ScriptError`
   (a failing script), raised ``from`` the original.
+
+(and they call a :class:`~tracestore.scripts.Blocking` request's function:
+in place, or in a worker thread under asyncio).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio
@@ -26,19 +28,12 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from .errors import ScriptError, StorageError, TracestoreError, raise_for_code
 from .keys import key_slot
-from .scripts import Batch, Cmd, Eval, Op, Request, ScanAll, ServerTime
+from .replies import text
+from .scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
     from redis.cluster import RedisCluster
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _s(x: Any) -> Any:
-    return x.decode() if isinstance(x, bytes) else x
-
 
 def decode_script_reply(ev: Eval, reply: Any) -> Any:
     """Strip the status word of a script reply; raise the typed error it encodes."""
@@ -46,7 +41,7 @@ def decode_script_reply(ev: Eval, reply: Any) -> Any:
         raise ScriptError(ev.script.name, f"malformed reply {reply!r:.200}")
     if reply[0] == 0:
         return reply[1:]
-    raise_for_code(ev.script.name, str(_s(reply[1])), reply[2:])
+    raise_for_code(ev.script.name, text(reply[1]), reply[2:])
     raise AssertionError("unreachable")
 
 
@@ -75,20 +70,6 @@ class SyncIO:
         self.client = client
         self.cluster = cluster
 
-    def run(self, gen: Op[R]) -> R:
-        """Drive ``gen`` to completion; errors are thrown into it at its yield."""
-        try:
-            req = next(gen)
-            while True:
-                try:
-                    reply = self.execute(req)
-                except BaseException as exc:  # give the operation a chance to react
-                    req = gen.throw(exc)
-                else:
-                    req = gen.send(reply)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-
     def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply."""
         if isinstance(req, Eval):
@@ -101,6 +82,8 @@ class SyncIO:
             return self._scan_all(req)
         if isinstance(req, ServerTime):
             return self._time(req)
+        if isinstance(req, Blocking):
+            return req.fn()
         raise TypeError(f"unknown request {req!r}")
 
     def _eval(self, ev: Eval) -> Any:
@@ -219,7 +202,7 @@ class SyncIO:
             for node in nodes:
                 client = c.get_redis_connection(node) if node is not None else c
                 for k in client.scan_iter(match=req.pattern, count=req.count, _type=req.type):
-                    out.append(_s(k))
+                    out.append(text(k))
         except RedisError as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
@@ -245,20 +228,6 @@ class AsyncIO:
         self.cluster = cluster
         self._inflight = asyncio.Semaphore(self.CLUSTER_INFLIGHT)
 
-    async def run(self, gen: Op[R]) -> R:
-        """Drive ``gen`` to completion; errors are thrown into it at its yield."""
-        try:
-            req = next(gen)
-            while True:
-                try:
-                    reply = await self.execute(req)
-                except BaseException as exc:
-                    req = gen.throw(exc)
-                else:
-                    req = gen.send(reply)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-
     async def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply."""
         if isinstance(req, Eval):
@@ -271,6 +240,8 @@ class AsyncIO:
             return await self._scan_all(req)
         if isinstance(req, ServerTime):
             return _ms(await self._cmd(Cmd(("TIME",), key=req.key)))
+        if isinstance(req, Blocking):
+            return await asyncio.to_thread(req.fn)
         raise TypeError(f"unknown request {req!r}")
 
     async def _eval(self, ev: Eval) -> Any:
@@ -393,12 +364,12 @@ class AsyncIO:
                         cursor, keys = reply
                         if isinstance(cursor, dict):  # the cluster client keys cursors by node
                             (cursor,) = cursor.values()
-                        out.extend(_s(k) for k in keys)
+                        out.extend(text(k) for k in keys)
                         if int(cursor) == 0:
                             break
             else:
                 async for k in c.scan_iter(match=req.pattern, count=req.count, _type=req.type):
-                    out.append(_s(k))
+                    out.append(text(k))
         except RedisError as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
@@ -459,30 +430,3 @@ def _finish_batch(batch: Batch, replies: list[Any]) -> list[Any]:
     if first is not None:
         raise first
     return out
-
-
-# -- building methods from operations ---------------------------------------------------
-
-
-def sync_op(
-    f: Callable[Concatenate[Any, P], Generator[Request, Any, R]],
-) -> Callable[Concatenate[Any, P], R]:
-    """Make a sync method from an operation ``f(ctx, ...)``; keeps its docstring."""
-
-    @functools.wraps(f)
-    def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self._io.run(f(self._ctx, *args, **kwargs))  # type: ignore[no-any-return]
-
-    return cast("Callable[Concatenate[Any, P], R]", method)
-
-
-def async_op(
-    f: Callable[Concatenate[Any, P], Generator[Request, Any, R]],
-) -> Callable[Concatenate[Any, P], Any]:
-    """Make a coroutine method from an operation ``f(ctx, ...)``; keeps its docstring."""
-
-    @functools.wraps(f)
-    async def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await self._io.run(f(self._ctx, *args, **kwargs))  # type: ignore[no-any-return]
-
-    return cast("Callable[Concatenate[Any, P], Any]", method)

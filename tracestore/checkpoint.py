@@ -25,8 +25,9 @@ AOF and ``appendfsync always`` (``EmbeddedServer(aof=True)``).
 from __future__ import annotations
 
 import base64
+import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +37,9 @@ import orjson
 from .context import SCHEMA_VERSION, Context
 from .errors import InvalidInput, RunNotEmpty
 from .replay import STORED_STATUSES
-from .scripts import Batch, Cmd, Op, ScanAll, ServerTime, chunks
+from .replies import pairs, text
+from .run import server_ms
+from .scripts import Batch, Blocking, Cmd, Op, ScanAll, chunks
 
 #: Identifies a tracestore checkpoint file (first line, ``format``).
 FORMAT = "tracestore-checkpoint"
@@ -94,19 +97,6 @@ def dec(v: Any) -> bytes:
     raise InvalidInput("checkpoint", f"malformed value {v!r:.80}")
 
 
-def _pairs(reply: Any) -> list[tuple[Any, Any]]:
-    """HGETALL / ZRANGE WITHSCORES reply (dict, pairs or flat) as a list of pairs."""
-    if isinstance(reply, dict):
-        return list(reply.items())
-    if reply and isinstance(reply[0], (list, tuple)):
-        return [(a, b) for a, b in reply]
-    return [(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 # -- checkpoint -----------------------------------------------------------------------------
 
 _READ = {
@@ -121,126 +111,185 @@ _READ = {
 
 def _encode_value(typ: str, reply: Any) -> Any:
     if typ == "hash":
-        return [[enc(f), enc(v)] for f, v in _pairs(reply)]
+        return [[enc(f), enc(v)] for f, v in pairs(reply)]
     if typ == "zset":
-        return [[enc(m), float(s)] for m, s in _pairs(reply)]
+        return [[enc(m), float(s)] for m, s in pairs(reply)]
     if typ == "set":
         return sorted(enc(m) for m in reply)
     if typ == "list":
         return [enc(m) for m in reply]
     if typ == "stream":
-        return [[_s(i), [[enc(f), enc(v)] for f, v in _pairs(fields)]] for i, fields in reply]
+        return [[text(i), [[enc(f), enc(v)] for f, v in pairs(fields)]] for i, fields in reply]
     return enc(reply)
 
 
 class _Writer:
-    def __init__(self, fh: IO[bytes]) -> None:
-        self.fh = fh
+    """Collects the file's lines; :meth:`flush` hands them to the runner as one Blocking write.
+
+    The file (``path + ".tmp"``) is opened on the first write and renamed to
+    ``path`` by :meth:`finish`; the operation itself never touches the disk,
+    so the asyncio runner writes in a worker thread.
+    """
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.tmp = target.with_name(target.name + ".tmp")
+        self.fh: IO[bytes] | None = None
+        self.pending: list[bytes] = []
         self.bytes = 0
 
     def line(self, rec: dict[str, Any]) -> None:
         data = orjson.dumps(rec) + b"\n"
-        self.fh.write(data)
+        self.pending.append(data)
         self.bytes += len(data)
+
+    def flush(self) -> Blocking:
+        data, self.pending = b"".join(self.pending), []
+        return Blocking(functools.partial(self._write, data))
+
+    def _write(self, data: bytes) -> None:
+        if self.fh is None:
+            self.fh = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish() or abort()
+        self.fh.write(data)
+
+    def finish(self) -> Blocking:
+        def done() -> None:
+            self._write(b"".join(self.pending))
+            assert self.fh is not None
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+            self.fh.close()
+            os.replace(self.tmp, self.target)
+
+        return Blocking(done)
+
+    def abort(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
 
 
 def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     """Write the run to ``path`` (see the module docstring and ``docs/checkpoint.md``).
 
     The file is written to ``path + ".tmp"`` and renamed when complete, so a
-    crash never leaves a truncated file under ``path``. Raises StorageError.
-    Round trips: a SCAN of the control plane, two per 256 of its keys, two
-    per 256 groups and one per 256 sessions; the file is written as it is
-    read, so memory stays bounded by one batch.
+    crash never leaves a truncated file under ``path``. File writes are
+    Blocking requests (in a worker thread under asyncio). Raises
+    StorageError. Round trips: a SCAN of the control plane, two per 256 of
+    its keys, two per 256 groups and one per 256 sessions; the file is
+    written as it is read, so memory stays bounded by one batch.
     """
     k = ctx.keys
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
+    w = _Writer(Path(path))
     found = yield ScanAll(k.control_pattern)
     op_head = k.control_suffix(k.op("x"))
     assert op_head is not None
     skip = (op_head[:-1], "rb:g:")  # retry caches; group hashes are written as group records
     keys = sorted({key for key in found if not (k.control_suffix(key) or "").startswith(skip)})
-    now = yield ServerTime(k.meta)
-    sids: list[str] = []
-    tasks: list[str] = []
-    nkeys = ngroups = nnodes = 0
-    with open(tmp, "wb") as fh:
-        w = _Writer(fh)
-        w.line(
-            {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "schema": SCHEMA_VERSION,
-                "prefix": k.prefix,
-                "run": k.run,
-                "created_ms": int(now),
-            }
-        )
-        # control plane, BATCH keys per round trip (TYPE, then value and TTL)
-        for part in chunks(keys, BATCH):
-            types = [_s(t) for t in (yield Batch(tuple(Cmd(("TYPE", key), key=key) for key in part)))]
-            readable = [(key, t) for key, t in zip(part, types, strict=True) if t in _READ]
-            reads: list[Cmd] = []
-            for key, t in readable:
-                reads.append(Cmd(_READ[t](key), key=key))
-                reads.append(Cmd(("PTTL", key), key=key))
-            replies = yield Batch(tuple(reads))
-            for j, (key, t) in enumerate(readable):
-                value, ttl = replies[2 * j], int(replies[2 * j + 1])
-                if value is None or ttl == -2:
-                    continue  # expired between SCAN and the read
-                suffix = k.control_suffix(key)
-                w.line({"k": "key", "key": suffix, "type": t, "ttl_ms": ttl, "value": _encode_value(t, value)})
-                nkeys += 1
-                if t == "hash" and (sid := k.sid_of_session_key(key)):
-                    sids.append(sid)
-                if key == k.rb_tasks:
-                    tasks = sorted(_s(m) for m in value)
-        # replay groups, queue by queue, in FIFO order
-        for task in tasks:
-            for status in STORED_STATUSES:
-                q = k.rb_queue(task, status)
-                members = yield Cmd(("ZRANGE", q, 0, -1), key=q)
-                gids = [_s(g) for g in members]
-                for part in chunks(gids, BATCH):
-                    hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in part))
-                    for gid, h in zip(part, hashes, strict=True):
-                        fields = _pairs(h)
-                        if fields:
-                            w.line({"k": "group", "gid": gid, "fields": [[enc(f), enc(v)] for f, v in fields]})
-                            ngroups += 1
-        # traces of every session of the run
-        for part in chunks(sids, BATCH):
-            cmds: list[Cmd] = []
-            for sid in part:
-                for key in (k.idx(sid), k.tok(sid), k.txt(sid)):
-                    cmds.append(Cmd(("HGETALL", key), key=key))
-                cmds.append(Cmd(("GET", k.dead(sid)), key=k.dead(sid)))
-            data = yield Batch(tuple(cmds))
-            for i, sid in enumerate(part):
-                idx, tok, txt, dead = data[4 * i : 4 * i + 4]
-                if not idx and not tok and not txt and dead is None:
-                    continue
-                idx_p = _pairs(idx)
-                nnodes += sum(1 for f, _ in idx_p if not _s(f).startswith("#"))
-                w.line(
-                    {
-                        "k": "trace",
-                        "sid": sid,
-                        "idx": [[enc(f), enc(v)] for f, v in idx_p],
-                        "tok": [[enc(f), base64.b64encode(_b(v)).decode()] for f, v in _pairs(tok)],
-                        "txt": [[enc(f), enc(v)] for f, v in _pairs(txt)],
-                        "dead": None if dead is None else enc(dead),
-                    }
-                )
+    now = yield from server_ms(ctx)
+    w.line(
+        {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "schema": SCHEMA_VERSION,
+            "prefix": k.prefix,
+            "run": k.run,
+            "created_ms": now,
+        }
+    )
+    try:
+        nkeys, sids, tasks = yield from _write_control(ctx, w, keys)
+        ngroups = yield from _write_groups(ctx, w, tasks)
+        nnodes = yield from _write_traces(ctx, w, sids)
         counts = {"keys": nkeys, "groups": ngroups, "sessions": len(sids), "nodes": nnodes}
         w.line({"k": "end", "counts": counts})
-        fh.flush()
-        os.fsync(fh.fileno())
-        size = w.bytes
-    os.replace(tmp, target)
-    return CheckpointInfo(str(target), k.run, nkeys, ngroups, len(sids), nnodes, size)
+        yield w.finish()
+    except BaseException:
+        w.abort()
+        raise
+    return CheckpointInfo(str(w.target), k.run, nkeys, ngroups, len(sids), nnodes, w.bytes)
+
+
+def _write_control(ctx: Context, w: _Writer, keys: list[str]) -> Op[tuple[int, list[str], list[str]]]:
+    """The control plane, BATCH keys per round trip (TYPE, then value and TTL).
+
+    Returns (keys written, the run's session ids, the replay buffer's tasks).
+    """
+    k = ctx.keys
+    sids: list[str] = []
+    tasks: list[str] = []
+    nkeys = 0
+    for part in chunks(keys, BATCH):
+        types = [text(t) for t in (yield Batch(tuple(Cmd(("TYPE", key), key=key) for key in part)))]
+        readable = [(key, t) for key, t in zip(part, types, strict=True) if t in _READ]
+        reads: list[Cmd] = []
+        for key, t in readable:
+            reads.append(Cmd(_READ[t](key), key=key))
+            reads.append(Cmd(("PTTL", key), key=key))
+        replies = yield Batch(tuple(reads))
+        for j, (key, t) in enumerate(readable):
+            value, ttl = replies[2 * j], int(replies[2 * j + 1])
+            if value is None or ttl == -2:
+                continue  # expired between SCAN and the read
+            suffix = k.control_suffix(key)
+            w.line({"k": "key", "key": suffix, "type": t, "ttl_ms": ttl, "value": _encode_value(t, value)})
+            nkeys += 1
+            if t == "hash" and (sid := k.sid_of_session_key(key)):
+                sids.append(sid)
+            if key == k.rb_tasks:
+                tasks = sorted(text(m) for m in value)
+        yield w.flush()
+    return nkeys, sids, tasks
+
+
+def _write_groups(ctx: Context, w: _Writer, tasks: list[str]) -> Op[int]:
+    """The replay groups, queue by queue, in FIFO order; returns how many."""
+    k = ctx.keys
+    ngroups = 0
+    for task in tasks:
+        for status in STORED_STATUSES:
+            q = k.rb_queue(task, status)
+            members = yield Cmd(("ZRANGE", q, 0, -1), key=q)
+            gids = [text(g) for g in members]
+            for part in chunks(gids, BATCH):
+                hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in part))
+                for gid, h in zip(part, hashes, strict=True):
+                    fields = pairs(h)
+                    if fields:
+                        w.line({"k": "group", "gid": gid, "fields": [[enc(f), enc(v)] for f, v in fields]})
+                        ngroups += 1
+                yield w.flush()
+    return ngroups
+
+
+def _write_traces(ctx: Context, w: _Writer, sids: list[str]) -> Op[int]:
+    """The traces of every session of the run; returns how many nodes."""
+    k = ctx.keys
+    nnodes = 0
+    for part in chunks(sids, BATCH):
+        cmds: list[Cmd] = []
+        for sid in part:
+            for key in (k.idx(sid), k.tok(sid), k.txt(sid)):
+                cmds.append(Cmd(("HGETALL", key), key=key))
+            cmds.append(Cmd(("GET", k.dead(sid)), key=k.dead(sid)))
+        data = yield Batch(tuple(cmds))
+        for i, sid in enumerate(part):
+            idx, tok, txt, dead = data[4 * i : 4 * i + 4]
+            if not idx and not tok and not txt and dead is None:
+                continue
+            idx_p = pairs(idx)
+            nnodes += sum(1 for f, _ in idx_p if not text(f).startswith("#"))
+            w.line(
+                {
+                    "k": "trace",
+                    "sid": sid,
+                    "idx": [[enc(f), enc(v)] for f, v in idx_p],
+                    "tok": [[enc(f), base64.b64encode(_b(v)).decode()] for f, v in pairs(tok)],
+                    "txt": [[enc(f), enc(v)] for f, v in pairs(txt)],
+                    "dead": None if dead is None else enc(dead),
+                }
+            )
+        yield w.flush()
+    return nnodes
 
 
 # -- restore --------------------------------------------------------------------------------
@@ -336,12 +385,17 @@ def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
     raise InvalidInput("checkpoint", f"unknown record kind {kind!r}")
 
 
-def _records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+def _records(path: str | os.PathLike[str]) -> Generator[dict[str, Any], None, None]:
     with open(path, "rb") as fh:
         fh.readline()
         for line in fh:
             if line.strip():
                 yield orjson.loads(line)
+
+
+def _next_records(records: Iterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Up to BATCH more records (file reads: run as a Blocking request)."""
+    return [rec for _, rec in zip(range(BATCH), records, strict=False)]
 
 
 def _validate(path: str | os.PathLike[str], ctx: Context) -> dict[str, Any]:
@@ -373,7 +427,8 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     groups next, then the control plane, the meta record last. Expert keys
     of restored nodes are marked lost (:func:`expert_key_lost`). The file is
     streamed (read once to validate, then once per phase), so memory stays
-    bounded by one batch.
+    bounded by one batch; file reads are Blocking requests (a worker thread
+    under asyncio).
 
     Raises InvalidInput (not a checkpoint, other version, truncated or
     malformed file), RunNotEmpty (the run holds keys other than its meta
@@ -382,8 +437,8 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     (emptiness), then one per 256 commands.
     """
     k = ctx.keys
-    read_header(path)
-    end = _validate(path, ctx)
+    yield Blocking(functools.partial(read_header, path))
+    end = yield Blocking(functools.partial(_validate, path, ctx))
     found = yield ScanAll(k.control_pattern, count=1000)
     others = sorted(key for key in found if key != k.meta)
     if not others:
@@ -400,19 +455,25 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     lost = 0
     for phase in phases:
         pending: list[Cmd] = []
-        for rec in _records(path):
-            if rec.get("k") == "end" or not phase(rec):
-                continue
-            cmds, n = _write_cmds(ctx, rec)
-            lost += n
-            pending += cmds
-            if len(pending) >= BATCH:
-                yield Batch(tuple(pending))
-                pending = []
+        records = _records(path)
+        try:
+            while chunk := (yield Blocking(functools.partial(_next_records, records))):
+                for rec in chunk:
+                    if rec.get("k") == "end" or not phase(rec):
+                        continue
+                    cmds, n = _write_cmds(ctx, rec)
+                    lost += n
+                    pending += cmds
+                    if len(pending) >= BATCH:
+                        yield Batch(tuple(pending))
+                        pending = []
+        finally:
+            records.close()
         if pending:
             yield Batch(tuple(pending))
     c = end.get("counts", {})
+    size = yield Blocking(functools.partial(os.path.getsize, path))
     return CheckpointInfo(
         str(path), k.run, int(c.get("keys", 0)), int(c.get("groups", 0)), int(c.get("sessions", 0)),
-        int(c.get("nodes", 0)), os.path.getsize(path), lost,
+        int(c.get("nodes", 0)), size, lost,
     )

@@ -13,6 +13,7 @@ RESP2 is pinned so reply shapes do not change with the server's default.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -147,17 +148,48 @@ def _common(opts: ConnectionOptions) -> dict[str, Any]:
     }
 
 
+def _cluster_enabled(info: Any) -> bool:
+    return int(info.get("cluster_enabled", 0)) == 1
+
+
+def _unreachable(parsed: ParsedUrl, exc: RedisError) -> StorageError:
+    return StorageError(f"cannot reach {parsed.display}: {type(exc).__name__}: {exc}")
+
+
 def _detect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
     if parsed.cluster is not None:
         return parsed.cluster
-    probe = redis.Redis.from_url(parsed.url, **{**_common(replace(opts, retries=0))})
+    probe = redis.Redis.from_url(parsed.url, **_common(replace(opts, retries=0)))
     try:
-        info = probe.info("cluster")
-        return int(info.get("cluster_enabled", 0)) == 1
+        return _cluster_enabled(probe.info("cluster"))
     except RedisError as exc:
-        raise StorageError(f"cannot reach {parsed.display}: {type(exc).__name__}: {exc}") from exc
+        raise _unreachable(parsed, exc) from exc
     finally:
         probe.close()
+
+
+async def _adetect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
+    if parsed.cluster is not None:
+        return parsed.cluster
+    common = _common(replace(opts, retries=0))
+    common["retry"] = _async_retry(replace(opts, retries=0))
+    probe = redis.asyncio.Redis.from_url(parsed.url, **common)
+    try:
+        return _cluster_enabled(await probe.info("cluster"))
+    except RedisError as exc:
+        raise _unreachable(parsed, exc) from exc
+    finally:
+        await probe.aclose()
+
+
+def _async_retry(opts: ConnectionOptions) -> AsyncRetry:
+    # redis.asyncio awaits its retry object: the sync Retry would return the
+    # coroutine unawaited from inside its loop, so a lost reply was never retried.
+    return AsyncRetry(
+        ExponentialBackoff(cap=opts.backoff_cap_s, base=opts.backoff_base_s),
+        opts.retries,
+        supported_errors=(RedisConnectionError, RedisTimeoutError),
+    )
 
 
 def sync_client(
@@ -184,21 +216,19 @@ def sync_client(
     return client, cluster, parsed.display
 
 
-def async_client(
+async def async_client(
     url: str | None = None, opts: ConnectionOptions | None = None
 ) -> tuple[redis.asyncio.Redis | AsyncRedisCluster, bool, str]:
-    """The asyncio counterpart of :func:`sync_client` (detection is a sync round trip)."""
+    """The asyncio counterpart of :func:`sync_client`; never blocks the event loop.
+
+    Cluster detection is an asyncio round trip; finding (or starting) the
+    embedded server when no URL is given runs in a worker thread.
+    """
     opts = opts or ConnectionOptions()
-    parsed = parse_url(resolve_url(url))
-    cluster = _detect_cluster(parsed, opts)
+    parsed = parse_url(url if url else await asyncio.to_thread(resolve_url, None))
+    cluster = await _adetect_cluster(parsed, opts)
     common = _common(opts)
-    # redis.asyncio awaits its retry object: the sync Retry would return the
-    # coroutine unawaited from inside its loop, so a lost reply was never retried.
-    common["retry"] = AsyncRetry(
-        ExponentialBackoff(cap=opts.backoff_cap_s, base=opts.backoff_base_s),
-        opts.retries,
-        supported_errors=(RedisConnectionError, RedisTimeoutError),
-    )
+    common["retry"] = _async_retry(opts)
     if cluster:
         common.pop("retry_on_error")
         client: Any = AsyncRedisCluster.from_url(parsed.url, **common, max_connections=opts.max_connections)

@@ -9,6 +9,7 @@ import orjson
 
 from .errors import ConfigError
 from .keys import Keys
+from .scripts import new_op_id
 
 SCHEMA_VERSION = 1
 
@@ -55,3 +56,17 @@ class Context:
     config: StoreConfig
     #: Client-side caches keyed by name (the data plane keeps its node cache here).
     caches: dict[str, Any] = field(default_factory=dict)
+
+    def new_op(self) -> tuple[str, str]:
+        """``(op_id, op key)`` of one mutating call: where every operation gets its op id.
+
+        Drawn once per call, before the first attempt, so a retry of the same
+        request carries the same id and the script replays its first reply.
+        """
+        op_id = new_op_id()
+        return op_id, self.keys.op(op_id)
+
+    @property
+    def op_ttl_ms(self) -> int:
+        """How long (ms) a mutating script keeps its reply for retries (``StoreConfig.op_ttl_s``)."""
+        return self.config.op_ttl_s * 1000

@@ -26,23 +26,20 @@ Use it through ``store.gate`` (:class:`Gate`, or :class:`AsyncGate` on an
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from ._io import async_op, sync_op
+from . import validate
 from .context import Context
 from .errors import GatePoisoned, InvalidInput, NotDrained, StaleVersion
-from .keys import validate_id, validate_ids
+from .replies import Reply, field_map, text
 from .scripts import Batch, Cmd, Eval, Op, chunks, new_op_id, script
-
-if TYPE_CHECKING:
-    from ._io import AsyncIO, SyncIO
+from .twin import AsyncPart, Body, Scoped, SyncPart, op, scoped
+from .validate import duration_ms, int_in, one_of, validate_id, validate_ids
 
 #: Outcomes a lease can be settled with; ``unknown`` poisons the lease.
 OUTCOMES = ("completed", "aborted", "failed", "unknown")
@@ -179,42 +176,8 @@ class LeaseRecord:
 # -- validation (before any I/O) --------------------------------------------------------------
 
 
-def _ms(name: str, seconds: float, *, allow_zero: bool = False) -> int:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise InvalidInput(name, f"must be a number of seconds, got {seconds!r}")
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise InvalidInput(name, f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {seconds!r}")
-    ms = round(seconds * 1000)
-    if ms < 1 and not allow_zero:
-        raise InvalidInput(name, f"must be at least 1 ms, got {seconds!r} s")
-    if ms > 366 * 86_400_000:
-        raise InvalidInput(name, f"must be at most a year, got {seconds!r} s")
-    return ms
-
-
-def _version(version: int) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**53:
-        raise InvalidInput("version", f"must be an integer in 0..2**53-1, got {version!r}")
-    return version
-
-
 def _lease_id(lease: Lease | str) -> str:
     return validate_id("lease id", lease.id if isinstance(lease, Lease) else lease)
-
-
-def _outcome(outcome: str) -> str:
-    if outcome not in OUTCOMES:
-        raise InvalidInput("outcome", f"must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
-    return outcome
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _opt(x: Any) -> int | None:
-    v = int(x)
-    return None if v < 0 else v
 
 
 # -- operations ------------------------------------------------------------------------------
@@ -233,7 +196,7 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float) -> Op[Lease]:
     """
     validate_id("session id", sid)
     validate_id("holder", holder)
-    (lease,) = yield from _admit(ctx, [(sid, holder)], _ms("ttl_s", ttl_s))
+    (lease,) = yield from _admit(ctx, [(sid, holder)], duration_ms("ttl_s", ttl_s))
     return lease
 
 
@@ -247,7 +210,7 @@ def admit_many(ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float) 
     retry. One round trip for the whole batch; pair it with
     :func:`settle_many` to serve bursts of requests.
     """
-    ttl_ms = _ms("ttl_s", ttl_s)
+    ttl_ms = duration_ms("ttl_s", ttl_s)
     sc = script("gate_admit_many")
     if len(requests) > sc.chunk:
         raise InvalidInput("requests", f"at most {sc.chunk} per call, got {len(requests)}")
@@ -269,7 +232,8 @@ def _admit(ctx: Context, items: Sequence[tuple[str, str]], ttl_ms: int) -> Op[li
         (k.gate, k.gate_leases, k.released, *(k.gate_lease(x) for x in lids)),
         tuple(args),
     )
-    version, deadline = int(reply[0]), int(reply[1])
+    r = Reply(reply, "gate_admit_many")
+    version, deadline = r.int(), r.int()
     return [Lease(lid, version, sid, deadline) for lid, (sid, _) in zip(lids, items, strict=True)]
 
 
@@ -281,13 +245,14 @@ def renew(ctx: Context, lease: Lease | str, ttl_s: float | None = None) -> Op[Le
     revived; settle it to resolve). One round trip.
     """
     lid = _lease_id(lease)
-    ttl_ms = 0 if ttl_s is None else _ms("ttl_s", ttl_s)
+    ttl_ms = 0 if ttl_s is None else duration_ms("ttl_s", ttl_s)
     k = ctx.keys
     reply = yield Eval(
         script("gate_renew"), (k.gate_leases, k.gate_poison, k.gate_lease(lid)), (lid, ttl_ms)
     )
-    sid = lease.sid if isinstance(lease, Lease) else ""
-    return Lease(_s(reply[0]), int(reply[1]), sid, int(reply[2]))
+    r = Reply(reply, "gate_renew")
+    lid, version, deadline = r.text(), r.int(), r.int()
+    return Lease(lid, version, lease.sid if isinstance(lease, Lease) else "", deadline)
 
 
 def settle(ctx: Context, lease: Lease | str, outcome: str) -> Op[SettlementReceipt]:
@@ -301,13 +266,8 @@ def settle(ctx: Context, lease: Lease | str, outcome: str) -> Op[SettlementRecei
     admitted (nothing changes). One round trip.
     """
     lid = _lease_id(lease)
-    _outcome(outcome)
-    k = ctx.keys
-    reply = yield Eval(
-        script("gate_settle"),
-        (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(lid)),
-        (lid, outcome, ctx.config.op_ttl_s * 1000),
-    )
+    one_of("outcome", outcome, OUTCOMES)
+    reply = yield _settle_eval(ctx, lid, outcome)
     return _receipt(reply)
 
 
@@ -320,45 +280,45 @@ def settle_many(ctx: Context, leases: Sequence[Lease | str], outcome: str) -> Op
     settling again returns the first receipts. InvalidId/InvalidInput before
     any I/O.
     """
-    _outcome(outcome)
+    one_of("outcome", outcome, OUTCOMES)
     lids = [_lease_id(x) for x in leases]
     if not lids:
         return []
-    k = ctx.keys
-    sc = script("gate_settle")
-    retention = ctx.config.op_ttl_s * 1000
-    replies = yield Batch(
-        tuple(
-            Eval(sc, (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(x)), (x, outcome, retention))
-            for x in lids
-        )
-    )
+    replies = yield Batch(tuple(_settle_eval(ctx, x, outcome) for x in lids))
     return [_receipt(r) for r in replies]
 
 
+def _settle_eval(ctx: Context, lid: str, outcome: str) -> Eval:
+    k = ctx.keys
+    return Eval(
+        script("gate_settle"),
+        (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(lid)),
+        (lid, outcome, ctx.op_ttl_ms),
+    )
+
+
 def _receipt(reply: list[Any]) -> SettlementReceipt:
+    r = Reply(reply, "gate_settle")
     return SettlementReceipt(
-        lease_id=_s(reply[0]),
-        outcome=_s(reply[1]),
-        version=int(reply[2]),
-        settled_ms=int(reply[3]),
-        late=bool(int(reply[4])),
-        poisoned=bool(int(reply[5])),
-        replayed=not int(reply[6]),
+        lease_id=r.text(),
+        outcome=r.text(),
+        version=r.int(),
+        settled_ms=r.int(),
+        late=r.flag(),
+        poisoned=r.flag(),
+        replayed=not r.flag(),
     )
 
 
-def _decode_status(r: list[Any]) -> GateStatus:
-    state, version, sealed, installed, now, live, nextd = (
-        _s(r[0]), int(r[1]), _opt(r[2]), _opt(r[3]), int(r[4]), int(r[5]), _opt(r[6])
-    )
-    n_poison = int(r[7])
-    shown = int(r[8])
-    i = 9
+def _decode_status(reply: list[Any]) -> GateStatus:
+    """Decode the status layout of ``gate_status`` / ``gate_seal`` (see lua/gate_status.lua)."""
+    r = Reply(reply, "gate_status")
+    state, version, sealed, installed = r.text(), r.int(), r.opt_int(), r.opt_int()
+    now, live, nextd = r.int(), r.int(), r.opt_int()
+    n_poison = r.int()
     poison: list[PoisonedLease] = []
-    for _ in range(shown):
-        lid, raw = _s(r[i]), r[i + 1]
-        i += 2
+    for _ in range(r.int()):
+        lid, raw = r.text(), r.raw()
         try:
             info = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -366,16 +326,14 @@ def _decode_status(r: list[Any]) -> GateStatus:
         poison.append(
             PoisonedLease(lid, str(info.get("reason", "?")), info.get("at_ms"), info.get("deadline_ms"))
         )
-    n_overdue = int(r[i])
-    shown_overdue = int(r[i + 1])
-    i += 2
-    for _ in range(shown_overdue):
-        poison.append(PoisonedLease(_s(r[i]), "overdue", None, int(float(r[i + 1]))))
-        i += 2
+    n_overdue = r.int()
+    for _ in range(r.int()):
+        lid = r.text()
+        poison.append(PoisonedLease(lid, "overdue", None, r.score()))
     return GateStatus(
         state=state,
         version=version,
-        live=int(live),
+        live=live,
         poisoned=n_poison + n_overdue,
         sealed_ms=sealed,
         installed_ms=installed,
@@ -410,10 +368,7 @@ def seal(ctx: Context, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS) -> Op[GateS
     reopened by ``weight_update``). Returns the status right after sealing.
     One round trip (the script answers with the status it leaves).
     """
-    if isinstance(retry_after_ms, bool) or not isinstance(retry_after_ms, int) or not (
-        0 < retry_after_ms <= 3_600_000
-    ):
-        raise InvalidInput("retry_after_ms", f"must be an int in 1..3600000, got {retry_after_ms!r}")
+    int_in("retry_after_ms", retry_after_ms, 1, 3_600_000)
     reply = yield _seal_eval(ctx, "seal", retry_after_ms)
     return _decode_status(reply)
 
@@ -431,7 +386,7 @@ def reopen(ctx: Context) -> Op[GateStatus]:
 def _seal_as(ctx: Context, token: str) -> Op[bool]:
     """Seal under ``token``; True when this token holds the seal (False: an operator's seal)."""
     reply = yield _seal_eval(ctx, "seal", DEFAULT_RETRY_AFTER_MS, token)
-    return _s(reply[-1]) == token
+    return text(reply[-1]) == token  # the status layout, then the sealer's token
 
 
 def _reopen_as(ctx: Context, token: str) -> Op[GateStatus]:
@@ -452,7 +407,7 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
     nothing is live. Raises InvalidInput for a negative timeout. Round trips:
     one check, plus one blocking read and one check per wake-up.
     """
-    timeout_ms = _ms("timeout_s", timeout_s, allow_zero=True)
+    timeout_ms = duration_ms("timeout_s", timeout_s, allow_zero=True)
     k = ctx.keys
     check = Eval(
         script("gate_drain_check"), (k.gate, k.gate_leases, k.gate_poison, k.gate_signal), (MAX_IDS,)
@@ -460,12 +415,11 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
     start = time.monotonic()
     newly: list[str] = []
     while True:
-        r = yield check
-        state, version, live, wait_ms = _s(r[0]), int(r[1]), int(r[2]), int(r[3])
-        n_new = int(r[4])
-        newly.extend(_s(x) for x in r[5 : 5 + n_new])
-        n_poison = int(r[5 + n_new])
-        poison_ids = tuple(_s(x) for x in r[6 + n_new :])
+        r = Reply((yield check), "gate_drain_check")
+        state, version, live, wait_ms = r.text(), r.int(), r.int(), r.int()
+        newly.extend(r.counted())
+        n_poison = r.int()
+        poison_ids = tuple(r.rest_texts())
         waited = time.monotonic() - start
         remaining = timeout_ms / 1000 - waited
         if live == 0 or remaining <= 0:
@@ -494,15 +448,18 @@ def install(ctx: Context, version: int) -> Op[int]:
     InvalidInput before I/O for a negative or non-integer version.
     One round trip.
     """
-    _version(version)
+    validate.version("version", version)
     k = ctx.keys
-    op = new_op_id()
+    op_id, op_key = ctx.new_op()
     reply = yield Eval(
         script("gate_install"),
-        (k.gate, k.gate_leases, k.gate_poison, k.op(op)),
-        (version, ctx.config.op_ttl_s * 1000),
+        (k.gate, k.gate_leases, k.gate_poison, op_key),
+        (version, ctx.op_ttl_ms),
+        op_id=op_id,
     )
-    return int(reply[1])
+    r = Reply(reply, "gate_install")
+    r.raw()  # the installed version
+    return r.int()
 
 
 def clear_poison(ctx: Context, lease_ids: Sequence[str], resolution: str) -> Op[list[str]]:
@@ -522,16 +479,17 @@ def clear_poison(ctx: Context, lease_ids: Sequence[str], resolution: str) -> Op[
     sc = script("gate_clear_poison")
     evals = []
     for part in chunks(ids, sc.chunk):
-        op = new_op_id()
+        op_id, op_key = ctx.new_op()
         evals.append(
             Eval(
                 sc,
-                (k.gate_leases, k.gate_poison, k.op(op), *(k.gate_lease(x) for x in part)),
-                (ctx.config.op_ttl_s * 1000, resolution, ctx.config.op_ttl_s * 1000, *part),
+                (k.gate_leases, k.gate_poison, op_key, *(k.gate_lease(x) for x in part)),
+                (ctx.op_ttl_ms, resolution, ctx.op_ttl_ms, *part),
+                op_id=op_id,
             )
         )
     replies = yield Batch(tuple(evals))
-    return [_s(x) for r in replies for x in r]
+    return [text(x) for r in replies for x in r]
 
 
 def lease_records(ctx: Context, lease_ids: Sequence[str]) -> Op[list[LeaseRecord | None]]:
@@ -543,7 +501,7 @@ def lease_records(ctx: Context, lease_ids: Sequence[str]) -> Op[list[LeaseRecord
     replies = yield Batch(tuple(Cmd(("HGETALL", k.gate_lease(x)), key=k.gate_lease(x)) for x in ids))
     out: list[LeaseRecord | None] = []
     for lid, raw in zip(ids, replies, strict=True):
-        h = {_s(a): _s(b) for a, b in (raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=True))}
+        h = {f: text(v) for f, v in field_map(raw).items()}
         if not h:
             out.append(None)
             continue
@@ -576,95 +534,67 @@ def _check_drained(res: DrainResult, version: int) -> None:
         raise StaleVersion(res.version, version)
 
 
-class Gate:
-    """The request gate of a run (``store.gate``); see the module docstring.
+def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[DrainResult]:
+    """Seal, drain, run the body (push the weights), install ``version``, reopen.
 
-    Methods are the operations of this module; each costs the round trips
-    its docstring states.
+    ``with store.gate.weight_update(8, drain_timeout_s=60) as drained:``
+    (``async with`` on an async store). Before the body runs, the gate must
+    drain within ``drain_timeout_s`` with nothing poisoned and ``version``
+    must be larger than the current one; otherwise NotDrained, GatePoisoned
+    or StaleVersion is raised and the body does not run. If the body raises,
+    the gate is reopened without installing and the error propagates. The
+    gate is reopened in every case, unless an operator sealed it (``seal()``
+    / ``tracestore gate seal``, before or during the update): that seal
+    survives the weight update. A seal left by a crashed weight update is
+    taken over and reopened. Run one weight update per run at a time (a
+    second one would take over the first one's seal). Yields the
+    :class:`DrainResult`. Validates ``version`` and the timeout before any I/O.
+    """
+    validate.version("version", version)
+    duration_ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
+    token = new_op_id()
+    mine = yield from _seal_as(ctx, token)
+    try:
+        res = yield from drain(ctx, drain_timeout_s)
+        _check_drained(res, version)
+        yield Body(res)
+        yield from install(ctx, version)
+    finally:
+        if mine:
+            yield from _reopen_as(ctx, token)
+
+
+class GateMethods:
+    """The gate's methods, listed once for :class:`Gate` and :class:`AsyncGate`.
+
+    Each is the operation of this module of the same name; each costs the
+    round trips its docstring states.
     """
 
-    def __init__(self, io: SyncIO, ctx: Context) -> None:
-        self._io = io
-        self._ctx = ctx
-
-    admit = sync_op(admit)
-    admit_many = sync_op(admit_many)
-    renew = sync_op(renew)
-    settle = sync_op(settle)
-    settle_many = sync_op(settle_many)
-    seal = sync_op(seal)
-    drain = sync_op(drain)
-    install = sync_op(install)
-    reopen = sync_op(reopen)
-    status = sync_op(status)
-    clear_poison = sync_op(clear_poison)
-    lease_records = sync_op(lease_records)
-
-    @contextmanager
-    def weight_update(self, version: int, drain_timeout_s: float) -> Iterator[DrainResult]:
-        """Seal, drain, run the body (push the weights), install ``version``, reopen.
-
-        Before the body runs, the gate must drain within ``drain_timeout_s``
-        with nothing poisoned and ``version`` must be larger than the current
-        one; otherwise NotDrained, GatePoisoned or StaleVersion is raised and
-        the body does not run. If the body raises, the gate is reopened
-        without installing and the error propagates. The gate is reopened in
-        every case, unless an operator sealed it (``seal()`` /
-        ``tracestore gate seal``, before or during the update): that seal
-        survives the weight update. A seal left by a crashed weight update is
-        taken over and reopened. Run one weight update per run at a time (a
-        second one would take over the first one's seal). Yields the
-        :class:`DrainResult`. Validates ``version`` and the timeout before any I/O.
-        """
-        _version(version)
-        _ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
-        token = new_op_id()
-        mine = self._io.run(_seal_as(self._ctx, token))
-        try:
-            res = self.drain(drain_timeout_s)
-            _check_drained(res, version)
-            yield res
-            self.install(version)
-        finally:
-            if mine:
-                self._io.run(_reopen_as(self._ctx, token))
+    admit = op(admit)
+    admit_many = op(admit_many)
+    renew = op(renew)
+    settle = op(settle)
+    settle_many = op(settle_many)
+    seal = op(seal)
+    drain = op(drain)
+    install = op(install)
+    reopen = op(reopen)
+    status = op(status)
+    clear_poison = op(clear_poison)
+    lease_records = op(lease_records)
+    weight_update = scoped(weight_update)
 
 
-class AsyncGate:
-    """asyncio counterpart of :class:`Gate` (``AsyncTraceStore.gate``); same methods."""
+class Gate(GateMethods, SyncPart[Context]):
+    """The request gate of a run (``store.gate``); see the module docstring."""
 
-    def __init__(self, io: AsyncIO, ctx: Context) -> None:
-        self._io = io
-        self._ctx = ctx
 
-    admit = async_op(admit)
-    admit_many = async_op(admit_many)
-    renew = async_op(renew)
-    settle = async_op(settle)
-    settle_many = async_op(settle_many)
-    seal = async_op(seal)
-    drain = async_op(drain)
-    install = async_op(install)
-    reopen = async_op(reopen)
-    status = async_op(status)
-    clear_poison = async_op(clear_poison)
-    lease_records = async_op(lease_records)
+class AsyncGate(GateMethods, AsyncPart[Context]):
+    """asyncio counterpart of :class:`Gate` (``AsyncTraceStore.gate``); same methods, as coroutines.
 
-    @asynccontextmanager
-    async def weight_update(self, version: int, drain_timeout_s: float) -> AsyncIterator[DrainResult]:
-        """Async counterpart of :meth:`Gate.weight_update` (``async with``)."""
-        _version(version)
-        _ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
-        token = new_op_id()
-        mine = await self._io.run(_seal_as(self._ctx, token))
-        try:
-            res = await self.drain(drain_timeout_s)
-            _check_drained(res, version)
-            yield res
-            await self.install(version)
-        finally:
-            if mine:
-                await self._io.run(_reopen_as(self._ctx, token))
+    ``weight_update`` is an async context manager (``async with``).
+    """
 
 
 __all__ = [
@@ -672,6 +602,7 @@ __all__ = [
     "AsyncGate",
     "DrainResult",
     "Gate",
+    "GateMethods",
     "GateStatus",
     "Lease",
     "LeaseRecord",

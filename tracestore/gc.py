@@ -30,15 +30,15 @@ Steps, in order:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .context import Context
-from .errors import InvalidInput
 from .purge import purge_sessions
-from .run import session_states
-from .scripts import Batch, Cmd, Eval, Op, ScanAll, ServerTime, chunks, new_op_id, script
+from .replies import Reply, field_map, text
+from .run import server_ms, session_states
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, script
+from .validate import duration_ms
 
 OWNER_LOST = "owner-lost"
 _SWEEPS = 8  # passes over a lost owner's set; it can only shrink once the owner is lost
@@ -76,23 +76,9 @@ class GcReport:
         ]
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
-    return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
-
-
 def _id_tuple(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _seconds(name: str, value: float) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise InvalidInput(name, f"must be a non-negative number of seconds, got {value!r}")
-    return int(value * 1000)
 
 
 def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
@@ -104,23 +90,23 @@ def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
     k = ctx.keys
     okey = k.owner(owner)
     sc = script("gc_owner_lost")
-    ttl = ctx.config.op_ttl_s * 1000
     fixed = (k.owners, k.owners_lost, okey, k.released, k.events)
     released: list[str] = []
     for _ in range(_SWEEPS):
         members = yield Cmd(("SMEMBERS", okey), key=okey)
-        sids = sorted(_s(m) for m in members)
-        parts = list(chunks(sids, sc.chunk)) or [[]]
-        evals = [
-            Eval(sc, (*fixed, k.op(new_op_id()), *(k.session(s) for s in p)), (owner, OWNER_LOST, ttl, *p))
-            for p in parts
-        ]
-        replies = yield Batch(tuple(evals))
+        sids = sorted(text(m) for m in members)
+        evals = []
+        for p in list(chunks(sids, sc.chunk)) or [[]]:
+            op_id, op_key = ctx.new_op()
+            keys = (*fixed, op_key, *(k.session(s) for s in p))
+            evals.append(Eval(sc, keys, (owner, OWNER_LOST, ctx.op_ttl_ms, *p), op_id=op_id))
+        replies = [Reply(r, "gc_owner_lost") for r in (yield Batch(tuple(evals)))]
         # Each chunk re-checks the deadline: a later chunk may see it pass after the
         # first one did not, and then it released its sessions (events appended).
-        if not any(int(r[0]) for r in replies):
+        lost = [r.flag() for r in replies]
+        if not any(lost):
             return False, released
-        released.extend(_s(x) for r in replies for x in r[1:])
+        released.extend(x for r in replies for x in r.rest_texts())
         if not sids:
             break
     return True, released
@@ -135,12 +121,12 @@ def _lost_owners(ctx: Context, now: int) -> Op[tuple[list[str], list[str]]]:
             Cmd(("ZRANGE", k.owners_lost, 0, -1), key=k.owners_lost),
         )
     )
-    lost_names = [_s(x) for x in lost]
+    lost_names = [text(x) for x in lost]
     still: list[str] = []
     if lost_names:
         counts = yield Batch(tuple(Cmd(("SCARD", k.owner(n)), key=k.owner(n)) for n in lost_names))
         still = [n for n, c in zip(lost_names, counts, strict=True) if int(c) > 0]
-    return [_s(x) for x in expired], still
+    return [text(x) for x in expired], still
 
 
 def _leftover_data(ctx: Context) -> Op[tuple[list[str], list[str]]]:
@@ -168,23 +154,23 @@ def _leftover_data(ctx: Context) -> Op[tuple[list[str], list[str]]]:
 def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
     k = ctx.keys
     sc = script("gc_trim_tombstones")
-    ttl = ctx.config.op_ttl_s * 1000
     total = 0
     while True:
         old = yield Cmd(
             ("ZRANGEBYSCORE", k.released, "-inf", cutoff, "LIMIT", 0, sc.chunk), key=k.released
         )
-        sids = [_s(x) for x in old]
+        sids = [text(x) for x in old]
         if not sids:
             break
         # Read the data tombstones while the release tombstones still forbid reuse: once
         # trimmed, an id may be reopened, released and purged again before we delete, and
         # that purge's tombstone must stay (gc_clear_dead deletes only the value read here).
         deads = yield Batch(tuple(Cmd(("GET", k.dead(s)), key=k.dead(s)) for s in sids))
+        op_id, op_key = ctx.new_op()
         reply = yield Eval(
-            sc, (k.released, k.op(new_op_id()), *(k.session(s) for s in sids)), (cutoff, ttl, *sids)
+            sc, (k.released, op_key, *(k.session(s) for s in sids)), (cutoff, ctx.op_ttl_ms, *sids), op_id=op_id
         )
-        trimmed = [_s(x) for x in reply]
+        trimmed = [text(x) for x in reply]
         dead_of = {s: d for s, d in zip(sids, deads, strict=True) if d is not None}
         clear = [s for s in trimmed if s in dead_of]
         if clear:
@@ -195,7 +181,7 @@ def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
             break
     # Lost-owner marks past the retention, once the owner has nothing left.
     lost = yield Cmd(("ZRANGEBYSCORE", k.owners_lost, "-inf", cutoff), key=k.owners_lost)
-    names = [_s(x) for x in lost]
+    names = [text(x) for x in lost]
     if names:
         counts = yield Batch(tuple(Cmd(("SCARD", k.owner(n)), key=k.owner(n)) for n in names))
         empty = [n for n, c in zip(names, counts, strict=True) if int(c) == 0]
@@ -211,21 +197,19 @@ def _groups(ctx: Context, now: int, idle_limit_ms: int) -> Op[tuple[list[str], l
     if not int(exists):
         return [], []
     raw = yield Cmd(("XINFO", "GROUPS", k.events), key=k.events)
-    groups = [_pairs(g) if isinstance(g, list) else {_s(a): b for a, b in g.items()} for g in raw]
+    groups = [field_map(g) for g in raw]
     removed: list[str] = []
     kept: list[dict[str, Any]] = []
     replies = yield Batch(
-        tuple(Cmd(("XINFO", "CONSUMERS", k.events, _s(g["name"])), key=k.events) for g in groups)
+        tuple(Cmd(("XINFO", "CONSUMERS", k.events, text(g["name"])), key=k.events) for g in groups)
     )
     for g, consumers in zip(groups, replies, strict=True):
-        name = _s(g["name"])
-        idles = [
-            int(_pairs(c)["idle"]) if isinstance(c, list) else int(c["idle"]) for c in consumers
-        ]
+        name = text(g["name"])
+        idles = [int(field_map(c)["idle"]) for c in consumers]
         if idles:
             idle = min(idles)
         else:  # never read: judge by the time of the last id it was positioned at
-            idle = now - _id_tuple(_s(g["last-delivered-id"]))[0]
+            idle = now - _id_tuple(text(g["last-delivered-id"]))[0]
         if idle > idle_limit_ms:
             yield Cmd(("XGROUP", "DESTROY", k.events, name), key=k.events)
             removed.append(name)
@@ -239,13 +223,13 @@ def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_m
     if kept:
         marks: list[tuple[int, int]] = []
         for g in kept:
-            mark = _id_tuple(_s(g["last-delivered-id"]))
+            mark = _id_tuple(text(g["last-delivered-id"]))
             if int(g.get("pending", 0)):
-                summary = yield Cmd(("XPENDING", k.events, _s(g["name"])), key=k.events)
+                summary = yield Cmd(("XPENDING", k.events, text(g["name"])), key=k.events)
                 # redis-py parses the summary into a dict; a raw reply is [n, min, max, consumers].
                 oldest = summary.get("min") if isinstance(summary, dict) else summary[1]
                 if oldest is not None:
-                    mark = min(mark, _id_tuple(_s(oldest)))
+                    mark = min(mark, _id_tuple(text(oldest)))
             marks.append(mark)
         low = min(marks)
     else:
@@ -280,11 +264,10 @@ def gc(
     StorageError. Round trips: a few per lost owner, one SCAN per primary,
     plus about ten.
     """
-    k = ctx.keys
-    retention_ms = _seconds("tombstone_retention_s", tombstone_retention_s)
-    idle_ms = _seconds("group_idle_limit_s", group_idle_limit_s)
-    event_ms = _seconds("event_retention_s", event_retention_s)
-    now = yield ServerTime(k.meta)
+    retention_ms = duration_ms("tombstone_retention_s", tombstone_retention_s, allow_zero=True)
+    idle_ms = duration_ms("group_idle_limit_s", group_idle_limit_s, allow_zero=True)
+    event_ms = duration_ms("event_retention_s", event_retention_s, allow_zero=True)
+    now = yield from server_ms(ctx)
 
     expired, lost_with_sessions = yield from _lost_owners(ctx, now)
     owners_lost: list[str] = []

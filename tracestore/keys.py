@@ -10,51 +10,13 @@ script's KEYS land in one slot on a Redis Cluster.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from redis.crc import key_slot as _key_slot
 
 from .errors import InvalidId
-
-_RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
-_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}\Z")
-# Printable ASCII (0x21..0x7e) without braces: no whitespace, no hash-tag breakers.
-_ID_RE = re.compile(r"[\x21-\x7a\x7c\x7e]{1,200}\Z")
-
-
-def validate_run(run: str) -> str:
-    """Return ``run`` if it is a valid run id (``[A-Za-z0-9._-]{1,64}``)."""
-    if not isinstance(run, str) or not _RUN_RE.match(run):
-        raise InvalidId("run id", run, "must match [A-Za-z0-9._-]{1,64}")
-    return run
-
-
-def validate_prefix(prefix: str) -> str:
-    """Return ``prefix`` if it is a valid key prefix (``[A-Za-z0-9._-]{1,32}``)."""
-    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
-        raise InvalidId("key prefix", prefix, "must match [A-Za-z0-9._-]{1,32}")
-    return prefix
-
-
-def validate_id(kind: str, value: str) -> str:
-    """Validate a session id, owner tag, group id, task name or lease id.
-
-    Rule: 1..200 bytes of printable ASCII without ``{``, ``}`` or whitespace.
-    """
-    if not isinstance(value, str) or not _ID_RE.match(value):
-        raise InvalidId(
-            kind, value, "must be 1..200 printable ASCII characters without '{', '}' or whitespace"
-        )
-    return value
-
-
-def validate_ids(kind: str, values: Iterable[str]) -> list[str]:
-    """Validate every id of ``values`` (a str alone is refused, not iterated)."""
-    if isinstance(values, (str, bytes)):
-        raise InvalidId(kind, values, f"expected a list of {kind}s, got a single string")
-    return [validate_id(kind, v) for v in values]
+from .validate import is_run_id, validate_id, validate_ids, validate_prefix, validate_run
 
 
 def key_slot(key: str | bytes) -> int:
@@ -316,5 +278,20 @@ def run_of_meta_key(key: str, prefix: str = "ts") -> str | None:
     head = f"{prefix}:{{"
     if key.startswith(head) and key.endswith("}:meta"):
         run = key[len(head) : -len("}:meta")]
-        return run if _RUN_RE.match(run) else None
+        return run if is_run_id(run) else None
     return None
+
+
+# The id checks live in tracestore.validate; they stay importable from here.
+__all__ = [
+    "Keys",
+    "hash_tag",
+    "key_slot",
+    "meta_pattern",
+    "run_of_meta_key",
+    "same_slot",
+    "validate_id",
+    "validate_ids",
+    "validate_prefix",
+    "validate_run",
+]

@@ -17,28 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from . import validate
 from .context import Context
 from .errors import InvalidInput
-from .keys import validate_id, validate_ids
 from .purge import purge_sessions
+from .replies import Reply, pairs, text
 from .run import session_states
-from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, new_op_id, script
-
-
-def _version(version: int) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise InvalidInput("version", f"must be a non-negative int, got {version!r}")
-    return version
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, script
+from .validate import duration_ms, validate_id, validate_ids
 
 
 def _dedup(items: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(items))
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def open_session(
@@ -53,16 +44,17 @@ def open_session(
     One round trip.
     """
     k = ctx.keys
-    _version(version)
+    validate.version("version", version)
     if group is not None:
         validate_id("group id", group)
-    op = new_op_id()
+    op_id, op_key = ctx.new_op()
     reply = yield Eval(
         script("open_session"),
-        (k.session(sid), k.owner(owner), k.released, k.op(op), k.owners_lost),
-        (sid, owner, version, group or "", ctx.config.op_ttl_s * 1000),
+        (k.session(sid), k.owner(owner), k.released, op_key, k.owners_lost),
+        (sid, owner, version, group or "", ctx.op_ttl_ms),
+        op_id=op_id,
     )
-    return int(reply[0])
+    return Reply(reply, "open_session").int()
 
 
 def open_sessions(
@@ -80,21 +72,23 @@ def open_sessions(
     if len(set(sids)) != len(sids):
         raise InvalidInput("sids", "duplicate session ids")
     okey = k.owner(owner)
-    _version(version)
+    validate.version("version", version)
     if group is not None:
         validate_id("group id", group)
     if not sids:
         return 0
     sc = script("open_sessions")
-    ttl = ctx.config.op_ttl_s * 1000
-    evals = [
-        Eval(
-            sc,
-            (okey, k.released, k.owners_lost, k.op(new_op_id()), *(k.session(s) for s in part)),
-            (owner, version, group or "", ttl, *part),
+    evals = []
+    for part in chunks(sids, sc.chunk):
+        op_id, op_key = ctx.new_op()
+        evals.append(
+            Eval(
+                sc,
+                (okey, k.released, k.owners_lost, op_key, *(k.session(s) for s in part)),
+                (owner, version, group or "", ctx.op_ttl_ms, *part),
+                op_id=op_id,
+            )
         )
-        for part in chunks(sids, sc.chunk)
-    ]
     yield Batch(tuple(evals))
     return len(sids)
 
@@ -121,17 +115,19 @@ def transfer(ctx: Context, sids: Sequence[str], from_owner: str, to_owner: str) 
     if not sids:
         return []
     sc = script("transfer")
-    ttl = ctx.config.op_ttl_s * 1000
-    evals = [
-        Eval(
-            sc,
-            (ofrom, oto, k.owners_lost, k.op(new_op_id()), *(k.session(s) for s in part)),
-            (from_owner, to_owner, ttl, *part),
+    evals = []
+    for part in chunks(sids, sc.chunk):
+        op_id, op_key = ctx.new_op()
+        evals.append(
+            Eval(
+                sc,
+                (ofrom, oto, k.owners_lost, op_key, *(k.session(s) for s in part)),
+                (from_owner, to_owner, ctx.op_ttl_ms, *part),
+                op_id=op_id,
+            )
         )
-        for part in chunks(sids, sc.chunk)
-    ]
     replies = yield Batch(tuple(evals))
-    return [_s(x) for r in replies for x in r]
+    return [text(x) for r in replies for x in r]
 
 
 def release_evals(ctx: Context, sids: Sequence[str], owner: str, reason: str) -> list[Eval]:
@@ -143,15 +139,18 @@ def release_evals(ctx: Context, sids: Sequence[str], owner: str, reason: str) ->
     k = ctx.keys
     okey = k.owner(owner)
     sc = script("release")
-    ttl = ctx.config.op_ttl_s * 1000
-    return [
-        Eval(
-            sc,
-            (okey, k.released, k.events, k.op(new_op_id()), *(k.session(s) for s in part)),
-            (owner, reason, ttl, *part),
+    evals = []
+    for part in chunks(sids, sc.chunk):
+        op_id, op_key = ctx.new_op()
+        evals.append(
+            Eval(
+                sc,
+                (okey, k.released, k.events, op_key, *(k.session(s) for s in part)),
+                (owner, reason, ctx.op_ttl_ms, *part),
+                op_id=op_id,
+            )
         )
-        for part in chunks(sids, sc.chunk)
-    ]
+    return evals
 
 
 def release(
@@ -182,7 +181,7 @@ def release(
     if not sids:
         return []
     replies = yield Batch(tuple(release_evals(ctx, sids, owner, reason)))
-    released = [_s(x) for r in replies for x in r]
+    released = [text(x) for r in replies for x in r]
     if purge and released:
         yield from purge_sessions(ctx, released)
     return released
@@ -207,7 +206,7 @@ def release_owner(
     okey = ctx.keys.owner(owner)
     validate_id("reason", reason)
     members = yield Cmd(("SMEMBERS", okey), key=okey)
-    sids = sorted(_s(m) for m in members)
+    sids = sorted(text(m) for m in members)
     return (yield from release(ctx, sids, owner, reason, purge=purge))
 
 
@@ -222,12 +221,12 @@ def sessions(ctx: Context, owner: str | None = None) -> Op[list[str]]:
     if owner is not None:
         okey = k.owner(owner)
         members = yield Cmd(("SMEMBERS", okey), key=okey)
-        return sorted(_s(m) for m in members)
+        return sorted(text(m) for m in members)
     keys = yield ScanAll(k.owner_pattern, type="set")
     if not keys:
         return []
     replies = yield Batch(tuple(Cmd(("SMEMBERS", key), key=key) for key in sorted(set(keys))))
-    return sorted({_s(m) for r in replies for m in r})
+    return sorted({text(m) for r in replies for m in r})
 
 
 @dataclass(frozen=True)
@@ -257,8 +256,8 @@ def owners(ctx: Context) -> Op[list[OwnerInfo]]:
             Cmd(("ZRANGE", k.owners_lost, 0, -1, "WITHSCORES"), key=k.owners_lost),
         )
     )
-    deadlines = {_s(hb[i]): int(float(hb[i + 1])) for i in range(0, len(hb), 2)}
-    lost_at = {_s(lost[i]): int(float(lost[i + 1])) for i in range(0, len(lost), 2)}
+    deadlines = {text(m): int(float(sc)) for m, sc in pairs(hb)}
+    lost_at = {text(m): int(float(sc)) for m, sc in pairs(lost)}
     names = sorted(tags | set(deadlines) | set(lost_at))
     if not names:
         return []
@@ -288,7 +287,6 @@ def heartbeat(ctx: Context, owner: str, ttl_s: float) -> Op[Heartbeat]:
     """
     k = ctx.keys
     validate_id("owner tag", owner)
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= 86400 * 365:
-        raise InvalidInput("ttl_s", f"must be a positive number of seconds, got {ttl_s!r}")
-    reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, max(1, int(ttl_s * 1000))))
-    return Heartbeat(owner, int(reply[0]))
+    ttl_ms = duration_ms("ttl_s", ttl_s)
+    reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, ttl_ms))
+    return Heartbeat(owner, Reply(reply, "heartbeat").int())

@@ -38,11 +38,12 @@ from typing import Any
 import ray
 from redis.exceptions import ResponseError
 
+from .context import Context
 from .errors import InvalidId, InvalidInput, TracestoreError
-from .keys import validate_id, validate_ids
-from .run import session_states
+from .replies import field_map, text
 from .scripts import Cmd, Op
 from .store import TraceStore
+from .validate import duration_ms, validate_id, validate_ids
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,6 @@ def _nbytes(value: Any) -> int:
         return 0
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
     """Entries of an XREADGROUP reply (raw RESP2 list or RESP3 map; None on timeout)."""
     if not reply:
@@ -110,13 +107,73 @@ def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
         for entry in entries or []:
             eid, fields = entry[0], entry[1]
             if fields is None:  # a pending entry trimmed from the stream meanwhile
-                out.append((_s(eid), {}))
+                out.append((text(eid), {}))
                 continue
-            if isinstance(fields, dict):
-                out.append((_s(eid), {_s(k): _s(v) for k, v in fields.items()}))
-            else:
-                out.append((_s(eid), {_s(fields[i]): _s(fields[i + 1]) for i in range(0, len(fields) - 1, 2)}))
+            out.append((text(eid), {f: text(v) for f, v in field_map(fields).items()}))
     return out
+
+
+# -- the holder's operations on the event stream (run with store.run) -------------------------
+
+
+def events_groups(ctx: Context) -> Op[set[str]]:
+    """The consumer groups of ``ts:{R}:events`` (none when the stream does not exist). Two round trips."""
+    k = ctx.keys.events
+    exists = yield Cmd(("EXISTS", k), key=k)
+    if not int(exists):
+        return set()
+    groups = yield Cmd(("XINFO", "GROUPS", k), key=k)
+    return {text(field_map(g)["name"]) for g in groups}
+
+
+def ensure_events_group(ctx: Context, name: str, consumer: str) -> Op[bool]:
+    """Create group ``name`` (at the stream's end) and its ``consumer`` if missing; True if created.
+
+    A consumer from the start, so gc sees the group as active even before it
+    reads. Raises StorageError. Three or four round trips.
+    """
+    k = ctx.keys.events
+    created = False
+    if name not in (yield from events_groups(ctx)):
+        try:
+            yield Cmd(("XGROUP", "CREATE", k, name, "$", "MKSTREAM"), key=k)
+            created = True
+        except TracestoreError as exc:
+            # Another process of the same holder name created it meanwhile.
+            if not isinstance(exc.__cause__, ResponseError) or name not in (yield from events_groups(ctx)):
+                raise
+    yield Cmd(("XGROUP", "CREATECONSUMER", k, name, consumer), key=k)
+    return created
+
+
+def destroy_events_group(ctx: Context, name: str) -> Op[None]:
+    """Remove consumer group ``name`` of ``ts:{R}:events``. One round trip."""
+    k = ctx.keys.events
+    yield Cmd(("XGROUP", "DESTROY", k, name), key=k)
+
+
+def read_events(
+    ctx: Context, name: str, consumer: str, start_id: str, count: int, block_s: float
+) -> Op[list[tuple[str, dict[str, str]]]]:
+    """Entries for ``consumer`` of group ``name``: its own pending ones from ``start_id``, or new ones (``>``).
+
+    New entries are awaited up to ``block_s`` (XREADGROUP BLOCK, on a
+    connection whose timeout allows it). One round trip.
+    """
+    k = ctx.keys.events
+    args: tuple[Any, ...] = ("XREADGROUP", "GROUP", name, consumer, "COUNT", count)
+    if start_id == ">":
+        ms = max(1, int(block_s * 1000))
+        reply = yield Cmd((*args, "BLOCK", ms, "STREAMS", k, ">"), key=k, block_s=block_s)
+    else:
+        reply = yield Cmd((*args, "STREAMS", k, start_id), key=k)
+    return _entries(reply)
+
+
+def ack_events(ctx: Context, name: str, ids: Sequence[str]) -> Op[None]:
+    """Acknowledge entries ``ids`` for group ``name``. One round trip."""
+    k = ctx.keys.events
+    yield Cmd(("XACK", k, name, *ids), key=k)
 
 
 class RefHolder:
@@ -148,9 +205,8 @@ class RefHolder:
     ) -> None:
         if name is not None and (not isinstance(name, str) or not _NAME_RE.match(name)):
             raise InvalidId("holder name", name, "must match [A-Za-z0-9._-]{1,100}")
-        for field, v in (("reconcile_s", reconcile_s), ("block_s", block_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise InvalidInput(field, f"must be a positive number of seconds, got {v!r}")
+        duration_ms("reconcile_s", reconcile_s)
+        duration_ms("block_s", block_s)
         self.store = store
         self.name = name or f"holder-{uuid.uuid4().hex[:12]}"
         self.ephemeral = name is None
@@ -249,7 +305,7 @@ class RefHolder:
             with self._lock:
                 self._reconciles += 1
             return 0
-        states = self.store._io.run(session_states(self.store._ctx, sorted(since)))
+        states = self.store.session_states(sorted(since))
         now = time.monotonic()
         dropped = 0
         for sid, st in states.items():
@@ -265,7 +321,7 @@ class RefHolder:
         """Create the consumer group (if needed), reconcile once, start the consumer thread."""
         if self._thread is not None:
             return
-        self._ensure_group()
+        self.store.run(ensure_events_group(self.store.context, self.name, self._consumer))
         self.reconcile()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name=f"RefHolder-{self.name}", daemon=True)
@@ -287,9 +343,8 @@ class RefHolder:
             self._since.clear()
             self._bytes = 0
         if self.ephemeral if destroy_group is None else destroy_group:
-            k = self.store.keys.events
             try:
-                self.store._io.execute(Cmd(("XGROUP", "DESTROY", k, self.name), key=k))
+                self.store.run(destroy_events_group(self.store.context, self.name))
             except TracestoreError as exc:  # the group may be gone already; nothing leaks
                 log.warning("holder %s: could not destroy its group: %s", self.name, exc)
 
@@ -316,46 +371,6 @@ class RefHolder:
         del gone  # the refs go here; Ray frees each object once no borrower holds it
         return len(keys)
 
-    def _group_names(self) -> set[str]:
-        k = self.store.keys.events
-        exists = self.store._io.execute(Cmd(("EXISTS", k), key=k))
-        if not int(exists):
-            return set()
-        groups = self.store._io.execute(Cmd(("XINFO", "GROUPS", k), key=k))
-        names = set()
-        for g in groups:
-            d = g if isinstance(g, dict) else {_s(g[i]): g[i + 1] for i in range(0, len(g) - 1, 2)}
-            names.add(_s(d["name"]))
-        return names
-
-    def _ensure_group(self) -> bool:
-        """Create the group (at the stream's end) and its consumer if missing; True if created."""
-        k = self.store.keys.events
-        if self.name in self._group_names():
-            created = False
-        else:
-            try:
-                self.store._io.execute(Cmd(("XGROUP", "CREATE", k, self.name, "$", "MKSTREAM"), key=k))
-                created = True
-            except TracestoreError as exc:
-                # Another process of the same holder name created it meanwhile.
-                if not isinstance(exc.__cause__, ResponseError) or self.name not in self._group_names():
-                    raise
-                created = False
-        # A consumer from the start, so gc sees this group as active even before it reads.
-        self.store._io.execute(Cmd(("XGROUP", "CREATECONSUMER", k, self.name, self._consumer), key=k))
-        return created
-
-    def _read(self, start_id: str) -> Op[Any]:
-        k = self.store.keys.events
-        args: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.name, self._consumer, "COUNT", self.batch)
-        if start_id == ">":
-            ms = max(1, int(self.block_s * 1000))
-            reply = yield Cmd((*args, "BLOCK", ms, "STREAMS", k, ">"), key=k, block_s=self.block_s)
-        else:
-            reply = yield Cmd((*args, "STREAMS", k, start_id), key=k)
-        return reply
-
     def _handle(self, entries: list[tuple[str, dict[str, str]]]) -> None:
         for _eid, fields in entries:
             sid = fields.get("sid")
@@ -364,9 +379,7 @@ class RefHolder:
         with self._lock:
             self._events += len(entries)
         if entries:
-            k = self.store.keys.events
-            ids = [eid for eid, _f in entries]
-            self.store._io.execute(Cmd(("XACK", k, self.name, *ids), key=k))
+            self.store.run(ack_events(self.store.context, self.name, [eid for eid, _f in entries]))
 
     def _loop(self) -> None:
         own_pending = True  # first re-read what this consumer was given but did not ack
@@ -374,7 +387,10 @@ class RefHolder:
         backoff = 0.05
         while not self._stop.is_set():
             try:
-                entries = _entries(self.store._io.run(self._read("0" if own_pending else ">")))
+                start_id = "0" if own_pending else ">"
+                entries = self.store.run(
+                    read_events(self.store.context, self.name, self._consumer, start_id, self.batch, self.block_s)
+                )
                 if own_pending and not entries:
                     own_pending = False
                 self._handle(entries)
@@ -391,7 +407,7 @@ class RefHolder:
                 try:
                     # The group may have been removed (gc: holder idle too long);
                     # re-create it, and reconcile since its events were missed.
-                    if self._ensure_group():
+                    if self.store.run(ensure_events_group(self.store.context, self.name, self._consumer)):
                         self.reconcile()
                         own_pending = False
                 except Exception as exc2:

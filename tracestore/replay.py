@@ -39,19 +39,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from ._io import async_op, sync_op
+from . import validate
 from .context import Context
 from .errors import InvalidInput, ScriptError
-from .keys import validate_id, validate_ids
 from .purge import purge_sessions
-from .scripts import Batch, Cmd, Eval, Op, new_op_id, script
-
-if TYPE_CHECKING:
-    from ._io import AsyncIO, SyncIO
+from .replies import Reply, field_map, pairs, text
+from .scripts import Batch, Cmd, Eval, Op, script
+from .twin import AsyncPart, SyncPart, op
+from .validate import int_in, one_of, validate_id, validate_ids
 
 #: Owner tag of sessions held by the replay buffer.
 REPLAY_OWNER = "replay"
@@ -165,20 +164,8 @@ class StatusStats:
 # -- validation (before any I/O) ----------------------------------------------------------------
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _int(name: str, v: object, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise InvalidInput(name, f"must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
 def _status(status: str, allowed: Sequence[str] = STATUSES) -> str:
-    if status not in allowed:
-        raise InvalidInput("status", f"unknown status {status!r}; one of {', '.join(allowed)}")
-    return status
+    return one_of("status", status, allowed)
 
 
 def _payload(ctx: Context, payload: object) -> bytes:
@@ -201,25 +188,26 @@ def _payload(ctx: Context, payload: object) -> bytes:
 def _cutoff(current_version: int | None, max_staleness: int | None) -> str:
     if max_staleness is None:
         return ""
-    _int("max_staleness", max_staleness, 0, 2**53)
+    validate.version("max_staleness", max_staleness)
     if current_version is None:
         raise InvalidInput("current_version", "required when max_staleness is given")
-    _int("current_version", current_version, 0, 2**53)
+    validate.version("current_version", current_version)
     return str(current_version - max_staleness)
 
 
-def _decode_groups(task: str, flat: Sequence[Any]) -> list[Group]:
+def _decode_groups(task: str, r: Reply) -> list[Group]:
+    """A count ``m``, then ``m`` groups of 7 fields (gid, status, sids, min_version, seq, retryable, payload)."""
     out = []
-    for i in range(0, len(flat), 7):
-        gid, status, sids, minv, seq, retryable, payload = flat[i : i + 7]
+    for _ in range(r.int()):
+        gid, status, sids, minv, seq, retryable, payload = r.take(7)
         out.append(
             Group(
-                gid=_s(gid),
+                gid=text(gid),
                 task=task,
                 sids=tuple(orjson.loads(sids)),
-                status=_s(status),
+                status=text(status),
                 min_version=int(minv),
-                retryable=_s(retryable) == "1",
+                retryable=text(retryable) == "1",
                 payload=orjson.loads(payload),
                 seq=int(seq),
             )
@@ -227,16 +215,16 @@ def _decode_groups(task: str, flat: Sequence[Any]) -> list[Group]:
     return out
 
 
-def group_from_hash(gid: str, h: dict[Any, Any]) -> Group:
-    """Decode a ``ts:{R}:rb:g:<gid>`` hash (HGETALL reply)."""
-    f = {_s(k): v for k, v in h.items()}
+def group_from_hash(gid: str, h: Any) -> Group:
+    """Decode a ``ts:{R}:rb:g:<gid>`` hash (HGETALL reply: a dict or a flat list)."""
+    f = field_map(h)
     return Group(
         gid=gid,
-        task=_s(f["task"]),
+        task=text(f["task"]),
         sids=tuple(orjson.loads(f["sids"])),
-        status=_s(f["status"]),
+        status=text(f["status"]),
         min_version=int(f["min_version"]),
-        retryable=_s(f.get("retryable", "0")) == "1",
+        retryable=text(f.get("retryable", "0")) == "1",
         payload=orjson.loads(f.get("payload", b"{}")),
         seq=int(f["seq"]),
     )
@@ -246,14 +234,15 @@ def group_from_hash(gid: str, h: dict[Any, Any]) -> Group:
 
 
 def _with_keys(
-    ctx: Context, name: str, fixed_keys: tuple[str, ...], fixed_args: tuple[Any, ...]
+    ctx: Context, name: str, fixed_keys: tuple[str, ...], fixed_args: tuple[Any, ...], op_id: str
 ) -> Op[list[Any]]:
     """Call a planning script until it stops answering NEED; return its final reply.
 
     The gids and sids named by NEED are accumulated and passed as the KEYS
     tail (group keys, then session keys) with their ids in ARGV. The op key
-    is part of ``fixed_keys``: NEED replies are not recorded, so every round
-    may carry the same op id, and a retried final round replays its reply.
+    of ``op_id`` is part of ``fixed_keys``: NEED replies are not recorded, so
+    every round may carry the same op id, and a retried final round replays
+    its reply.
     """
     k = ctx.keys
     gids: list[str] = []
@@ -262,12 +251,13 @@ def _with_keys(
     for _ in range(MAX_ROUNDS):
         keys = fixed_keys + tuple(k.rb_group(g) for g in gids) + tuple(k.session(s) for s in sids)
         args = fixed_args + (len(gids), *gids, len(sids), *sids)
-        reply = yield Eval(sc, keys, args)
-        if _s(reply[0]) != "NEED":
+        reply = yield Eval(sc, keys, args, op_id=op_id)
+        if text(reply[0]) != "NEED":
             return list(reply)
-        ng = int(reply[1])
-        new_g = [_s(x) for x in reply[2 : 2 + ng]]
-        new_s = [_s(x) for x in reply[2 + ng :]]
+        r = Reply(reply, name)
+        r.raw()  # NEED
+        new_g = r.counted()
+        new_s = r.rest_texts()
         if len(gids) + len(new_g) > 2 * MAX_TAKE or len(sids) + len(new_s) > 3 * MAX_SIDS:
             gids, sids = [], []  # stale names piled up under contention: start afresh
         gids = list(dict.fromkeys(gids + new_g))
@@ -301,12 +291,12 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
         raise InvalidInput("sids", f"a group needs 1..{MAX_SIDS} sessions, got {len(sids)}")
     if len(set(sids)) != len(sids):
         raise InvalidInput("sids", f"duplicate session ids in group {gid!r}")
-    minv = _int("min_version", group.min_version, 0, MAX_VERSION)
+    minv = int_in("min_version", group.min_version, 0, MAX_VERSION)
     if not isinstance(group.retryable, bool):
         raise InvalidInput("retryable", f"must be a bool, got {group.retryable!r}")
     payload = _payload(ctx, group.payload)
     validate_id("owner tag", owner)
-    op = new_op_id()
+    op_id, op_key = ctx.new_op()
     keys = (
         k.rb_group(gid),
         k.rb_queue(task, status),
@@ -319,7 +309,7 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
         k.owner(REPLAY_OWNER),
         k.released,
         k.events,
-        k.op(op),
+        op_key,
         *(k.session(s) for s in sids),
     )
     args = (
@@ -332,13 +322,14 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
         payload,
         owner,
         REPLAY_OWNER,
-        ctx.config.op_ttl_s * 1000,
+        ctx.op_ttl_ms,
         *sids,
     )
-    reply = yield Eval(script("rb_put"), keys, args)
-    if int(reply[0]):
-        return PutResult(gid, True, int(reply[1]))
-    released = tuple(_s(x) for x in reply[2:])
+    r = Reply((yield Eval(script("rb_put"), keys, args, op_id=op_id)), "rb_put")
+    stored, seq = r.flag(), r.raw()
+    if stored:
+        return PutResult(gid, True, int(seq))
+    released = tuple(r.rest_texts())
     yield from purge_sessions(ctx, list(released))
     return PutResult(gid, False, None, released)
 
@@ -373,12 +364,11 @@ def take(
     k = ctx.keys
     validate_id("task", task)
     validate_id("owner tag", owner)
-    _int("n", n, 1, MAX_TAKE)
-    if policy not in ("fifo", "staleness"):
-        raise InvalidInput("policy", f"must be 'fifo' or 'staleness', got {policy!r}")
+    int_in("n", n, 1, MAX_TAKE)
+    one_of("policy", policy, ("fifo", "staleness"))
     cutoff = _cutoff(current_version, max_staleness)
     window = min(2 * n + 8, 2 * MAX_TAKE)
-    op = new_op_id()
+    op_id, op_key = ctx.new_op()
     fixed = (
         k.rb_queue(task, "completed"),
         k.rb_versions(task, "completed"),
@@ -390,15 +380,15 @@ def take(
         k.events,
         k.rb_sids,
         k.rb_bytes,
-        k.op(op),
+        op_key,
         k.owners_lost,
     )
-    args = (task, n, cutoff, policy, owner, REPLAY_OWNER, ctx.config.op_ttl_s * 1000, window, MAX_STALE_IN_TAKE)
+    args = (task, n, cutoff, policy, owner, REPLAY_OWNER, ctx.op_ttl_ms, window, MAX_STALE_IN_TAKE)
     expired: list[str] = []
     released: list[str] = []
     for _ in range(MAX_ROUNDS):
-        reply = yield from _with_keys(ctx, "rb_take", fixed, args)
-        tag = _s(reply[0])
+        r = Reply((yield from _with_keys(ctx, "rb_take", fixed, args, op_id)), "rb_take")
+        tag = r.text()
         if tag == "EXPIRE_FIRST":
             assert current_version is not None and max_staleness is not None
             rep = yield from expire(ctx, current_version, max_staleness, task=task)
@@ -406,18 +396,12 @@ def take(
             released += rep.released_sids
             continue
         if tag == "SHORT":
-            return Taken((), tuple(expired), tuple(released), ready=int(reply[1]))
+            return Taken((), tuple(expired), tuple(released), ready=r.int())
         if tag != "OK":
-            raise ScriptError("rb_take", f"unexpected reply {reply[:3]!r}")
-        i = 1
-        nk = int(reply[i])
-        expired += [_s(x) for x in reply[i + 1 : i + 1 + nk]]
-        i += 1 + nk
-        nr = int(reply[i])
-        rel = [_s(x) for x in reply[i + 1 : i + 1 + nr]]
-        i += 1 + nr
-        m = int(reply[i])
-        groups = _decode_groups(task, reply[i + 1 : i + 1 + 7 * m])
+            raise ScriptError("rb_take", f"unexpected reply {r.items[:3]!r}")
+        expired += r.counted()
+        rel = r.counted()
+        groups = _decode_groups(task, r)
         yield from purge_sessions(ctx, rel)
         released += rel
         return Taken(tuple(groups), tuple(expired), tuple(released))
@@ -437,8 +421,8 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
     k = ctx.keys
     validate_id("task", task)
     validate_id("owner tag", owner)
-    _int("n", n, 1, MAX_TAKE)
-    op = new_op_id()
+    int_in("n", n, 1, MAX_TAKE)
+    op_id, op_key = ctx.new_op()
     fixed = (
         k.rb_queue(task, "aborted"),
         k.rb_versions(task, "aborted"),
@@ -448,14 +432,14 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
         k.owner(owner),
         k.rb_sids,
         k.rb_bytes,
-        k.op(op),
+        op_key,
         k.owners_lost,
     )
     window = min(2 * n + 8, 2 * MAX_TAKE)
-    args = (task, n, owner, REPLAY_OWNER, ctx.config.op_ttl_s * 1000, window)
-    reply = yield from _with_keys(ctx, "rb_claim", fixed, args)
-    m = int(reply[1])
-    return _decode_groups(task, reply[2 : 2 + 7 * m])
+    args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms, window)
+    r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op_id)), "rb_claim")
+    r.raw()  # OK
+    return _decode_groups(task, r)
 
 
 def expire(
@@ -484,16 +468,13 @@ def expire(
     if retryable is not None and not isinstance(retryable, bool):
         raise InvalidInput("retryable", f"must be None or a bool, got {retryable!r}")
     keep = "" if retryable is None else str(int(retryable))
-    if task is not None:
-        tasks = [validate_id("task", task)]
-    else:
-        members = yield Cmd(("SMEMBERS", k.rb_tasks), key=k.rb_tasks)
-        tasks = sorted(_s(m) for m in members)
+    tasks = yield from _tasks(ctx, task)
     kept: list[str] = []
     rel_g: list[str] = []
     rel_s: list[str] = []
     for t in tasks:
         while True:
+            op_id, op_key = ctx.new_op()
             fixed = (
                 k.rb_queue(t, "completed"),
                 k.rb_versions(t, "completed"),
@@ -504,20 +485,15 @@ def expire(
                 k.events,
                 k.rb_sids,
                 k.rb_bytes,
-                k.op(new_op_id()),
+                op_key,
             )
-            args = (t, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.config.op_ttl_s * 1000)
-            reply = yield from _with_keys(ctx, "rb_expire", fixed, args)
-            more = int(reply[1])
-            i = 2
-            nk = int(reply[i])
-            kept += [_s(x) for x in reply[i + 1 : i + 1 + nk]]
-            i += 1 + nk
-            ng = int(reply[i])
-            rel_g += [_s(x) for x in reply[i + 1 : i + 1 + ng]]
-            i += 1 + ng
-            ns = int(reply[i])
-            rs = [_s(x) for x in reply[i + 1 : i + 1 + ns]]
+            args = (t, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms)
+            r = Reply((yield from _with_keys(ctx, "rb_expire", fixed, args, op_id)), "rb_expire")
+            r.raw()  # OK
+            more = r.flag()
+            kept += r.counted()
+            rel_g += r.counted()
+            rs = r.counted()
             yield from purge_sessions(ctx, rs)
             rel_s += rs
             if not more:
@@ -529,7 +505,7 @@ def _tasks(ctx: Context, task: str | None) -> Op[list[str]]:
     if task is not None:
         return [validate_id("task", task)]
     members = yield Cmd(("SMEMBERS", ctx.keys.rb_tasks), key=ctx.keys.rb_tasks)
-    return sorted(_s(m) for m in members)
+    return sorted(text(m) for m in members)
 
 
 def count(ctx: Context, task: str | None = None, status: str | None = None) -> Op[int]:
@@ -563,19 +539,12 @@ def stats(ctx: Context, task: str | None = None) -> Op[list[StatusStats]]:
         cmds.append(Cmd(("ZRANGE", k.rb_versions(t, s), 0, 0, "WITHSCORES"), key=k.rb_versions(t, s)))
     cmds.append(Cmd(("HGETALL", k.rb_bytes), key=k.rb_bytes))
     replies = yield Batch(tuple(cmds))
-    raw_bytes = replies[-1]
-    if isinstance(raw_bytes, dict):
-        nbytes = {_s(a): int(b) for a, b in raw_bytes.items()}
-    else:
-        nbytes = {_s(raw_bytes[i]): int(raw_bytes[i + 1]) for i in range(0, len(raw_bytes), 2)}
+    nbytes = {f: int(v) for f, v in field_map(replies[-1]).items()}
     out = []
     for j, (t, s) in enumerate(cells):
         n = int(replies[2 * j])
-        head = replies[2 * j + 1]
-        oldest = None
-        if head:
-            score = head[0][1] if isinstance(head[0], (list, tuple)) else head[1]
-            oldest = math.floor(float(score))
+        head = pairs(replies[2 * j + 1])
+        oldest = math.floor(float(head[0][1])) if head else None
         out.append(StatusStats(t, s, n, oldest, nbytes.get(f"{s} {t}", 0)))
     return out
 
@@ -590,46 +559,28 @@ def groups(ctx: Context, task: str, status: str = "completed") -> Op[list[Group]
     _status(status, STORED_STATUSES)
     q = k.rb_queue(task, status)
     members = yield Cmd(("ZRANGE", q, 0, -1), key=q)
-    gids = [_s(m) for m in members]
+    gids = [text(m) for m in members]
     if not gids:
         return []
     hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in gids))
-    out = []
-    for g, h in zip(gids, hashes, strict=True):
-        if isinstance(h, list):
-            h = {h[i]: h[i + 1] for i in range(0, len(h), 2)}
-        if h:
-            out.append(group_from_hash(g, h))
-    return out
+    return [group_from_hash(g, h) for g, h in zip(gids, hashes, strict=True) if h]
 
 
-class Replay:
+class ReplayMethods:
+    """The replay buffer's methods, listed once for :class:`Replay` and :class:`AsyncReplay`."""
+
+    put = op(put)
+    take = op(take)
+    claim_retry = op(claim_retry)
+    expire = op(expire)
+    count = op(count)
+    stats = op(stats)
+    groups = op(groups)
+
+
+class Replay(ReplayMethods, SyncPart[Context]):
     """The replay buffer of a run (``store.replay``); see the module docstring."""
 
-    def __init__(self, io: SyncIO, ctx: Context) -> None:
-        self._io = io
-        self._ctx = ctx
 
-    put = sync_op(put)
-    take = sync_op(take)
-    claim_retry = sync_op(claim_retry)
-    expire = sync_op(expire)
-    count = sync_op(count)
-    stats = sync_op(stats)
-    groups = sync_op(groups)
-
-
-class AsyncReplay:
-    """asyncio counterpart of :class:`Replay` (``AsyncTraceStore.replay``); same methods."""
-
-    def __init__(self, io: AsyncIO, ctx: Context) -> None:
-        self._io = io
-        self._ctx = ctx
-
-    put = async_op(put)
-    take = async_op(take)
-    claim_retry = async_op(claim_retry)
-    expire = async_op(expire)
-    count = async_op(count)
-    stats = async_op(stats)
-    groups = async_op(groups)
+class AsyncReplay(ReplayMethods, AsyncPart[Context]):
+    """asyncio counterpart of :class:`Replay` (``AsyncTraceStore.replay``); same methods, as coroutines."""

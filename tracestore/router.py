@@ -21,17 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from .context import Context
 from .errors import InvalidInput
-from .gate import _ms
-from .keys import validate_id, validate_ids
-from .scripts import Batch, Eval, Op, chunks, new_op_id, script
-
-if TYPE_CHECKING:
-    from ._io import AsyncIO, SyncIO
-    from .store import TraceStore
+from .replies import Reply, text
+from .scripts import Batch, Eval, Op, chunks, script
+from .twin import AsyncPart, SyncPart, op
+from .validate import duration_ms, validate_id, validate_ids
 
 #: Default lifetime of a retirement tombstone.
 DEFAULT_RETENTION_S = 24 * 3600.0
@@ -65,6 +61,15 @@ class RouteTable:
     routes: dict[str, str | None]
 
 
+@dataclass(frozen=True)
+class RouteScope:
+    """What the router's operations receive: the run's context, the entrypoints, the retention."""
+
+    ctx: Context
+    entrypoints: tuple[str, ...]
+    retention_ms: int
+
+
 def validate_entrypoints(entrypoints: Sequence[str]) -> tuple[str, ...]:
     """Check a router's entrypoint list: non-empty, valid ids, no duplicates."""
     eps = validate_ids("entrypoint", entrypoints)
@@ -76,37 +81,56 @@ def validate_entrypoints(entrypoints: Sequence[str]) -> tuple[str, ...]:
     return tuple(eps)
 
 
+def route_scope(
+    ctx: Context, entrypoints: Sequence[str], *, retention_s: float = DEFAULT_RETENTION_S
+) -> RouteScope:
+    """Validate a router's arguments (before any I/O) into its :class:`RouteScope`.
+
+    Raises InvalidInput (empty list, duplicates, bad retention) or InvalidId.
+    """
+    return RouteScope(ctx, validate_entrypoints(entrypoints), duration_ms("retention_s", retention_s))
+
+
 def _keys(ctx: Context) -> tuple[str, str, str]:
     k = ctx.keys
     return (k.route, k.route_load, k.route_retired)
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def acquire_route(ctx: Context, entrypoints: tuple[str, ...], sid: str) -> Op[Route]:
+def acquire_route(scope: RouteScope, sid: str) -> Op[Route]:
     """Route ``sid`` (sticky; least-loaded placement; moved off removed entrypoints).
 
-    Atomic: concurrent acquires of one new session all get the same answer.
-    Raises SessionRetired for a retired session (HTTP 410 Gone), InvalidId
-    before I/O. A retried call (reply lost) returns its first reply. One round trip.
+    Returns the :class:`Route` (placement kind, previous entrypoint). Atomic:
+    concurrent acquires of one new session all get the same answer. Raises
+    SessionRetired for a retired session (HTTP 410 Gone), InvalidId before
+    I/O. A retried call (reply lost) returns its first reply. One round trip.
     """
     validate_id("session id", sid)
-    keys = (*_keys(ctx), ctx.keys.op(new_op_id()))
-    reply = yield Eval(script("route_acquire"), keys, (sid, ctx.config.op_ttl_s * 1000, *entrypoints))
-    prev = _s(reply[2])
-    return Route(sid, _s(reply[0]), _s(reply[1]), prev or None)
+    ctx = scope.ctx
+    op_id, op_key = ctx.new_op()
+    reply = yield Eval(
+        script("route_acquire"),
+        (*_keys(ctx), op_key),
+        (sid, ctx.op_ttl_ms, *scope.entrypoints),
+        op_id=op_id,
+    )
+    r = Reply(reply, "route_acquire")
+    entrypoint, how, prev = r.text(), r.text(), r.text()
+    return Route(sid, entrypoint, how, prev or None)
 
 
-def acquire(ctx: Context, entrypoints: tuple[str, ...], sid: str) -> Op[str]:
-    """The entrypoint that serves ``sid`` (see :func:`acquire_route`). One round trip."""
-    route = yield from acquire_route(ctx, entrypoints, sid)
+def acquire(scope: RouteScope, sid: str) -> Op[str]:
+    """The entrypoint that serves ``sid``: sticky, least-loaded when new.
+
+    A session whose entrypoint is not in this router's list moves to one
+    that is. Raises SessionRetired (front ends: 410 Gone) and InvalidId
+    before I/O. One round trip (see :func:`acquire_route`).
+    """
+    route = yield from acquire_route(scope, sid)
     return route.entrypoint
 
 
-def retire(ctx: Context, sids: Sequence[str], retention_ms: int) -> Op[list[str]]:
-    """Retire sessions: drop their routes and tombstone them for the retention.
+def retire(scope: RouteScope, sids: Sequence[str]) -> Op[list[str]]:
+    """Retire sessions: drop their routes and tombstone them for the router's retention.
 
     Returns the sids retired by this call (already retired ones are left as
     they are); a retried call (reply lost) returns its first reply. Raises
@@ -115,98 +139,77 @@ def retire(ctx: Context, sids: Sequence[str], retention_ms: int) -> Op[list[str]
     ids = validate_ids("session id", sids)
     if not ids:
         return []
+    ctx = scope.ctx
     sc = script("route_retire")
-    ttl = ctx.config.op_ttl_s * 1000
-    evals = tuple(
-        Eval(sc, (*_keys(ctx), ctx.keys.op(new_op_id())), (retention_ms, ttl, *part))
-        for part in chunks(ids, sc.chunk)
-    )
-    replies = yield Batch(evals)
-    return [_s(x) for r in replies for x in r]
+    evals = []
+    for part in chunks(ids, sc.chunk):
+        op_id, op_key = ctx.new_op()
+        evals.append(
+            Eval(sc, (*_keys(ctx), op_key), (scope.retention_ms, ctx.op_ttl_ms, *part), op_id=op_id)
+        )
+    replies = yield Batch(tuple(evals))
+    return [text(x) for r in replies for x in r]
 
 
 def route_table(ctx: Context, sids: Sequence[str] = ()) -> Op[RouteTable]:
-    """Read the load per entrypoint, counts, and the routes of ``sids``. One round trip."""
+    """The run's routing table (all routers' routes): load per entrypoint, counts, routes of ``sids``.
+
+    Needs no entrypoint list: ``store.run(route_table(store.context, sids))``
+    (operators, CLI). Raises InvalidId before I/O. One round trip.
+    """
     ids = validate_ids("session id", sids)
-    r = yield Eval(script("route_status"), _keys(ctx), tuple(ids))
-    routed, retired, n = int(r[0]), int(r[1]), int(r[2])
-    load = {_s(r[3 + 2 * i]): int(float(r[4 + 2 * i])) for i in range(n)}
-    looked = r[3 + 2 * n :]
-    return RouteTable(routed, retired, load, {s: (_s(v) or None) for s, v in zip(ids, looked, strict=True)})
+    r = Reply((yield Eval(script("route_status"), _keys(ctx), tuple(ids))), "route_status")
+    routed, retired, n = r.int(), r.int(), r.int()
+    load = {}
+    for _ in range(n):
+        ep = r.text()
+        load[ep] = r.score()
+    looked = r.rest_texts()
+    return RouteTable(routed, retired, load, {s: v or None for s, v in zip(ids, looked, strict=True)})
 
 
-class Router:
+def _table(scope: RouteScope, sids: Sequence[str] = ()) -> Op[RouteTable]:
+    """The run's routing table (all routers' routes). See :func:`route_table`."""
+    return (yield from route_table(scope.ctx, sids))
+
+
+class RouterMethods:
+    """The router's methods, listed once for :class:`Router` and :class:`AsyncRouter`."""
+
+    _scope: RouteScope
+
+    @property
+    def entrypoints(self) -> tuple[str, ...]:
+        """The entrypoints this router places sessions on."""
+        return self._scope.entrypoints
+
+    @property
+    def retention_ms(self) -> int:
+        """Lifetime (ms) of the tombstones :meth:`retire` writes."""
+        return self._scope.retention_ms
+
+    acquire = op(acquire)
+    acquire_route = op(acquire_route)
+    retire = op(retire)
+    table = op(_table)
+
+
+class Router(RouterMethods, SyncPart[RouteScope]):
     """Session affinity over a fixed list of entrypoints (``store.router([...])``)."""
 
-    def __init__(
-        self, io: SyncIO, ctx: Context, entrypoints: Sequence[str], retention_s: float
-    ) -> None:
-        self.entrypoints = validate_entrypoints(entrypoints)
-        self.retention_ms = _ms("retention_s", retention_s)
-        self._io = io
-        self._ctx = ctx
 
-    def acquire(self, sid: str) -> str:
-        """The entrypoint that serves ``sid``: sticky, least-loaded when new.
-
-        A session whose entrypoint is not in this router's list moves to one
-        that is. Raises SessionRetired (front ends: 410 Gone) and InvalidId
-        before I/O. One round trip.
-        """
-        return self._io.run(acquire(self._ctx, self.entrypoints, sid))
-
-    def acquire_route(self, sid: str) -> Route:
-        """Like :meth:`acquire`, returning the :class:`Route` (placement kind, previous)."""
-        return self._io.run(acquire_route(self._ctx, self.entrypoints, sid))
-
-    def retire(self, sids: Sequence[str]) -> list[str]:
-        """Retire ``sids``; returns those retired by this call. See :func:`retire`."""
-        return self._io.run(retire(self._ctx, sids, self.retention_ms))
-
-    def table(self, sids: Sequence[str] = ()) -> RouteTable:
-        """The run's routing table (all routers' routes). See :func:`route_table`."""
-        return self._io.run(route_table(self._ctx, sids))
-
-
-class AsyncRouter:
+class AsyncRouter(RouterMethods, AsyncPart[RouteScope]):
     """asyncio counterpart of :class:`Router` (``AsyncTraceStore.router([...])``)."""
-
-    def __init__(
-        self, io: AsyncIO, ctx: Context, entrypoints: Sequence[str], retention_s: float
-    ) -> None:
-        self.entrypoints = validate_entrypoints(entrypoints)
-        self.retention_ms = _ms("retention_s", retention_s)
-        self._io = io
-        self._ctx = ctx
-
-    async def acquire(self, sid: str) -> str:
-        """Async counterpart of :meth:`Router.acquire`."""
-        return await self._io.run(acquire(self._ctx, self.entrypoints, sid))
-
-    async def acquire_route(self, sid: str) -> Route:
-        """Async counterpart of :meth:`Router.acquire_route`."""
-        return await self._io.run(acquire_route(self._ctx, self.entrypoints, sid))
-
-    async def retire(self, sids: Sequence[str]) -> list[str]:
-        """Async counterpart of :meth:`Router.retire`."""
-        return await self._io.run(retire(self._ctx, sids, self.retention_ms))
-
-    async def table(self, sids: Sequence[str] = ()) -> RouteTable:
-        """Async counterpart of :meth:`Router.table`."""
-        return await self._io.run(route_table(self._ctx, sids))
-
-
-def read_routes(store: TraceStore, sids: Sequence[str] = ()) -> RouteTable:
-    """The routing table of ``store``'s run without an entrypoint list (operators, CLI)."""
-    return store._io.run(route_table(store._ctx, sids))
 
 
 __all__ = [
     "DEFAULT_RETENTION_S",
     "AsyncRouter",
     "Route",
+    "RouteScope",
     "RouteTable",
     "Router",
-    "read_routes",
+    "route_scope",
+    "route_table",
     "validate_entrypoints",
 ]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .context import SCHEMA_VERSION, Context
-from .keys import meta_pattern, run_of_meta_key, validate_ids
-from .scripts import Batch, Cmd, Eval, Op, ScanAll, script, variadic_evals
+from .keys import meta_pattern, run_of_meta_key
+from .replies import Reply, text
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, ServerTime, script, variadic_evals
+from .validate import validate_ids
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,21 @@ def init_run(ctx: Context) -> Op[RunInfo]:
     reply = yield Eval(
         script("init_run"), (ctx.keys.meta,), (SCHEMA_VERSION, ctx.config.to_json())
     )
-    schema, created_ms, created = reply
-    return RunInfo(ctx.keys.run, int(schema), int(created_ms), bool(created))
+    r = Reply(reply, "init_run")
+    schema, created_ms, created = r.int(), r.int(), r.flag()
+    return RunInfo(ctx.keys.run, schema, created_ms, created)
 
 
 def ping(ctx: Context) -> Op[bool]:
     """PING the node of the run's control plane. One round trip."""
     reply = yield Cmd(("PING",), key=ctx.keys.meta)
     return bool(reply)
+
+
+def server_ms(ctx: Context) -> Op[int]:
+    """The server clock (ms, ``TIME``) of the run's control-plane node. One round trip."""
+    now = yield ServerTime(ctx.keys.meta)
+    return int(now)
 
 
 def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str] | None]]:
@@ -54,10 +62,10 @@ def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str
     sids = validate_ids("session id", sids)
     evals = variadic_evals("session_states", (), [ctx.keys.session(s) for s in sids])
     replies = yield Batch(tuple(evals))
-    flat: list[Any] = [x for r in replies for x in r]
+    r = Reply([x for part in replies for x in part], "session_states")
     out: dict[str, tuple[str, str] | None] = {}
-    for i, sid in enumerate(sids):
-        owner, state = _s(flat[2 * i]), _s(flat[2 * i + 1])
+    for sid in sids:
+        owner, state = r.text(), r.text()
         out[sid] = (owner, state) if state else None
     return out
 
@@ -65,8 +73,7 @@ def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str
 def server_info(ctx: Context, prefix: str = "ts") -> Op[ServerInfo]:
     """Engine, version, mode and the runs found under ``prefix`` (SCAN on every primary)."""
     info = yield Cmd(("INFO", "server"), key=ctx.keys.meta)
-    text = _s(info) if not isinstance(info, dict) else ""
-    fields = info if isinstance(info, dict) else _parse_info(text)
+    fields = info if isinstance(info, dict) else _parse_info(text(info))
     engine = "valkey" if "valkey_version" in fields or fields.get("server_name") == "valkey" else "redis"
     version = str(fields.get("valkey_version") or fields.get("redis_version") or "?")
     keys = yield ScanAll(meta_pattern(prefix), count=1000)
@@ -85,7 +92,3 @@ def _parse_info(text: str) -> dict[str, str]:
             k, v = line.split(":", 1)
             out[k.strip()] = v.strip()
     return out
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)

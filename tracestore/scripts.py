@@ -17,8 +17,9 @@ to exceptions by :func:`tracestore.errors.raise_for_code`). The executor
 strips the status, so an operation sees only the result.
 
 Operations are written once as generators that yield requests
-(:class:`Eval`, :class:`Batch`, :class:`Cmd`, :class:`ScanAll`) and receive
-their replies; the sync and asyncio I/O layers drive the same generator.
+(:class:`Eval`, :class:`Batch`, :class:`Cmd`, :class:`ScanAll`,
+:class:`ServerTime`, :class:`Blocking`) and receive their replies; the sync
+and asyncio runners (:mod:`tracestore.twin`) drive the same generator.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -156,11 +157,17 @@ def script(name: str) -> Script:
 
 @dataclass(frozen=True)
 class Eval:
-    """Run ``script`` with ``keys`` and ``args`` (EVALSHA, reloaded on NOSCRIPT)."""
+    """Run ``script`` with ``keys`` and ``args`` (EVALSHA, reloaded on NOSCRIPT).
+
+    ``op_id``: the idempotency token of a mutating call (its op key is in
+    ``keys``), so that an error whose outcome is unknown can name it; None
+    for scripts without one.
+    """
 
     script: Script
     keys: tuple[str, ...]
     args: tuple[Any, ...] = ()
+    op_id: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.script.check_keys(self.keys)
@@ -211,7 +218,18 @@ class ServerTime:
     key: str | None = None
 
 
-Request = Eval | Cmd | ScanAll | Batch | ServerTime
+@dataclass(frozen=True)
+class Blocking:
+    """Call ``fn()`` (local file I/O) and reply with its result.
+
+    The sync runner calls it in place; the asyncio runner in a worker
+    thread, so an operation never blocks the event loop.
+    """
+
+    fn: Callable[[], Any]
+
+
+Request = Eval | Cmd | ScanAll | Batch | ServerTime | Blocking
 R = TypeVar("R")
 #: An operation: a generator yielding requests and returning its result.
 Op = Generator[Request, Any, R]

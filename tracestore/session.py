@@ -39,14 +39,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
+from . import traces
 from .errors import InvalidInput
-from .keys import validate_id
+from .scripts import Op
+from .scripts import Request as ScriptRequest
+from .store import AsyncTraceStore, StoreMethods, TraceStore
 from .traces import PrefixMatch, Turn
+from .twin import AsyncRunner, SyncRunner, op
+from .validate import validate_id
 
-if TYPE_CHECKING:
-    from .store import AsyncTraceStore, TraceStore
+St = TypeVar("St", bound=StoreMethods)
 
 Message = Mapping[str, Any]
 Render = Callable[[Sequence[Message], bool], str]
@@ -100,15 +104,29 @@ class _Plan:
     parts: tuple[Any, Any] | None  # routed-expert rows of the delta and of the response
 
 
-class _Recorder:
-    """State and checks shared by :class:`TurnRecorder` and :class:`AsyncTurnRecorder`."""
+class RecorderMethods(Generic[St]):
+    """State, checks and methods of :class:`TurnRecorder` and :class:`AsyncTurnRecorder`, written once.
 
-    def __init__(self, render: Render, encode: Encode, holder: ExpertHolder | None) -> None:
+    ``render(messages, add_generation_prompt) -> str`` is the chat template,
+    ``encode(text) -> list[int]`` the tokenizer; ``holder`` keeps routed
+    experts (``put(sid, value) -> expert_key``), or None to record no experts.
+    The recorder remembers the last prepared request of each session so that
+    ``after_response`` does not look the prefix up again when the prompt is
+    unchanged (otherwise it looks up again). Not thread-safe per session.
+    Costs: ``before_request`` one lookup (1 round trip warm), ``after_response``
+    one ``record_turn`` (1 round trip).
+    """
+
+    def __init__(
+        self, store: St, render: Render, encode: Encode, holder: ExpertHolder | None = None
+    ) -> None:
+        self.store = store
         self.render = render
         self.encode = encode
         self.holder = holder
         self.stats = RecorderStats()
         self._pending: dict[str, Request] = {}
+        self._scope = self  # what the recorder's operations receive
 
     def forget(self, sid: str) -> None:
         """Drop the remembered request of ``sid`` (after an aborted or failed request)."""
@@ -180,162 +198,113 @@ class _Recorder:
         self.stats.expert_bytes += sum(int(getattr(x, "nbytes", 0)) for x in plan.parts)
         return dkey, rkey
 
-    @staticmethod
-    def _record_args(plan: _Plan, keys: tuple[str | None, str | None]) -> dict[str, Any]:
-        req = plan.req
-        return {
-            "sid": req.sid,
-            "prompt_text": req.prompt_text,
-            "response_text": plan.response_text,
-            "prefix": req.prefix,
-            "delta_token_ids": req.delta_ids,
-            "response_token_ids": plan.output_ids,
-            "response_logprobs": plan.logprobs,
-            "version": plan.version,
-            "delta_expert_key": keys[0],
-            "response_expert_key": keys[1],
-        }
-
     def _invalid(self, sid: str, field: str, message: str) -> InvalidInput:
         self.stats.invalid += 1
         self._pending.pop(sid, None)
         return InvalidInput(field, message)
 
 
-_DOC_AFTER = """Record the turn: delta node (key = old prompt) and response node (key = new prompt).
+def prepare(rec: RecorderMethods[Any], sid: str, messages: Sequence[Message]) -> Op[Request]:
+    """Render, look up the stored prefix and tokenize the delta; writes nothing. One round trip warm."""
+    prompt = rec._prompt(sid, messages)
+    t0 = time.perf_counter()
+    try:
+        match = yield from traces.lookup(rec.store.context, sid, prompt)
+    finally:
+        rec.stats.store_s += time.perf_counter() - t0
+    return rec._remember(sid, prompt, match)
 
-        ``messages`` are those passed to ``before_request``;
-        ``assistant_message`` is the parsed answer; ``output_ids`` /
-        ``logprobs`` what the engine generated; ``routed_experts`` the
-        engine's ``[input + output tokens, layers, top_k]`` array (None:
-        record no experts); ``version`` the weight version of the request's
-        gate lease. Raises InvalidInput (nothing put, nothing written) when the
-        response is invalid; otherwise the errors of ``record_turn``.
-        """
+
+def before_request(rec: RecorderMethods[Any], sid: str, messages: Sequence[Message]) -> Op[list[int]]:
+    """The input ids to send for ``messages`` (stored prefix ids + delta ids). One round trip warm."""
+    req = yield from prepare(rec, sid, messages)
+    return req.input_ids
 
 
-class TurnRecorder(_Recorder):
+def after_response(
+    rec: RecorderMethods[Any],
+    sid: str,
+    messages: Sequence[Message],
+    assistant_message: Message,
+    output_ids: Sequence[int],
+    logprobs: Sequence[float],
+    routed_experts: Any | None,
+    version: int,
+) -> Op[Turn]:
+    """Record the turn: delta node (key = old prompt) and response node (key = new prompt).
+
+    ``messages`` are those passed to ``before_request``;
+    ``assistant_message`` is the parsed answer; ``output_ids`` /
+    ``logprobs`` what the engine generated; ``routed_experts`` the
+    engine's ``[input + output tokens, layers, top_k]`` array (None:
+    record no experts); ``version`` the weight version of the request's
+    gate lease. Raises InvalidInput (nothing put, nothing written) when the
+    response is invalid; otherwise the errors of ``record_turn``. One round
+    trip (two when the prompt changed since ``before_request``).
+    """
+    req = rec._pending_for(sid, rec._prompt(sid, messages))
+    if req is None:
+        req = yield from prepare(rec, sid, messages)
+    plan = rec._plan(req, messages, assistant_message, output_ids, logprobs, routed_experts, version)
+    dkey, rkey = rec._put(plan)
+    t0 = time.perf_counter()
+    try:
+        turn = yield from traces.record_turn(
+            rec.store.context,
+            req.sid,
+            req.prompt_text,
+            plan.response_text,
+            prefix=req.prefix,
+            delta_token_ids=req.delta_ids,
+            response_token_ids=plan.output_ids,
+            response_logprobs=plan.logprobs,
+            version=plan.version,
+            delta_expert_key=dkey,
+            response_expert_key=rkey,
+        )
+    finally:
+        rec.stats.store_s += time.perf_counter() - t0
+        rec._pending.pop(sid, None)
+    rec.stats.turns += 1
+    return turn
+
+
+class _RecorderOps:
+    prepare = op(prepare)
+    before_request = op(before_request)
+    after_response = op(after_response)
+
+
+class TurnRecorder(_RecorderOps, RecorderMethods[TraceStore], SyncRunner[RecorderMethods[Any]]):
     """XTuner-style ``on_request`` / ``on_response`` over a :class:`~tracestore.TraceStore`.
 
-    ``render(messages, add_generation_prompt) -> str`` is the chat template,
-    ``encode(text) -> list[int]`` the tokenizer; ``holder`` keeps routed
-    experts (``put(sid, value) -> expert_key``), or None to record no experts.
-    The recorder remembers the last prepared request of each session so that
-    ``after_response`` does not look the prefix up again when the prompt is
-    unchanged (otherwise it looks up again). Not thread-safe per session.
-    Costs: ``before_request`` one lookup (1 round trip warm), ``after_response``
-    one ``record_turn`` (1 round trip).
+    See :class:`RecorderMethods` for the arguments and costs.
     """
 
-    def __init__(
-        self,
-        store: TraceStore,
-        render: Render,
-        encode: Encode,
-        holder: ExpertHolder | None = None,
-    ) -> None:
-        super().__init__(render, encode, holder)
-        self.store = store
-
-    def prepare(self, sid: str, messages: Sequence[Message]) -> Request:
-        """Render, look up the stored prefix and tokenize the delta; writes nothing."""
-        prompt = self._prompt(sid, messages)
-        t0 = time.perf_counter()
-        try:
-            match = self.store.lookup(sid, prompt)
-        finally:
-            self.stats.store_s += time.perf_counter() - t0
-        return self._remember(sid, prompt, match)
-
-    def before_request(self, sid: str, messages: Sequence[Message]) -> list[int]:
-        """The input ids to send for ``messages`` (stored prefix ids + delta ids)."""
-        return self.prepare(sid, messages).input_ids
-
-    def after_response(
-        self,
-        sid: str,
-        messages: Sequence[Message],
-        assistant_message: Message,
-        output_ids: Sequence[int],
-        logprobs: Sequence[float],
-        routed_experts: Any | None,
-        version: int,
-    ) -> Turn:
-        req = self._pending_for(sid, self._prompt(sid, messages)) or self.prepare(sid, messages)
-        plan = self._plan(
-            req, messages, assistant_message, output_ids, logprobs, routed_experts, version
-        )
-        keys = self._put(plan)
-        t0 = time.perf_counter()
-        try:
-            turn = self.store.record_turn(**self._record_args(plan, keys))
-        finally:
-            self.stats.store_s += time.perf_counter() - t0
-            self._pending.pop(sid, None)
-        self.stats.turns += 1
-        return turn
-
-    after_response.__doc__ = _DOC_AFTER
+    def execute(self, request: ScriptRequest) -> Any:
+        """Execute one request through the store."""
+        return self.store.execute(request)
 
 
-class AsyncTurnRecorder(_Recorder):
+class AsyncTurnRecorder(
+    _RecorderOps, RecorderMethods[AsyncTraceStore], AsyncRunner[RecorderMethods[Any]]
+):
     """:class:`TurnRecorder` over an :class:`~tracestore.AsyncTraceStore` (same methods, coroutines).
 
     For asyncio session servers (an OpenAI-compatible proxy). The holder's
     ``put`` is called synchronously (``RefHolder.put`` is a local ``ray.put``).
     """
 
-    def __init__(
-        self,
-        store: AsyncTraceStore,
-        render: Render,
-        encode: Encode,
-        holder: ExpertHolder | None = None,
-    ) -> None:
-        super().__init__(render, encode, holder)
-        self.store = store
-
-    async def prepare(self, sid: str, messages: Sequence[Message]) -> Request:
-        """Render, look up the stored prefix and tokenize the delta; writes nothing."""
-        prompt = self._prompt(sid, messages)
-        t0 = time.perf_counter()
-        try:
-            match = await self.store.lookup(sid, prompt)
-        finally:
-            self.stats.store_s += time.perf_counter() - t0
-        return self._remember(sid, prompt, match)
-
-    async def before_request(self, sid: str, messages: Sequence[Message]) -> list[int]:
-        """The input ids to send for ``messages`` (stored prefix ids + delta ids)."""
-        return (await self.prepare(sid, messages)).input_ids
-
-    async def after_response(
-        self,
-        sid: str,
-        messages: Sequence[Message],
-        assistant_message: Message,
-        output_ids: Sequence[int],
-        logprobs: Sequence[float],
-        routed_experts: Any | None,
-        version: int,
-    ) -> Turn:
-        req = self._pending_for(sid, self._prompt(sid, messages)) or await self.prepare(
-            sid, messages
-        )
-        plan = self._plan(
-            req, messages, assistant_message, output_ids, logprobs, routed_experts, version
-        )
-        keys = self._put(plan)
-        t0 = time.perf_counter()
-        try:
-            turn: Turn = await self.store.record_turn(**self._record_args(plan, keys))
-        finally:
-            self.stats.store_s += time.perf_counter() - t0
-            self._pending.pop(sid, None)
-        self.stats.turns += 1
-        return turn
-
-    after_response.__doc__ = _DOC_AFTER
+    async def execute(self, request: ScriptRequest) -> Any:
+        """Execute one request through the store."""
+        return await self.store.execute(request)
 
 
-__all__ = ["AsyncTurnRecorder", "ExpertHolder", "RecorderStats", "Request", "TurnRecorder"]
+__all__ = [
+    "AsyncTurnRecorder",
+    "ExpertHolder",
+    "RecorderMethods",
+    "Request",
+    "RecorderStats",
+    "TurnRecorder",
+]

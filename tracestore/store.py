@@ -1,8 +1,14 @@
 """``TraceStore`` (sync) and ``AsyncTraceStore`` (asyncio): the public entry points.
 
-Both are thin: each public method is an operation from a domain module
-(``run``, ``traces``, ``ownership``, ...) driven by the matching I/O layer,
-so a method has the same name, arguments and docstring in both classes.
+Both are thin: :class:`StoreMethods` lists every public method once, each an
+operation of a domain module (``run``, ``traces``, ``ownership``, ...); the
+two classes differ only in the runner they are (:mod:`tracestore.twin`), so
+a method has the same name, arguments and docstring in both, and the async
+one is typed as a coroutine of the sync one's result.
+
+Any operation runs on either store: ``store.run(op(store.context, ...))``
+(``await astore.run(...)`` on the async one); :meth:`TraceStore.execute`
+runs one request.
 """
 
 from __future__ import annotations
@@ -13,13 +19,17 @@ from . import checkpoint as ckpt_ops
 from . import gc as gc_ops
 from . import ownership as own_ops
 from . import purge as purge_ops
-from . import replay as replay_ops
 from . import run as run_ops
 from . import traces as trace_ops
-from ._io import AsyncIO, SyncIO, async_op, sync_op
+from ._io import AsyncIO, SyncIO
 from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
+from .gate import AsyncGate, Gate
 from .keys import Keys
+from .replay import AsyncReplay, Replay
+from .router import AsyncRouter, Router, route_scope
+from .scripts import Request
+from .twin import AsyncRunner, SyncRunner, op, part, part_factory
 
 
 def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig]:
@@ -39,32 +49,99 @@ def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig]:
     )
 
 
-class _Base:
-    _ctx: Context
+class StoreMethods:
+    """The public methods of both stores, listed once (see :mod:`tracestore.twin`)."""
+
+    _scope: Context
     url: str
 
     @property
-    def run(self) -> str:
+    def run_id(self) -> str:
         """The run id this store works on."""
-        return self._ctx.keys.run
+        return self._scope.keys.run
 
     @property
     def keys(self) -> Keys:
         """The key builder of this run (for operators and tests)."""
-        return self._ctx.keys
+        return self._scope.keys
 
     @property
     def cluster(self) -> bool:
         """True when connected to a Redis Cluster."""
-        return self._ctx.cluster
+        return self._scope.cluster
 
     @property
     def config(self) -> StoreConfig:
         """This client's store configuration."""
-        return self._ctx.config
+        return self._scope.config
+
+    @property
+    def context(self) -> Context:
+        """What every operation receives first: ``store.run(op(store.context, ...))``."""
+        return self._scope
+
+    # -- run ------------------------------------------------------------------------
+    init_run = op(run_ops.init_run)
+    ping = op(run_ops.ping)
+    session_states = op(run_ops.session_states)
+    server_info = op(run_ops.server_info)
+
+    # -- data plane (traces, purge.py) ----------------------------------------------
+    lookup = op(trace_ops.lookup)
+    record_turn = op(trace_ops.record_turn)
+    insert = op(trace_ops.insert)
+    search = op(trace_ops.search)
+    export_training_trace = op(trace_ops.export_training_trace)
+    drop_session_data = op(purge_ops.drop_session_data)
+    drop_sessions_data = op(purge_ops.drop_sessions_data)
+    # (end data plane)
+
+    # -- control plane: ownership and release (ownership.py) ------------------------
+    open_session = op(own_ops.open_session)
+    open_sessions = op(own_ops.open_sessions)
+    owner_of = op(own_ops.owner_of)
+    transfer = op(own_ops.transfer)
+    release = op(own_ops.release)
+    release_owner = op(own_ops.release_owner)
+    sessions = op(own_ops.sessions)
+    owners = op(own_ops.owners)
+    heartbeat = op(own_ops.heartbeat)
+    gc = op(gc_ops.gc)
+    # (end control plane)
+
+    # -- gate and router (gate.py, router.py) ---------------------------------------
+    gate = part(
+        Gate,
+        AsyncGate,
+        """The run's request gate (:class:`~tracestore.gate.Gate`, or
+        :class:`~tracestore.gate.AsyncGate` on an async store): admit, settle, weight_update...""",
+    )
+    router = part_factory(
+        route_scope,
+        Router,
+        AsyncRouter,
+        """``router(entrypoints, *, retention_s=86400.0)``: session affinity over ``entrypoints``.
+
+        A :class:`~tracestore.router.Router` (an :class:`~tracestore.router.AsyncRouter`
+        on an async store). ``retention_s``: lifetime of the tombstones ``retire``
+        writes. Raises InvalidInput (empty list, duplicates) or InvalidId before any I/O.
+        """,
+    )
+    # (end gate)
+
+    # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
+    replay = part(
+        Replay,
+        AsyncReplay,
+        """The run's replay buffer (:class:`~tracestore.replay.Replay`, or
+        :class:`~tracestore.replay.AsyncReplay` on an async store): put, take, claim_retry, expire...""",
+    )
+    checkpoint = op(ckpt_ops.checkpoint)
+    restore = op(ckpt_ops.restore)
+    # (end replay)
 
 
-class TraceStore(_Base):
+class TraceStore(StoreMethods, SyncRunner[Context]):
     """Synchronous client of one run. Create it with :meth:`TraceStore.connect`.
 
     Thread-safe: the connection pool and the node cache may be shared by threads.
@@ -72,7 +149,7 @@ class TraceStore(_Base):
 
     def __init__(self, io: SyncIO, ctx: Context, url: str) -> None:
         self._io = io
-        self._ctx = ctx
+        self._scope = ctx
         self.url = url
 
     @classmethod
@@ -106,6 +183,14 @@ class TraceStore(_Base):
             raise
         return store
 
+    def execute(self, request: Request) -> Any:
+        """Execute one request of an operation and return its decoded reply.
+
+        Script errors become typed errors; redis-py errors StorageError or
+        ScriptError. One round trip (a Batch: one per node).
+        """
+        return self._io.execute(request)
+
     def close(self) -> None:
         """Close the connection pool."""
         self._io.close()
@@ -121,73 +206,8 @@ class TraceStore(_Base):
         """The underlying redis-py client (operators and tests; not needed for the API)."""
         return self._io.client
 
-    # -- run ------------------------------------------------------------------------
-    init_run = sync_op(run_ops.init_run)
-    ping = sync_op(run_ops.ping)
-    session_states = sync_op(run_ops.session_states)
-    server_info = sync_op(run_ops.server_info)
 
-    # -- data plane (traces.py, purge.py) -------------------------------------------
-    lookup = sync_op(trace_ops.lookup)
-    record_turn = sync_op(trace_ops.record_turn)
-    insert = sync_op(trace_ops.insert)
-    search = sync_op(trace_ops.search)
-    export_training_trace = sync_op(trace_ops.export_training_trace)
-    drop_session_data = sync_op(purge_ops.drop_session_data)
-    drop_sessions_data = sync_op(purge_ops.drop_sessions_data)
-    # (end data plane)
-
-    # -- control plane: ownership and release (ownership.py) ------------------------
-    open_session = sync_op(own_ops.open_session)
-    open_sessions = sync_op(own_ops.open_sessions)
-    owner_of = sync_op(own_ops.owner_of)
-    transfer = sync_op(own_ops.transfer)
-    release = sync_op(own_ops.release)
-    release_owner = sync_op(own_ops.release_owner)
-    sessions = sync_op(own_ops.sessions)
-    owners = sync_op(own_ops.owners)
-    heartbeat = sync_op(own_ops.heartbeat)
-    gc = sync_op(gc_ops.gc)
-    # (end control plane)
-
-    # -- gate and router (gate.py, router.py) ---------------------------------------
-    @property
-    def gate(self) -> Any:
-        """The run's request gate (:class:`~tracestore.gate.Gate`): admit, settle, weight_update..."""
-        from .gate import Gate
-
-        gate = self._ctx.caches.get("gate")
-        if gate is None:
-            gate = self._ctx.caches["gate"] = Gate(self._io, self._ctx)
-        return gate
-
-    def router(self, entrypoints: Any, *, retention_s: float = 86400.0) -> Any:
-        """Session affinity over ``entrypoints`` (:class:`~tracestore.router.Router`).
-
-        ``retention_s``: lifetime of the tombstones ``retire`` writes. Raises
-        InvalidInput (empty list, duplicates) or InvalidId before any I/O.
-        """
-        from .router import Router
-
-        return Router(self._io, self._ctx, entrypoints, retention_s)
-
-    # (end gate)
-
-    # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
-    @property
-    def replay(self) -> replay_ops.Replay:
-        """The run's replay buffer (:class:`~tracestore.replay.Replay`): put, take, claim_retry, expire..."""
-        rb = self._ctx.caches.get("replay")
-        if rb is None:
-            rb = self._ctx.caches["replay"] = replay_ops.Replay(self._io, self._ctx)
-        return rb
-
-    checkpoint = sync_op(ckpt_ops.checkpoint)
-    restore = sync_op(ckpt_ops.restore)
-    # (end replay)
-
-
-class AsyncTraceStore(_Base):
+class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
     """asyncio client of one run; same methods as :class:`TraceStore`, as coroutines.
 
     Create it with ``await AsyncTraceStore.connect(...)``.
@@ -195,7 +215,7 @@ class AsyncTraceStore(_Base):
 
     def __init__(self, io: AsyncIO, ctx: Context, url: str) -> None:
         self._io = io
-        self._ctx = ctx
+        self._scope = ctx
         self.url = url
 
     @classmethod
@@ -211,7 +231,7 @@ class AsyncTraceStore(_Base):
         """Async counterpart of :meth:`TraceStore.connect` (same arguments and errors)."""
         keys = Keys(prefix, run)
         copts, config = _split_opts(opts)
-        client, cluster, display = async_client(url, copts)
+        client, cluster, display = await async_client(url, copts)
         store = cls(AsyncIO(client, cluster=cluster), Context(keys, cluster, config), display)
         try:
             await (store.init_run() if create_run else store.ping())
@@ -219,6 +239,10 @@ class AsyncTraceStore(_Base):
             await store.close()
             raise
         return store
+
+    async def execute(self, request: Request) -> Any:
+        """Async counterpart of :meth:`TraceStore.execute`."""
+        return await self._io.execute(request)
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -234,71 +258,6 @@ class AsyncTraceStore(_Base):
     def redis(self) -> Any:
         """The underlying redis-py asyncio client."""
         return self._io.client
-
-    # -- run ------------------------------------------------------------------------
-    init_run = async_op(run_ops.init_run)
-    ping = async_op(run_ops.ping)
-    session_states = async_op(run_ops.session_states)
-    server_info = async_op(run_ops.server_info)
-
-    # -- data plane (traces.py, purge.py) -------------------------------------------
-    lookup = async_op(trace_ops.lookup)
-    record_turn = async_op(trace_ops.record_turn)
-    insert = async_op(trace_ops.insert)
-    search = async_op(trace_ops.search)
-    export_training_trace = async_op(trace_ops.export_training_trace)
-    drop_session_data = async_op(purge_ops.drop_session_data)
-    drop_sessions_data = async_op(purge_ops.drop_sessions_data)
-    # (end data plane)
-
-    # -- control plane: ownership and release (ownership.py) ------------------------
-    open_session = async_op(own_ops.open_session)
-    open_sessions = async_op(own_ops.open_sessions)
-    owner_of = async_op(own_ops.owner_of)
-    transfer = async_op(own_ops.transfer)
-    release = async_op(own_ops.release)
-    release_owner = async_op(own_ops.release_owner)
-    sessions = async_op(own_ops.sessions)
-    owners = async_op(own_ops.owners)
-    heartbeat = async_op(own_ops.heartbeat)
-    gc = async_op(gc_ops.gc)
-    # (end control plane)
-
-    # -- gate and router (gate.py, router.py) ---------------------------------------
-    @property
-    def gate(self) -> Any:
-        """The run's request gate (:class:`~tracestore.gate.AsyncGate`): admit, settle, weight_update..."""
-        from .gate import AsyncGate
-
-        gate = self._ctx.caches.get("gate")
-        if gate is None:
-            gate = self._ctx.caches["gate"] = AsyncGate(self._io, self._ctx)
-        return gate
-
-    def router(self, entrypoints: Any, *, retention_s: float = 86400.0) -> Any:
-        """Session affinity over ``entrypoints`` (:class:`~tracestore.router.AsyncRouter`).
-
-        ``retention_s``: lifetime of the tombstones ``retire`` writes. Raises
-        InvalidInput (empty list, duplicates) or InvalidId before any I/O.
-        """
-        from .router import AsyncRouter
-
-        return AsyncRouter(self._io, self._ctx, entrypoints, retention_s)
-
-    # (end gate)
-
-    # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
-    @property
-    def replay(self) -> replay_ops.AsyncReplay:
-        """The run's replay buffer (:class:`~tracestore.replay.AsyncReplay`): put, take, claim_retry, expire..."""
-        rb = self._ctx.caches.get("replay")
-        if rb is None:
-            rb = self._ctx.caches["replay"] = replay_ops.AsyncReplay(self._io, self._ctx)
-        return rb
-
-    checkpoint = async_op(ckpt_ops.checkpoint)
-    restore = async_op(ckpt_ops.restore)
-    # (end replay)
 
 
 def connect(url: str | None = None, run: str = "default", **opts: Any) -> TraceStore:

@@ -14,7 +14,7 @@ import orjson
 
 from .._table import format_table
 from ..gate import GateStatus
-from ..router import read_routes
+from ..router import route_table
 from ..store import TraceStore
 from . import connect, guarded, main, run_option, url_option
 
@@ -170,7 +170,7 @@ def gate_clear_poison(url: str | None, run: str, lease_ids: tuple[str, ...], cle
 def routes(url: str | None, run: str, sids: tuple[str, ...]) -> None:
     """Session affinity: load per entrypoint, and the entrypoint of each of SIDS."""
     with connect(url, run) as store:
-        table = read_routes(store, list(sids))
+        table = store.run(route_table(store.context, list(sids)))
     click.echo(format_table(["entrypoint", "sessions"], sorted(table.load.items())))
     click.echo(f"routed sessions: {table.routed}; retired (tombstoned): {table.retired}")
     if sids:

@@ -16,7 +16,7 @@ import click
 import orjson
 
 from .._table import format_table
-from ..scripts import ServerTime
+from ..run import server_ms
 from . import connect, guarded, main, run_option, url_option
 
 
@@ -99,7 +99,7 @@ def sessions_command(url: str | None, run: str, owner: str | None, as_json: bool
             click.echo(orjson.dumps(sids).decode() if as_json else "\n".join(sids))
             return
         infos = store.owners()
-        now = store._io.execute(ServerTime(store.keys.meta))  # server clock (ms)
+        now = store.run(server_ms(store.context))  # server clock (ms)
     if as_json:
         click.echo(orjson.dumps(infos, option=orjson.OPT_INDENT_2).decode())
         return

@@ -1,0 +1,55 @@
+"""Prefix traces of multi-turn sessions: the data plane (DESIGN sections 3 and 4).
+
+A session's trace is a trie of immutable *nodes*. A node's key is the full
+rendered text from the start of the conversation to the node's end; its id
+is ``blake2b-128(key UTF-8)`` (hex); its value is the segment between its
+parent's end and its own end (token ids, logprobs, a labels flag, the weight
+version, an optional expert key). Per session, in the slot ``{R/sid}``:
+
+* ``idx``: digest -> ``"parent,end,ntok,flags,version,expert_key"`` (``end``
+  in characters of the key), plus ``#e`` (the data's epoch) and ``#v`` (the
+  index version, bumped by every write that adds nodes);
+* ``tok``: digest -> packed payload (:mod:`tracestore.codec`);
+* ``txt``: digest -> the segment's text (``StoreConfig.store_text``).
+
+Cost model: the prompt text never goes to Redis. A client keeps the index of
+each session it touches and the payloads of nodes it has read or written in
+a bounded cache (:mod:`tracestore.nodecache`); nodes are immutable so cached
+payloads never go stale, and each read checks the index version on the
+server in the same round trip that fetches what the cache lacks. The client
+hashes its prompt incrementally at the stored node ends and takes the
+longest stored key that prefixes it. Redis CPU and bytes on the wire per turn
+are O(new tokens + number of nodes), independent of the context length.
+
+Semantics follow XTuner's trace store (see PRIOR_ART.md): a lookup returns
+the longest stored key that prefixes the text and the nodes on its path;
+insert hangs a new node under that longest prefix. Unlike XTuner, nodes are
+never overwritten (equal rewrite = no-op, else :class:`NodeConflict`) and
+reads never create a session.
+
+The package is split by job: :mod:`~tracestore.traces.types` (value types),
+:mod:`~tracestore.traces.index` (digests, the index trie, cache keys),
+:mod:`~tracestore.traces.reads` (lookup, search, export) and
+:mod:`~tracestore.traces.write` (record_turn, insert).
+"""
+
+from __future__ import annotations
+
+from .index import node_id
+from .reads import export_training_trace, lookup, search
+from .types import Node, PrefixMatch, Segment, Trace, Turn
+from .write import insert, record_turn
+
+__all__ = [
+    "Node",
+    "PrefixMatch",
+    "Segment",
+    "Trace",
+    "Turn",
+    "export_training_trace",
+    "insert",
+    "lookup",
+    "node_id",
+    "record_turn",
+    "search",
+]

@@ -1,0 +1,150 @@
+"""The session index as a trie (pure): digests of keys, the cached index snapshot, cache keys.
+
+A node's id is ``blake2b-128(key UTF-8)``; the client hashes a text once,
+from stored end to stored end, to find the longest stored key prefixing it
+(:meth:`SessionIndex.match`). Index snapshots and node payloads are cached
+in the store's :class:`~tracestore.nodecache.NodeCache` under the keys built
+here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import InvalidInput, ScriptError
+from ..nodecache import NodeCache
+from ..replies import pairs, text
+from .types import Node
+
+
+def utf8(field_name: str, text: str) -> bytes:
+    """``text`` as UTF-8; InvalidInput naming ``field_name`` when it is not a str or not encodable."""
+    if not isinstance(text, str):
+        raise InvalidInput(field_name, f"expected str, got {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(
+            field_name, f"not valid UTF-8 text ({exc.reason} at {exc.start})"
+        ) from None
+
+
+def hasher() -> Any:
+    """A fresh node-id hash (blake2b, 16-byte digest)."""
+    return hashlib.blake2b(digest_size=16)
+
+
+def node_id(key_text: str) -> str:
+    """The id of the node whose key is ``key_text``: blake2b-128 of its UTF-8, hex."""
+    h = hasher()
+    h.update(utf8("key_text", key_text))
+    return str(h.hexdigest())
+
+
+class SessionIndex:
+    """Immutable snapshot of a session index at one version (cached per session)."""
+
+    __slots__ = ("epoch", "version", "nodes", "ends")
+
+    def __init__(self, epoch: str, version: int, nodes: dict[str, Node]) -> None:
+        self.epoch = epoch
+        self.version = version
+        self.nodes = nodes
+        self.ends = sorted({n.end for n in nodes.values()})
+
+    @classmethod
+    def from_pairs(cls, epoch: str, version: int, flat: Sequence[Any]) -> SessionIndex:
+        """The snapshot of an ``idx`` hash read as ``[field, value, ...]`` (``#`` fields skipped)."""
+        nodes: dict[str, Node] = {}
+        for f, v in pairs(flat):
+            digest = text(f)
+            if not digest.startswith("#"):
+                nodes[digest] = Node.parse(digest, text(v))
+        return cls(epoch, version, nodes)
+
+    def with_nodes(self, epoch: str, version: int, new: Sequence[Node]) -> SessionIndex:
+        """A new snapshot with ``new`` nodes added (this one is never changed)."""
+        nodes = dict(self.nodes)
+        nodes.update((n.id, n) for n in new)
+        return SessionIndex(epoch, version, nodes)
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory of the snapshot (its size in the cache)."""
+        return 200 + 250 * len(self.nodes)
+
+    def longest(self, text: str, field_name: str, *, limit: int | None = None) -> Node | None:
+        """The node with the longest key that prefixes ``text`` (and ends <= ``limit``)."""
+        return self.match(text, field_name, limit=limit)[0]
+
+    def match(
+        self, text: str, field_name: str, *, limit: int | None = None, encoded: bytes = b""
+    ) -> tuple[Node | None, Any]:
+        """:meth:`longest`, and the hash state at its end (None when nothing matched).
+
+        One pass over ``text``: the hash state is advanced from end to end and
+        copied at each stored end (no text is hashed twice). ``encoded``, when
+        the caller has it, is ``text`` in UTF-8: an ASCII text (as many bytes
+        as characters) is then hashed from it, without encoding it again.
+        """
+        n = len(text) if limit is None else min(limit, len(text))
+        raw = memoryview(encoded) if encoded and len(encoded) == len(text) else None
+        h = hasher()
+        pos = 0
+        best: Node | None = None
+        best_h: Any = None
+        for end in self.ends:
+            if end > n:
+                break
+            h.update(raw[pos:end] if raw is not None else utf8(field_name, text[pos:end]))
+            pos = end
+            at = h.copy()
+            node = self.nodes.get(at.hexdigest())
+            if node is not None and node.end == end:
+                best, best_h = node, at
+        return best, best_h
+
+    def path(self, node: Node | None) -> list[Node]:
+        """The nodes from the root to ``node`` (empty for None); ScriptError on a cycle."""
+        out: list[Node] = []
+        while node is not None:
+            out.append(node)
+            node = self.nodes.get(node.parent) if node.parent else None
+            if len(out) > len(self.nodes):
+                raise ScriptError("read_index", "cycle in a session index")
+        out.reverse()
+        return out
+
+
+def as_bytes(x: Any) -> bytes:
+    """A reply item as bytes (payloads come back as bytes; anything else is encoded)."""
+    return x if isinstance(x, bytes) else str(x).encode()
+
+
+def idx_key(sid: str) -> tuple[str, str]:
+    """Cache key of a session's index snapshot."""
+    return ("idx", sid)
+
+
+def tok_key(sid: str, epoch: str, digest: str) -> tuple[str, str, str, str]:
+    """Cache key of a node payload (valid for one data epoch of the session)."""
+    return ("tok", sid, epoch, digest)
+
+
+def cache_payload(cache: NodeCache, sid: str, epoch: str, digest: str, data: bytes) -> None:
+    """Cache the payload of node ``digest`` (immutable, so it never goes stale within its epoch)."""
+    cache.put(tok_key(sid, epoch, digest), data, len(data) + 120)
+
+
+__all__ = [
+    "SessionIndex",
+    "as_bytes",
+    "cache_payload",
+    "hasher",
+    "idx_key",
+    "node_id",
+    "tok_key",
+    "utf8",
+]

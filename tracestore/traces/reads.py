@@ -1,0 +1,240 @@
+"""Reading traces: lookup, search, export_training_trace (DESIGN section 4).
+
+Every read goes through :func:`read_path`: it checks the cached index
+snapshot against the server's index version in the same round trip that
+fetches the payloads the cache lacks, so a warm read is one round trip.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import codec, replies
+from ..context import Context
+from ..errors import InvalidInput, PromptMismatch, SessionReleased
+from ..nodecache import node_cache
+from ..replies import Reply
+from ..scripts import Cmd, Eval, Op, script
+from ..validate import validate_id
+from .index import SessionIndex, as_bytes, cache_payload, idx_key, node_id, tok_key, utf8
+from .types import HashedPrefix, Node, PrefixMatch, Segment, Trace
+
+#: Characters of context shown on each side of a PromptMismatch.
+WINDOW = 40
+
+
+def read_path(
+    ctx: Context, sid: str, pick: Callable[[SessionIndex], Node | None]
+) -> Op[tuple[SessionIndex, list[Node], dict[str, bytes]]]:
+    """Resolve ``pick(index) -> node | None`` and fetch the payloads of its path.
+
+    Warm (cached index still current, payloads cached): one round trip, the
+    version check. Cold or changed index: the same round trip returns the
+    index; a second fetches the payloads the cache lacks.
+    """
+    k = ctx.keys
+    cache = node_cache(ctx)
+    snap: SessionIndex | None = cache.get(idx_key(sid))
+    want: list[str] = []
+    guess: list[Node] = []
+    if snap is not None:
+        guess = snap.path(pick(snap))
+        want = [n.id for n in guess if cache.get(tok_key(sid, snap.epoch, n.id)) is None]
+    reply = yield Eval(
+        script("read_index"),
+        (k.idx(sid), k.tok(sid), k.dead(sid)),
+        (snap.epoch if snap else "", snap.version if snap else -1, *want),
+    )
+    r = Reply(reply, "read_index")
+    dead, epoch, version, changed = r.flag(), r.text(), r.int(), r.flag()
+    index_pairs = r.take(r.int())
+    if dead:
+        cache.discard(idx_key(sid))
+        raise SessionReleased(sid, "its trace data was purged")
+    got: dict[str, bytes] = {}
+    for digest, data in zip(want, r.rest(), strict=True):
+        if snap is not None and snap.epoch == epoch and data != b"":
+            got[digest] = as_bytes(data)
+    if changed:
+        snap = SessionIndex.from_pairs(epoch, version, index_pairs)
+        cache.put(idx_key(sid), snap, snap.nbytes)
+    assert snap is not None
+    for digest, data in got.items():  # came over the wire: cache them
+        cache_payload(cache, sid, epoch, digest, data)
+    path = snap.path(pick(snap)) if changed else guess  # unchanged index: same pick
+    missing = []
+    for n in path:
+        if n.id in got:
+            continue
+        data = cache.get(tok_key(sid, epoch, n.id))  # (a hit is now most recently used)
+        if data is None:
+            missing.append(n.id)
+        else:
+            got[n.id] = data
+    if missing:
+        fetched = yield Cmd(("HMGET", k.tok(sid), *missing), key=k.tok(sid))
+        for digest, data in zip(missing, fetched, strict=True):
+            if data is None:  # purged between the two round trips
+                cache.discard(idx_key(sid))
+                raise SessionReleased(sid, "its trace data was purged during the read")
+            got[digest] = as_bytes(data)
+            cache_payload(cache, sid, epoch, digest, got[digest])
+    return snap, path, got
+
+
+def _ids_of(path: Sequence[Node], payloads: dict[str, bytes]) -> list[int]:
+    parts = [payloads[n.id][: 4 * n.ntok] for n in path]
+    a = array("i")
+    a.frombytes(b"".join(parts))
+    if codec._BIG_ENDIAN:
+        a.byteswap()
+    return a.tolist()
+
+
+def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
+    """The longest stored prefix of ``prompt_text`` in session ``sid``, with its token ids.
+
+    Call it before sending a request to the engine: send ``token_ids`` plus
+    the tokens of ``prompt_text[text_len:]``, then pass the match to
+    :func:`record_turn`. The prompt text is hashed locally and never sent.
+    Reading never creates a session; an unknown session matches nothing.
+
+    Raises InvalidId (sid), InvalidInput (text not valid UTF-8) before I/O;
+    SessionReleased when the session's data was purged.
+
+    Round trips: 1 with a warm cache (index version check; payloads the
+    cache lacks come in the same reply), 2 when the index changed or is not
+    cached (index, then the payloads the cache lacks).
+    """
+    validate_id("session id", sid)
+    encoded = utf8("prompt_text", prompt_text)
+    state: list[Any] = [None]
+
+    def pick(ix: SessionIndex) -> Node | None:
+        node, state[0] = ix.match(prompt_text, "prompt_text", encoded=encoded)
+        return node
+
+    snap, path, payloads = yield from read_path(ctx, sid, pick)
+    node = path[-1] if path else None
+    hashed = HashedPrefix(prompt_text[: node.end], state[0]) if node is not None else None
+    return PrefixMatch(
+        node.end if node else 0, _ids_of(path, payloads), node, tuple(path), _hashed=hashed
+    )
+
+
+def search(ctx: Context, sid: str, text: str) -> Op[PrefixMatch]:
+    """XTuner-style search: the longest stored key prefixing ``text`` and the nodes on its path.
+
+    Like :func:`lookup`, and also fills ``PrefixMatch.segments`` (one
+    :class:`Segment` per node, with its text cut from ``text``). Raises and
+    costs as :func:`lookup` (1 round trip warm, 2 cold).
+    """
+    validate_id("session id", sid)
+    utf8("text", text)
+    snap, path, payloads = yield from read_path(ctx, sid, lambda ix: ix.longest(text, "text"))
+    node = path[-1] if path else None
+    segments = []
+    start = 0
+    for n in path:
+        p = codec.unpack(payloads[n.id], n.ntok, n.flags)
+        segments.append(
+            Segment(
+                list(p.token_ids),
+                list(p.logprobs),
+                list(p.labels),
+                n.version,
+                n.expert_key,
+                text[start : n.end],
+            )
+        )
+        start = n.end
+    return PrefixMatch(
+        node.end if node else 0, _ids_of(path, payloads), node, tuple(path), tuple(segments)
+    )
+
+
+def export_training_trace(ctx: Context, sid: str, prompt_text: str) -> Op[Trace]:
+    """The training trace of the node whose key is exactly ``prompt_text``.
+
+    Concatenates the segments from the root: ``input_ids``, ``labels`` (-100
+    on prompt tokens, the id on generated ones), ``logprobs``, ``versions``
+    (per token) and ``expert_keys`` (per node, or None when no node has one).
+
+    Raises InvalidId/InvalidInput before I/O; PromptMismatch (matched length,
+    nearest stored ends, a text window around the first difference when node
+    text is stored) when no key equals the prompt; InvalidInput('expert_keys')
+    when some nodes have an expert key and others not; SessionReleased when
+    the data was purged.
+
+    Round trips: 1 warm, 2 cold; a mismatch costs one more (the text window).
+    """
+    validate_id("session id", sid)
+    want_id = node_id(prompt_text)
+    snap, path, payloads = yield from read_path(ctx, sid, lambda ix: ix.nodes.get(want_id))
+    if not path:
+        raise (yield from _mismatch(ctx, sid, snap, prompt_text))
+    ids: list[int] = []
+    labels: list[int] = []
+    lps: list[float] = []
+    versions: list[int] = []
+    for n in path:
+        p = codec.unpack(payloads[n.id], n.ntok, n.flags)
+        ids.extend(p.token_ids)
+        labels.extend(p.labels)
+        lps.extend(p.logprobs)
+        versions.extend([n.version] * n.ntok)
+    keys = [n.expert_key for n in path]
+    if all(x is None for x in keys):
+        expert_keys = None
+    elif any(x is None for x in keys):
+        missing = sum(x is None for x in keys)
+        raise InvalidInput(
+            "expert_keys",
+            f"session {sid!r}: {missing} of {len(keys)} nodes on the path have no expert key "
+            "(a session has routed experts on every node or on none)",
+        )
+    else:
+        expert_keys = [str(x) for x in keys]
+    return Trace(ids, labels, lps, versions, expert_keys, tuple(path))
+
+
+def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[PromptMismatch]:
+    best = snap.longest(prompt, "prompt_text")
+    m = best.end if best else 0
+    n = len(prompt)
+    nearest = sorted(snap.ends, key=lambda e: (abs(e - n), e))[:8]
+    children = [x for x in snap.nodes.values() if x.parent == (best.id if best else None)]
+    window: str | None = None
+    if children:
+        texts = yield Cmd(
+            ("HMGET", ctx.keys.txt(sid), *[c.id for c in children]), key=ctx.keys.txt(sid)
+        )
+        rest = prompt[m:]
+        top: tuple[int, str] | None = None
+        for t in texts:
+            if t is None:
+                continue
+            seg = replies.text(t)
+            lcp = 0
+            for a, b in zip(seg, rest, strict=False):
+                if a != b:
+                    break
+                lcp += 1
+            if top is None or lcp > top[0]:
+                top = (lcp, seg)
+        if top is not None:
+            lcp, seg = top
+            pos = m + lcp
+            lo = max(0, pos - WINDOW)
+            window = (
+                f"at char {pos}: prompt {prompt[lo : pos + WINDOW]!r} vs stored "
+                f"{prompt[lo:pos] + seg[lcp : lcp + WINDOW]!r}"
+            )
+    elif best is not None and ctx.config.store_text:
+        window = f"at char {m}: the longest stored key ends here; prompt continues {prompt[m : m + WINDOW]!r}"
+    return PromptMismatch(sid, m, n, nearest, window)
+
+
+__all__ = ["export_training_trace", "lookup", "read_path", "search"]

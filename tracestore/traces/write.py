@@ -1,0 +1,356 @@
+"""Writing traces: record_turn and insert (DESIGN section 4).
+
+``record_turn`` reads as its four steps: validate the turn (before any I/O),
+build its nodes (one pass of hashing), one ``record_turn`` script call, then
+keep the client's cached index current. Nodes are immutable: an equal
+rewrite is a no-op and a different one raises NodeConflict, so both writes
+are safe to retry.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import codec, validate
+from ..context import Context
+from ..errors import InvalidInput, ScriptError
+from ..nodecache import node_cache
+from ..replies import Reply
+from ..scripts import Eval, Op, script
+from ..validate import validate_id
+from .index import SessionIndex, cache_payload, hasher, idx_key, node_id, utf8
+from .reads import WINDOW, read_path
+from .types import HashedPrefix, Node, PrefixMatch, Segment, Turn
+
+#: Longest expert key (characters); keys go into the one-line index record.
+MAX_EXPERT_KEY = 512
+#: Attempts of an insert while other writers keep changing the index.
+INSERT_ATTEMPTS = 64
+
+
+@dataclass(frozen=True)
+class _NewNode:
+    """A node to write: its index record, packed payload and segment text."""
+
+    node: Node
+    payload: bytes
+    text: str
+
+    def args(self, store_text: bool) -> tuple[Any, ...]:
+        return (self.node.id, self.node.record(), self.payload, self.text if store_text else "")
+
+
+# -- validation (before any I/O) -------------------------------------------------------------
+
+
+def _expert_key(field_name: str, v: object) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_EXPERT_KEY or any(c in v for c in "\r\n"):
+        raise InvalidInput(
+            field_name,
+            f"expert key must be a non-empty one-line str of at most {MAX_EXPERT_KEY} chars",
+        )
+    utf8(field_name, v)
+    return v
+
+
+def _check_size(ctx: Context, field_name: str, payload: bytes) -> None:
+    if len(payload) > ctx.config.max_payload_bytes:
+        raise InvalidInput(
+            field_name,
+            f"node payload of {len(payload)} bytes exceeds max_payload_bytes={ctx.config.max_payload_bytes}",
+        )
+
+
+@dataclass(frozen=True)
+class _CheckedTurn:
+    """A validated turn, and the hash state at the end of its matched prefix."""
+
+    sid: str
+    prompt_text: str
+    response_text: str
+    start: int  # chars of the prompt covered by the prefix node
+    parent: str | None  # the prefix node's id
+    prefix_hash: Any  # blake2b state after prompt_text[:start]
+    rest: memoryview  # UTF-8 of prompt_text[start:]
+    response: bytes  # UTF-8 of response_text
+    version: int
+    delta_ids: array  # type: ignore[type-arg]
+    response_ids: array  # type: ignore[type-arg]
+    response_logprobs: array  # type: ignore[type-arg]
+    delta_key: str | None
+    response_key: str | None
+
+
+def _check_turn(
+    sid: str,
+    prompt_text: str,
+    response_text: str,
+    prefix: PrefixMatch,
+    delta_token_ids: Sequence[int],
+    response_token_ids: Sequence[int],
+    response_logprobs: Sequence[float],
+    v: int,
+    delta_expert_key: str | None,
+    response_expert_key: str | None,
+) -> _CheckedTurn:
+    """Every check of :func:`record_turn`; each text is encoded once, the prefix hashed once."""
+    validate_id("session id", sid)
+    if not isinstance(prefix, PrefixMatch):
+        raise InvalidInput("prefix", "expected the PrefixMatch returned by lookup()")
+    # When lookup() hashed exactly the matched prefix of this prompt, its state
+    # is continued and only the rest of the prompt is encoded (the prefix was
+    # checked as UTF-8 by that lookup).
+    hashed = prefix._hashed
+    if not (isinstance(hashed, HashedPrefix) and hashed.continues(prefix.text_len, prompt_text)):
+        hashed = None
+    p_bytes = utf8("prompt_text", prompt_text[len(hashed.text) :] if hashed else prompt_text)
+    r_bytes = utf8("response_text", response_text)
+    if not response_text:
+        raise InvalidInput(
+            "response_text", "must be non-empty (the response node's key must extend the prompt)"
+        )
+    validate.version("version", v)
+    dkey = _expert_key("delta_expert_key", delta_expert_key)
+    rkey = _expert_key("response_expert_key", response_expert_key)
+    d_ids = codec.int32_array("delta_token_ids", delta_token_ids, non_negative=True)
+    r_ids = codec.int32_array("response_token_ids", response_token_ids, non_negative=True)
+    r_lps = codec.float32_logprobs("response_logprobs", response_logprobs)
+    if len(r_lps) != len(r_ids):
+        raise InvalidInput(
+            "response_logprobs", f"{len(r_lps)} logprobs for {len(r_ids)} response token ids"
+        )
+    start = prefix.text_len
+    if not isinstance(start, int) or not 0 <= start <= len(prompt_text):
+        raise InvalidInput(
+            "prefix", f"text_len {start!r} is outside the prompt (0..{len(prompt_text)})"
+        )
+    if (prefix.node is None) != (start == 0) or (
+        prefix.node is not None and prefix.node.end != start
+    ):
+        raise InvalidInput("prefix", "node and text_len disagree")
+    if dkey is not None and not d_ids:
+        raise InvalidInput("delta_expert_key", "given for an empty delta")
+    if d_ids and start == len(prompt_text):
+        raise InvalidInput(
+            "delta_token_ids", "non-empty, but the prompt adds no text after the prefix"
+        )
+    if hashed is not None:
+        h = hashed.state.copy()  # (copied: the match may be passed again, on a retry)
+        rest = memoryview(p_bytes)  # prompt_text[start:]
+    else:
+        h = hasher()
+        head = prompt_text[:start].encode()
+        h.update(head)
+        rest = memoryview(p_bytes)[len(head) :]
+    if prefix.node is not None and h.hexdigest() != prefix.node.id:
+        raise InvalidInput(
+            "prefix",
+            "the matched prefix is not a prefix of prompt_text (lookup a different prompt?)",
+        )
+    return _CheckedTurn(
+        sid, prompt_text, response_text, start, prefix.node.id if prefix.node else None, h, rest,
+        r_bytes, v, d_ids, r_ids, r_lps, dkey, rkey,
+    )
+
+
+# -- building nodes ----------------------------------------------------------------------------
+
+
+def _turn_nodes(ctx: Context, t: _CheckedTurn) -> tuple[_NewNode | None, _NewNode]:
+    """The delta node (None for an empty delta) and the response node; one pass of hashing."""
+    h = t.prefix_hash
+    h.update(t.rest)
+    prompt_id = h.hexdigest()
+    h.update(t.response)
+    response_id = h.hexdigest()
+    parent, start, prompt = t.parent, t.start, t.prompt_text
+    delta: _NewNode | None = None
+    if t.delta_ids:
+        d_lps = array("f", bytes(4 * len(t.delta_ids)))
+        payload = codec.pack(t.delta_ids, d_lps, None, 0)
+        _check_size(ctx, "delta_token_ids", payload)
+        node = Node(prompt_id, parent, len(prompt), len(t.delta_ids), 0, t.version, t.delta_key)
+        delta = _NewNode(node, payload, prompt[start:])
+        parent, start = prompt_id, len(prompt)
+    r_payload = codec.pack(t.response_ids, t.response_logprobs, None, codec.GENERATED)
+    _check_size(ctx, "response_token_ids", r_payload)
+    end = len(prompt) + len(t.response_text)
+    node = Node(response_id, parent, end, len(t.response_ids), codec.GENERATED, t.version, t.response_key)
+    return delta, _NewNode(node, r_payload, prompt[start:] + t.response_text)
+
+
+# -- the client's cache after a write --------------------------------------------------------
+
+
+def _after_write(
+    ctx: Context, sid: str, epoch: str, before: int, after: int, new: Sequence[_NewNode]
+) -> None:
+    """Keep the cached index current after our own write, or drop it if others wrote too."""
+    cache = node_cache(ctx)
+    snap: SessionIndex | None = cache.get(idx_key(sid))
+    if snap is not None and snap.epoch == epoch and snap.version == before:
+        snap = snap.with_nodes(epoch, after, [x.node for x in new])
+        cache.put(idx_key(sid), snap, snap.nbytes)
+    elif before == 0 and after > 0:  # we wrote the first nodes: we know the whole index
+        snap = SessionIndex(epoch, after, {x.node.id: x.node for x in new})
+        cache.put(idx_key(sid), snap, snap.nbytes)
+    elif snap is not None and (snap.epoch != epoch or snap.version != after):
+        cache.discard(idx_key(sid))
+    for x in new:
+        cache_payload(cache, sid, epoch, x.node.id, x.payload)
+
+
+# -- operations --------------------------------------------------------------------------------
+
+
+def record_turn(
+    ctx: Context,
+    sid: str,
+    prompt_text: str,
+    response_text: str,
+    *,
+    prefix: PrefixMatch,
+    delta_token_ids: Sequence[int],
+    response_token_ids: Sequence[int],
+    response_logprobs: Sequence[float],
+    version: int,
+    delta_expert_key: str | None = None,
+    response_expert_key: str | None = None,
+) -> Op[Turn]:
+    """Record one turn atomically: the delta node and the response node.
+
+    ``prefix`` is the :class:`PrefixMatch` that :func:`lookup` returned for
+    ``prompt_text``; ``delta_token_ids`` are the tokens of
+    ``prompt_text[prefix.text_len:]`` sent to the engine. The delta node
+    (key = ``prompt_text``, labels -100, logprobs 0.0) is written only when
+    ``delta_token_ids`` is non-empty; the response node (key = ``prompt_text
+    + response_text``, labels = its ids) hangs under it, else under the
+    prefix node. Both carry ``version``. Re-recording an equal turn is a
+    no-op (safe to retry); nothing is written when anything is invalid.
+
+    Raises, before any I/O: InvalidId (sid); InvalidInput naming the field
+    (ids not int32 or negative, logprobs length or NaN/+inf, text not valid
+    UTF-8, payload over ``max_payload_bytes``, a prefix that does not match
+    the prompt, an empty response text, a version outside 0..2**53-1). From
+    the script, with nothing written: SessionReleased (data purged),
+    InvalidInput('prefix') (prefix node not stored), NodeConflict (a node
+    exists with another payload).
+
+    Round trips: 1. Only the new tokens and new text travel; the prompt does not.
+    """
+    turn = _check_turn(
+        sid, prompt_text, response_text, prefix, delta_token_ids, response_token_ids,
+        response_logprobs, version, delta_expert_key, response_expert_key,
+    )
+    delta, response = _turn_nodes(ctx, turn)
+    new = [response] if delta is None else [delta, response]
+    k = ctx.keys
+    args: list[Any] = [sid, 1 if ctx.config.store_text else 0, len(new)]
+    for x in new:
+        args.extend(x.args(ctx.config.store_text))
+    reply = yield Eval(
+        script("record_turn"), (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid)), tuple(args)
+    )
+    r = Reply(reply, "record_turn")
+    epoch, before, after = r.text(), r.int(), r.int()
+    _after_write(ctx, sid, epoch, before, after, new)
+    return Turn(delta.node if delta else None, response.node, sum(int(x) for x in r.rest()))
+
+
+def _segment_payload(segment: Segment) -> tuple[array, int, bytes]:  # type: ignore[type-arg]
+    """Validate a segment's arrays: ``(token ids, label flags, packed payload)``."""
+    ids = codec.int32_array("segment.token_ids", segment.token_ids, non_negative=True)
+    lps = (
+        codec.float32_logprobs("segment.logprobs", segment.logprobs)
+        if segment.logprobs is not None
+        else array("f", bytes(4 * len(ids)))
+    )
+    if len(lps) != len(ids):
+        raise InvalidInput("segment.logprobs", f"{len(lps)} logprobs for {len(ids)} token ids")
+    labels = (
+        None if segment.labels is None else codec.labels_array("segment.labels", segment.labels)
+    )
+    if labels is not None and len(labels) != len(ids):
+        raise InvalidInput("segment.labels", f"{len(labels)} labels for {len(ids)} token ids")
+    flags = codec.derive_flags(ids, labels, generated=False)
+    return ids, flags, codec.pack(ids, lps, labels, flags)
+
+
+def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
+    """XTuner-style insert: store ``segment`` as the node whose key is ``key_text``.
+
+    The node hangs under the longest stored key that is a proper prefix of
+    ``key_text`` (its segment is the text after that key). Inserting an
+    existing key with an equal segment is a no-op; with a different one it
+    raises NodeConflict and writes nothing. Labels given equal to the ids are
+    stored as the generated flag, all -100 as none; other labels explicitly.
+
+    Raises InvalidId/InvalidInput (as :func:`record_turn`; ``segment.text``
+    must equal the part of the key after the parent) before I/O;
+    SessionReleased, NodeConflict from the script.
+
+    Round trips: 1 with a warm cache (the write is conditional on the cached
+    index version); 2 cold or after a concurrent write (read the index, then
+    write), more only while other writers keep changing the index.
+    """
+    validate_id("session id", sid)
+    if not isinstance(segment, Segment):
+        raise InvalidInput("segment", "expected a Segment")
+    utf8("key_text", key_text)
+    if not key_text:
+        raise InvalidInput("key_text", "must be non-empty")
+    ids, flags, payload = _segment_payload(segment)
+    _check_size(ctx, "segment.token_ids", payload)
+    v = validate.version("segment.version", segment.version)
+    ekey = _expert_key("segment.expert_key", segment.expert_key)
+    if segment.text is not None:
+        utf8("segment.text", segment.text)
+    digest = node_id(key_text)
+
+    k = ctx.keys
+    keys = (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid))
+    snap: SessionIndex | None = node_cache(ctx).get(idx_key(sid))
+    for _ in range(INSERT_ATTEMPTS):
+        if snap is None:
+            snap, _, _ = yield from read_path(ctx, sid, lambda ix: None)
+        existing = snap.nodes.get(digest)
+        if existing is not None:  # equal rewrite (no-op) or conflict, under its stored parent
+            parent_id = existing.parent
+            start = snap.nodes[parent_id].end if parent_id in snap.nodes else 0
+        else:
+            parent = snap.longest(key_text, "key_text", limit=len(key_text) - 1)
+            parent_id = parent.id if parent else None
+            start = parent.end if parent else 0
+        text = key_text[start:]
+        if segment.text is not None and segment.text != text:
+            raise InvalidInput(
+                "segment.text",
+                f"must equal the key after its parent's end (char {start}): {text[:WINDOW]!r}...",
+            )
+        new = _NewNode(Node(digest, parent_id, len(key_text), len(ids), flags, v, ekey), payload, text)
+        store_text = ctx.config.store_text
+        reply = yield Eval(
+            script("insert_node"),
+            keys,
+            (sid, 1 if store_text else 0, snap.epoch, snap.version, *new.args(store_text)),
+        )
+        r = Reply(reply, "insert_node")
+        stale, epoch, before, after = r.flag(), r.text(), r.int(), r.int()
+        if stale:  # another writer changed the index: re-read it, choose the parent again
+            node_cache(ctx).discard(idx_key(sid))
+            snap = None
+            continue
+        _after_write(ctx, sid, epoch, before, after, [new])
+        return new.node
+    raise ScriptError(
+        "insert_node",
+        f"session {sid!r}: the index kept changing; gave up after {INSERT_ATTEMPTS} attempts",
+    )
+
+
+__all__ = ["MAX_EXPERT_KEY", "insert", "record_turn"]

@@ -1,0 +1,389 @@
+"""One definition, two clients: how operations become sync methods and coroutines.
+
+Every operation of tracestore is written once, as a generator that yields
+requests (:mod:`tracestore.scripts`) and returns its result (an :data:`Op`).
+A *runner* drives it: :class:`SyncRunner` executes each request and sends
+the reply back, :class:`AsyncRunner` does the same with ``await``. The
+stores (:class:`~tracestore.store.TraceStore`, :class:`~tracestore.store.AsyncTraceStore`)
+are runners; so are their parts (gate, replay buffer, router) and the turn
+recorders, which execute through the store they belong to.
+
+A class body lists its methods once with the descriptors of this module:
+
+* :class:`op` — ``lookup = op(traces.lookup)``: on a sync runner the
+  attribute is ``Callable[P, R]``, on an async runner
+  ``Callable[P, Coroutine[Any, Any, R]]``; the operation receives the
+  runner's *scope* (the store's :class:`~tracestore.context.Context`, or the
+  part's own state) as its first argument;
+* :class:`scoped` — a generator that yields :class:`Body` once: a context
+  manager on a sync runner, an async context manager on an async one
+  (``weight_update``);
+* :class:`part` and :class:`part_factory` — ``store.gate`` and
+  ``store.router(...)``: the sync or async class of a part, whichever
+  matches the store.
+
+The sync class and the async class then only differ by their base
+(``class Gate(GateMethods, SyncPart[Context])``), and mypy sees precise
+types on both: ``await astore.lookup(...)`` is a ``PrefixMatch``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+)
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+from .scripts import Op, Request
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+C = TypeVar("C")  # the scope an operation receives first
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+S = TypeVar("S")
+A = TypeVar("A")
+X = TypeVar("X")
+
+
+@dataclass(frozen=True)
+class Body(Generic[T]):
+    """Yielded once by a :class:`scoped` operation: the ``with`` block runs here with ``value``.
+
+    An exception of the block is thrown into the operation at this yield;
+    the operation's ``finally`` clauses then run their requests too.
+    """
+
+    value: T
+
+
+#: A scoped operation: yields requests and one :class:`Body`, returns nothing.
+Scoped = Generator[Request | Body[T], Any, None]
+
+
+class _BodyMissing(RuntimeError):
+    pass
+
+
+class SyncRunner(Generic[C]):
+    """Runs operations synchronously, one request at a time, through :meth:`execute`.
+
+    ``_scope`` is what the operations bound with :class:`op` receive first.
+    """
+
+    _scope: C
+
+    def execute(self, request: Request) -> Any:
+        """Execute one request (a script call, a pipeline, a command) and return its reply."""
+        raise NotImplementedError
+
+    def run(self, operation: Op[R]) -> R:
+        """Drive ``operation`` to completion and return its result.
+
+        Errors of a request are thrown into the operation at its yield (it
+        may react); whatever it raises propagates. Round trips: those of the
+        operation.
+        """
+        paused, value = self._advance(operation, None)
+        if paused:
+            operation.close()
+            raise _BodyMissing("a scoped operation cannot be run(); use it as a context manager")
+        return value  # type: ignore[no-any-return]
+
+    def _advance(self, gen: Generator[Any, Any, Any], exc: BaseException | None) -> tuple[bool, Any]:
+        """Resume ``gen`` (throwing ``exc`` into it, if given) until it yields a Body or returns.
+
+        ``(True, body value)`` or ``(False, result)``.
+        """
+        execute = self.execute
+        try:
+            req = gen.throw(exc) if exc is not None else gen.send(None)
+            while not isinstance(req, Body):
+                try:
+                    reply = execute(req)
+                except BaseException as err:  # the operation may react to it
+                    req = gen.throw(err)
+                else:
+                    req = gen.send(reply)
+            return True, req.value
+        except StopIteration as stop:
+            return False, stop.value
+
+    @contextmanager
+    def _scoped(self, gen: Scoped[T]) -> Iterator[T]:
+        paused, value = self._advance(gen, None)
+        if not paused:
+            raise _BodyMissing("the scoped operation ended before its body")
+        try:
+            yield value
+        except BaseException as exc:
+            self._advance(gen, exc)  # normally re-raises exc, after the operation's cleanup
+            raise
+        else:
+            if self._advance(gen, None)[0]:
+                gen.close()
+                raise _BodyMissing("a scoped operation yielded its body twice")
+
+
+class AsyncRunner(Generic[C]):
+    """Runs operations under asyncio: :class:`SyncRunner` with ``await`` at each request."""
+
+    _scope: C
+
+    async def execute(self, request: Request) -> Any:
+        """Execute one request (a script call, a pipeline, a command) and return its reply."""
+        raise NotImplementedError
+
+    async def run(self, operation: Op[R]) -> R:
+        """Drive ``operation`` to completion and return its result (see :meth:`SyncRunner.run`)."""
+        paused, value = await self._advance(operation, None)
+        if paused:
+            operation.close()
+            raise _BodyMissing("a scoped operation cannot be run(); use it as a context manager")
+        return value  # type: ignore[no-any-return]
+
+    async def _advance(
+        self, gen: Generator[Any, Any, Any], exc: BaseException | None
+    ) -> tuple[bool, Any]:
+        execute = self.execute
+        try:
+            req = gen.throw(exc) if exc is not None else gen.send(None)
+            while not isinstance(req, Body):
+                try:
+                    reply = await execute(req)
+                except BaseException as err:
+                    req = gen.throw(err)
+                else:
+                    req = gen.send(reply)
+            return True, req.value
+        except StopIteration as stop:
+            return False, stop.value
+
+    @asynccontextmanager
+    async def _scoped(self, gen: Scoped[T]) -> AsyncIterator[T]:
+        paused, value = await self._advance(gen, None)
+        if not paused:
+            raise _BodyMissing("the scoped operation ended before its body")
+        try:
+            yield value
+        except BaseException as exc:
+            await self._advance(gen, exc)
+            raise
+        else:
+            if (await self._advance(gen, None))[0]:
+                gen.close()
+                raise _BodyMissing("a scoped operation yielded its body twice")
+
+
+class SyncPart(SyncRunner[C]):
+    """A part of a sync store (gate, replay buffer, router): executes through the store."""
+
+    def __init__(self, store: SyncRunner[Any], scope: C) -> None:
+        self._store = store
+        self._scope = scope
+
+    def execute(self, request: Request) -> Any:
+        """Execute one request through the store (see :meth:`SyncRunner.execute`)."""
+        return self._store.execute(request)
+
+
+class AsyncPart(AsyncRunner[C]):
+    """A part of an async store: executes through the store."""
+
+    def __init__(self, store: AsyncRunner[Any], scope: C) -> None:
+        self._store = store
+        self._scope = scope
+
+    async def execute(self, request: Request) -> Any:
+        """Execute one request through the store (see :meth:`AsyncRunner.execute`)."""
+        return await self._store.execute(request)
+
+
+def _named(method: Callable[..., Any], f: Callable[..., Any], name: str) -> Any:
+    method.__name__ = name
+    method.__qualname__ = name
+    method.__doc__ = f.__doc__
+    method.__wrapped__ = f  # type: ignore[attr-defined]
+    return method
+
+
+class op(Generic[C, P, R]):  # noqa: N801 - used like a decorator/function
+    """Bind an operation ``f(scope, *args) -> Op[R]`` as a method of sync and async runners.
+
+    On an instance the attribute is made once and cached in the instance
+    (so a hot path pays for the binding once). The method keeps ``f``'s
+    docstring.
+    """
+
+    def __init__(self, f: Callable[Concatenate[C, P], Op[R]]) -> None:
+        self.f = f
+        self.name = f.__name__
+        self.__doc__ = f.__doc__
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, obj: SyncRunner[C], owner: type[Any]) -> Callable[P, R]: ...
+    @overload
+    def __get__(
+        self, obj: AsyncRunner[C], owner: type[Any]
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        f = self.f
+        method: Callable[..., Any]
+        if isinstance(obj, AsyncRunner):
+            arun, ascope = obj.run, obj._scope
+
+            async def amethod(*args: Any, **kwargs: Any) -> Any:
+                return await arun(f(ascope, *args, **kwargs))
+
+            method = amethod
+        else:
+            run, scope = obj.run, obj._scope
+
+            def smethod(*args: Any, **kwargs: Any) -> Any:
+                return run(f(scope, *args, **kwargs))
+
+            method = smethod
+        obj.__dict__[self.name] = _named(method, f, self.name)
+        return method
+
+
+class scoped(Generic[C, P, T]):  # noqa: N801
+    """Bind a scoped operation ``f(scope, *args)`` (yields one :class:`Body`) as a context manager.
+
+    Sync runners get ``with x.f(...) as value:``, async runners
+    ``async with x.f(...) as value:``, from the one generator.
+    """
+
+    def __init__(self, f: Callable[Concatenate[C, P], Scoped[T]]) -> None:
+        self.f = f
+        self.name = f.__name__
+        self.__doc__ = f.__doc__
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(
+        self, obj: SyncRunner[C], owner: type[Any]
+    ) -> Callable[P, AbstractContextManager[T]]: ...
+    @overload
+    def __get__(
+        self, obj: AsyncRunner[C], owner: type[Any]
+    ) -> Callable[P, AbstractAsyncContextManager[T]]: ...
+
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        f = self.f
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return obj._scoped(f(obj._scope, *args, **kwargs))
+
+        return _named(method, f, self.name)
+
+
+class part(Generic[S, A]):  # noqa: N801
+    """A part of a store made once per store: ``sync(store, scope)`` or ``async_(store, scope)``.
+
+    ``store.gate`` is ``part(Gate, AsyncGate)``: a :class:`Gate` on a sync
+    store, an :class:`AsyncGate` on an async one.
+    """
+
+    def __init__(
+        self, sync: Callable[[Any, Any], S], async_: Callable[[Any, Any], A], doc: str
+    ) -> None:
+        self.sync = sync
+        self.async_ = async_
+        self.name = ""
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, obj: SyncRunner[Any], owner: type[Any]) -> S: ...
+    @overload
+    def __get__(self, obj: AsyncRunner[Any], owner: type[Any]) -> A: ...
+
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        make = self.async_ if isinstance(obj, AsyncRunner) else self.sync
+        value = make(obj, obj._scope)
+        obj.__dict__[self.name] = value
+        return value
+
+
+class part_factory(Generic[C, P, X, S, A]):  # noqa: N801
+    """A method making a part of a store from arguments: ``store.router(entrypoints)``.
+
+    ``scope(store scope, *args)`` validates the arguments (before any I/O)
+    and returns the part's scope; the part is ``sync(store, scope)`` or
+    ``async_(store, scope)``.
+    """
+
+    def __init__(
+        self,
+        scope: Callable[Concatenate[C, P], X],
+        sync: Callable[[SyncRunner[C], X], S],
+        async_: Callable[[AsyncRunner[C], X], A],
+        doc: str,
+    ) -> None:
+        self.scope = scope
+        self.sync = sync
+        self.async_ = async_
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, obj: SyncRunner[C], owner: type[Any]) -> Callable[P, S]: ...
+    @overload
+    def __get__(self, obj: AsyncRunner[C], owner: type[Any]) -> Callable[P, A]: ...
+
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        make = self.async_ if isinstance(obj, AsyncRunner) else self.sync
+        scope = self.scope
+
+        @functools.wraps(scope)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return make(obj, scope(obj._scope, *args, **kwargs))
+
+        method.__doc__ = self.__doc__
+        return method
+
+
+__all__ = [
+    "AsyncPart",
+    "AsyncRunner",
+    "Body",
+    "Scoped",
+    "SyncPart",
+    "SyncRunner",
+    "op",
+    "part",
+    "part_factory",
+    "scoped",
+]

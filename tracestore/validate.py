@@ -1,0 +1,142 @@
+"""Checks of caller input, run before any I/O (pure core): one rule and one bound per kind.
+
+Every public operation validates its arguments with these functions first,
+so bad input raises :class:`~tracestore.errors.InvalidId` or
+:class:`~tracestore.errors.InvalidInput` (naming the field) and nothing is
+sent, written or half-written.
+
+The bounds, each in one place:
+
+* **ids** — run ids ``[A-Za-z0-9._-]{1,64}``; key prefixes
+  ``[A-Za-z0-9._-]{1,32}``; session ids, owner tags, group ids, task names,
+  lease ids, holders, entrypoints, reasons: 1..200 printable ASCII
+  characters without ``{``, ``}`` or whitespace (DESIGN section 3);
+* **weight versions** — integers in ``0..MAX_VERSION`` (``2**53 - 1``):
+  versions travel to Lua as numbers (doubles), are stored in zset scores
+  and compared there, and ``2**53 - 1`` is the largest integer a double
+  holds exactly, so nothing above it could be compared correctly. (The
+  replay buffer packs ``min_version`` with a sequence number into one
+  score and so allows a smaller range, :data:`tracestore.replay.MAX_VERSION`);
+* **durations** — a number of seconds (int or float, finite), turned into
+  whole milliseconds, at least 1 ms (or 0 where zero is meaningful) and at
+  most :data:`MAX_DURATION_S` (366 days);
+* **integer ranges** and **choices** — :func:`int_in` and :func:`one_of`
+  with the bounds the caller states.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+from .errors import InvalidId, InvalidInput
+
+_RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}\Z")
+# Printable ASCII (0x21..0x7e) without braces: no whitespace, no hash-tag breakers.
+_ID_RE = re.compile(r"[\x21-\x7a\x7c\x7e]{1,200}\Z")
+
+#: Largest weight version: the largest integer a Lua number (double) holds exactly.
+MAX_VERSION = 2**53 - 1
+#: Longest duration any operation accepts (lease ttl, heartbeat ttl, retention, timeout).
+MAX_DURATION_S = 366 * 86400
+
+S = TypeVar("S", bound=str)
+
+
+def is_run_id(value: object) -> bool:
+    """True when ``value`` is a valid run id (``[A-Za-z0-9._-]{1,64}``)."""
+    return isinstance(value, str) and bool(_RUN_RE.match(value))
+
+
+def validate_run(run: str) -> str:
+    """Return ``run`` if it is a valid run id (``[A-Za-z0-9._-]{1,64}``); else raise InvalidId."""
+    if not is_run_id(run):
+        raise InvalidId("run id", run, "must match [A-Za-z0-9._-]{1,64}")
+    return run
+
+
+def validate_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is a valid key prefix (``[A-Za-z0-9._-]{1,32}``); else raise InvalidId."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise InvalidId("key prefix", prefix, "must match [A-Za-z0-9._-]{1,32}")
+    return prefix
+
+
+def validate_id(kind: str, value: str) -> str:
+    """Validate a session id, owner tag, group id, task name or lease id; raise InvalidId.
+
+    Rule: 1..200 bytes of printable ASCII without ``{``, ``}`` or whitespace.
+    """
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidId(
+            kind, value, "must be 1..200 printable ASCII characters without '{', '}' or whitespace"
+        )
+    return value
+
+
+def validate_ids(kind: str, values: Iterable[str]) -> list[str]:
+    """Validate every id of ``values`` (a str alone is refused, not iterated); raise InvalidId."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidId(kind, values, f"expected a list of {kind}s, got a single string")
+    return [validate_id(kind, v) for v in values]
+
+
+def int_in(field: str, value: object, lo: int, hi: int) -> int:
+    """``value`` if it is an int (not a bool) in ``lo..hi``; else raise InvalidInput naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidInput(field, f"must be an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def version(field: str, value: object) -> int:
+    """A weight version: an int in ``0..MAX_VERSION`` (see the module docstring); else InvalidInput."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_VERSION:
+        raise InvalidInput(
+            field, f"weight version must be an integer in 0..2**53-1, got {value!r}"
+        )
+    return value
+
+
+def duration_ms(field: str, seconds: object, *, allow_zero: bool = False) -> int:
+    """``seconds`` as whole milliseconds: at least 1 ms (0 with ``allow_zero``), at most 366 days.
+
+    Raises InvalidInput naming ``field`` for anything else (negative, NaN,
+    infinite, a bool, not a number, below 1 ms once rounded, above the bound).
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise InvalidInput(field, f"must be a number of seconds, got {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise InvalidInput(
+            field, f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {seconds!r}"
+        )
+    ms = round(seconds * 1000)
+    if ms < 1 and not allow_zero:
+        raise InvalidInput(field, f"must be at least 1 ms, got {seconds!r} s")
+    if ms > MAX_DURATION_S * 1000:
+        raise InvalidInput(field, f"must be at most 366 days, got {seconds!r} s")
+    return ms
+
+
+def one_of(field: str, value: S, allowed: Sequence[str]) -> S:
+    """``value`` if it is one of ``allowed``; else raise InvalidInput listing them."""
+    if value not in allowed:
+        raise InvalidInput(field, f"must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+__all__ = [
+    "MAX_DURATION_S",
+    "MAX_VERSION",
+    "duration_ms",
+    "int_in",
+    "is_run_id",
+    "one_of",
+    "validate_id",
+    "validate_ids",
+    "validate_prefix",
+    "validate_run",
+    "version",
+]
