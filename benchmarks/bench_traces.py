@@ -8,7 +8,7 @@ run turn-major over many sessions (turn t of every session, then t+1), as a
 session server interleaves them. Per turn:
 
 * tracestore: ``lookup`` before the request, ``record_turn`` after it
-  (benchmarks/../tracestore/traces.py); export at the end.
+  (benchmarks/../tracestore/traces/); export at the end.
 * baseline (benchmarks/baselines/actor_store.py): XTuner's design, a text
   trie in one Ray actor, called as its session server does: ``search``
   before the request; ``search`` and two ``insert`` calls after it; export

@@ -14,18 +14,16 @@ from tracestore import TraceStore
 from tracestore import gc as gcmod
 from tracestore import replay as rb
 from tracestore.replay import REPLAY_OWNER, Group
+from tracestore.replies import text
 from tracestore.router import acquire_route, route_scope
 
 PRODUCER = "rollout:p"
 EPS = ["ep-a", "ep-b", "ep-c"]
 
 
-def _s(x: Any) -> Any:
-    return x.decode() if isinstance(x, bytes) else x
-
 
 def _events(store: TraceStore) -> list[tuple[str, str]]:
-    return [(_s(f[b"sid"]), _s(f[b"reason"])) for _id, f in store.redis.xrange(store.keys.events)]
+    return [(text(f[b"sid"]), text(f[b"reason"])) for _id, f in store.redis.xrange(store.keys.events)]
 
 
 def test_retried_route_acquire_returns_its_first_reply(store: TraceStore) -> None:
@@ -33,17 +31,17 @@ def test_retried_route_acquire_returns_its_first_reply(store: TraceStore) -> Non
     req = next(acquire_route(route_scope(ctx, EPS), "ra-1"))  # a new session: placed, reply lost
     first = store.execute(req)
     again = store.execute(req)  # redis-py re-sends the same call
-    assert [_s(x) for x in again] == [_s(x) for x in first] and _s(first[1]) == "new"
-    assert store.router(EPS).table().load == {_s(first[0]): 1}
+    assert [text(x) for x in again] == [text(x) for x in first] and text(first[1]) == "new"
+    assert store.router(EPS).table().load == {text(first[0]): 1}
     # a move (its entrypoint left the list): the retry still says moved, from where
-    ep = _s(first[0])
+    ep = text(first[0])
     others = tuple(e for e in EPS if e != ep)
     req = next(acquire_route(route_scope(ctx, others), "ra-1"))
     first = store.execute(req)
     again = store.execute(req)
-    assert [_s(x) for x in first][1:] == ["moved", ep]
-    assert [_s(x) for x in again] == [_s(x) for x in first]
-    assert store.router(EPS).table().load == {_s(first[0]): 1}
+    assert [text(x) for x in first][1:] == ["moved", ep]
+    assert [text(x) for x in again] == [text(x) for x in first]
+    assert store.router(EPS).table().load == {text(first[0]): 1}
     # a sticky acquire writes nothing and stays sticky
     assert store.router(EPS).acquire_route("ra-1").how == "sticky"
 
@@ -60,7 +58,7 @@ def test_retried_gc_owner_lost_releases_once(store: TraceStore) -> None:
     first = store.execute(batch)
     again = store.execute(batch)  # the whole pipeline re-sent after a lost reply
     assert again == first
-    assert sorted(_s(x) for r in first for x in r[1:]) == sids
+    assert sorted(text(x) for r in first for x in r[1:]) == sids
     assert sorted(_events(store)) == [(s, "owner-lost") for s in sids]
     assert store.sessions(owner) == []
 
@@ -71,7 +69,7 @@ def test_retried_failed_put_releases_once(store: TraceStore) -> None:
     req = next(rb.put(store.context, Group("fp", "math", sids, status="failed"), PRODUCER))
     first = store.execute(req)
     again = store.execute(req)
-    assert again == first and sorted(_s(x) for x in first[2:]) == list(sids)
+    assert again == first and sorted(text(x) for x in first[2:]) == list(sids)
     assert sorted(_events(store)) == [(s, "failed") for s in sids]
     assert store.replay.count() == 0
 
@@ -83,7 +81,7 @@ def test_retried_expire_releases_once(store: TraceStore) -> None:
     gen = rb.expire(store.context, 10, 1, task="math")
     req = next(gen)
     plan = store.execute(req)
-    assert _s(plan[0]) == "NEED"
+    assert text(plan[0]) == "NEED"
     commit = gen.send(plan)
     first = store.execute(commit)
     again = store.execute(commit)
@@ -187,7 +185,7 @@ def test_gc_owner_lost_counts_a_later_chunk_that_saw_the_deadline_pass(store: Tr
     first = store.execute(batch.requests[0])  # the owner is still alive here
     time.sleep(1.1)  # its deadline passes before the second chunk runs
     second = store.execute(batch.requests[1])
-    assert int(first[0]) == 0 and int(second[0]) == 1 and _s(second[1]) == sids[-1]
+    assert int(first[0]) == 0 and int(second[0]) == 1 and text(second[1]) == sids[-1]
     released: list[str] = []
     lost = False
     try:

@@ -26,6 +26,7 @@ from tests.conftest import _selected, connect_async
 from tracestore import InvalidId, SessionReleased, TraceStore
 from tracestore._io import SyncIO
 from tracestore.errors import OwnerLost
+from tracestore.replies import text
 from tracestore.store import AsyncTraceStore
 
 HERE = Path(__file__).resolve().parent
@@ -71,11 +72,8 @@ def data_purged(store: TraceStore, sid: str) -> bool:
 def events(store: TraceStore) -> list[dict[str, str]]:
     """Every release event of the run (XRANGE of ts:{R}:events)."""
     raw = store.redis.xrange(store.keys.events, "-", "+")
-    return [{_s(a): _s(b) for a, b in fields.items()} for _id, fields in raw]
+    return [{text(a): text(b) for a, b in fields.items()} for _id, fields in raw]
 
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def offline_twin(store: TraceStore) -> TraceStore:
@@ -217,7 +215,7 @@ def test_concurrent_releases_async(url: str, run_id: str, arun: Any) -> None:
                 *(st.release(sids[i % 3 :] + sids[: i % 3], "eval:2", "done") for i in range(6))
             )
             raw = await st.redis.xrange(st.keys.events, "-", "+")
-            return list(results), [{_s(a): _s(b) for a, b in f.items()} for _i, f in raw]
+            return list(results), [{text(a): text(b) for a, b in f.items()} for _i, f in raw]
         finally:
             await st.close()
 
@@ -600,7 +598,7 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
         shards = probe.execute_command("CLUSTER", "SLOTS")
     finally:
         probe.close()
-    nodes = {(_s(s[2][0]), int(s[2][1])) for s in shards}
+    nodes = {(text(s[2][0]), int(s[2][1])) for s in shards}
     proxies = {addr: CutProxy(*addr) for addr in nodes}
     by_port = {p.port: p for p in proxies.values()}
     common = _common(ConnectionOptions(retries=3))

@@ -1,4 +1,4 @@
-"""Trace data plane (tracestore/traces.py, lua/record_turn.lua, insert_node.lua, read_index.lua).
+"""Trace data plane (tracestore/traces/, lua/record_turn.lua, insert_node.lua, read_index.lua).
 
 Real servers on every backend of the fixture: behaviour, atomicity of refused
 writes (every key of the session byte-identical), cache safety with two

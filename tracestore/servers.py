@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 from .errors import ServerError
+from .replies import text
 
 CLUSTER_SLOTS = 16384
 
@@ -455,7 +456,7 @@ def node_status(host: str, port: int, password: str | None = None) -> dict[str, 
     try:
         repl = c.info("replication")
         row["role"] = "primary" if repl.get("role") == "master" else "replica"
-        info = _s(c.execute_command("CLUSTER", "INFO"))
+        info = text(c.execute_command("CLUSTER", "INFO"))
         row["state"] = info.split("cluster_state:")[1].split()[0]
         row["keys"] = int(c.dbsize())
     except (redis.exceptions.RedisError, IndexError):
@@ -465,16 +466,12 @@ def node_status(host: str, port: int, password: str | None = None) -> dict[str, 
     return row
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 def _known_nodes(c: redis.Redis) -> int:
-    return int(_s(c.execute_command("CLUSTER", "INFO")).split("cluster_known_nodes:")[1].split()[0])
+    return int(text(c.execute_command("CLUSTER", "INFO")).split("cluster_known_nodes:")[1].split()[0])
 
 
 def _cluster_ok(c: redis.Redis) -> bool:
-    return "cluster_state:ok" in _s(c.execute_command("CLUSTER", "INFO"))
+    return "cluster_state:ok" in text(c.execute_command("CLUSTER", "INFO"))
 
 
 # -- the embedded default of this process --------------------------------------------------

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Any
 
+from ..replies import text
 from ..store import TraceStore
 
 TITLE = "Ownership: producer, learner and evaluator over one run"
@@ -22,10 +22,6 @@ def _turn(store: TraceStore, sid: str) -> None:
         sid, prompt, "<assistant>42</assistant>", prefix=m, delta_token_ids=[1, 2, 3],
         response_token_ids=[4, 5], response_logprobs=[-0.1, -0.2], version=0,
     )
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def run(store: TraceStore) -> list[tuple[str, object]]:
@@ -91,7 +87,7 @@ def run(store: TraceStore) -> list[tuple[str, object]]:
         raise errors[0]
 
     events = [
-        {_s(a): _s(b) for a, b in fields.items()}
+        {text(a): text(b) for a, b in fields.items()}
         for _id, fields in store.redis.xrange(store.keys.events, "-", "+")
     ]
     reasons = Counter(e["reason"] for e in events)
