@@ -14,7 +14,7 @@
 -- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[4..]
 -- returns: {0, version (int), deadline_ms (int), replayed (0|1)}
 -- errors: GATE_SEALED (version, retry_after_ms), SESSION_RELEASED (sid, detail): nothing admitted
--- include: op
+-- include: clock
 -- include: gate
 local gate, leases, released = KEYS[1], KEYS[2], KEYS[3]
 local ttl = tonumber(ARGV[1])

@@ -16,6 +16,7 @@
 -- ARGV[4..n+3] = lease ids, in the order of KEYS[4..]
 -- returns: {0, cleared lease ids...}
 -- errors: none
+-- include: clock
 -- include: op
 -- include: gate
 local leases, poison, opkey = KEYS[1], KEYS[2], KEYS[3]

@@ -14,7 +14,7 @@
 -- returns: {0, state, version (int), live (int), wait_ms (int, -1 when live = 0),
 --           n_new, new poisoned ids..., n_poisoned (total), poisoned ids (first ARGV[1])...}
 -- errors: none
--- include: op
+-- include: clock
 -- include: gate
 local gate, leases, poison, signal = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now = now_ms()

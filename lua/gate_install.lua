@@ -14,6 +14,7 @@
 -- ARGV[2] = op record ttl (ms)
 -- returns: {0, version (int), previous version (int)}
 -- errors: STALE_VERSION (current, requested), NOT_DRAINED (state, live), GATE_POISONED (lease ids...)
+-- include: clock
 -- include: op
 -- include: gate
 local gate, leases, poison, opkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]

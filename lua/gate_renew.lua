@@ -11,7 +11,7 @@
 -- ARGV[2] = ttl (ms, > 0), or 0 for the ttl the lease was admitted with
 -- returns: {0, lease id, version (int), deadline_ms (int)}
 -- errors: UNKNOWN_LEASE (lease id), INVALID_INPUT ("lease", already settled), GATE_POISONED (lease id)
--- include: op
+-- include: clock
 -- include: gate
 local leases, poison, lkey = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]

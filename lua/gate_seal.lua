@@ -19,7 +19,7 @@
 -- ARGV[4] = sealer token ("" for none: an unconditional reopen)
 -- returns: the reply of gate_status, then the token of the current seal ("" when open or anonymous)
 -- errors: none
--- include: op
+-- include: clock
 -- include: gate
 local gate = KEYS[1]
 local g = redis.call('HMGET', gate, 'state', 'sealed_by')

@@ -14,7 +14,7 @@
 -- ARGV[3] = retention of a settled, unpoisoned lease record (ms)
 -- returns: {0, lease id, outcome, version (int), settled_ms (int), late (0|1), poisoned (0|1), first (0|1)}
 -- errors: UNKNOWN_LEASE (lease id)
--- include: op
+-- include: clock
 -- include: gate
 local leases, poison, signal, lkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, outcome = ARGV[1], ARGV[2]

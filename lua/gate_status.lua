@@ -10,6 +10,6 @@
 -- returns: {0, state, version, sealed_ms (-1 open), installed_ms (-1 never), now_ms,
 --           live, next_deadline_ms (-1 none), n_poison, (id, reason json)..., n_overdue, (id, deadline)...}
 -- errors: none
--- include: op
+-- include: clock
 -- include: gate
 return gate_status_reply(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]))

@@ -22,6 +22,7 @@
 -- ARGV[4..3+n] = sid_i
 -- returns: {0, lost (0: owner alive, nothing done | 1), sid, ...} the released sids
 -- errors: none
+-- include: clock
 -- include: op
 -- include: sessions
 local owners, lost, okey, released, events, opkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -38,9 +39,10 @@ if not redis.call('ZSCORE', lost, owner) then
   redis.call('ZREM', owners, owner)
 end
 local out = {0, 1}
+local rel = {owner = owner, okey = okey, released = released, events = events, reason = reason, now = now}
 for i = 7, #KEYS do
   local sid = ARGV[i - 3]
-  if session_release(KEYS[i], sid, owner, okey, released, events, reason, now) then
+  if session_release(KEYS[i], sid, rel) then
     out[#out + 1] = sid
   end
 end

@@ -12,7 +12,7 @@
 -- ARGV[2] = ttl (ms, > 0)
 -- returns: {0, deadline_ms (int)}
 -- errors: OWNER_LOST (owner, lost_ms)
--- include: op
+-- include: clock
 local owners, lost = KEYS[1], KEYS[2]
 local owner = ARGV[1]
 local lost_ms = redis.call('ZSCORE', lost, owner)

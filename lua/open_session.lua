@@ -13,6 +13,7 @@
 -- ARGV[5] = op reply TTL (ms)
 -- returns: {0, opened_ms (int)}
 -- errors: SESSION_EXISTS (sid, owner), SESSION_RELEASED (sid, detail), OWNER_LOST (owner, lost_ms)
+-- include: clock
 -- include: op
 local skey, okey, released, opkey, lost = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local sid, owner = ARGV[1], ARGV[2]

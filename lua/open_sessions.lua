@@ -16,6 +16,7 @@
 -- ARGV[5..4+n] = sid_i (same order as the session keys; distinct)
 -- returns: {0, opened_ms (int)}
 -- errors: SESSION_EXISTS (sid, owner), SESSION_RELEASED (sid, detail), OWNER_LOST (owner, lost_ms)
+-- include: clock
 -- include: op
 local okey, released, lost, opkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner = ARGV[1]

@@ -30,14 +30,12 @@
 -- include: sessions
 -- include: rb
 local qa, va, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local oreplay, oto, sidskey, bkey, opkey, lost = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local n, to, replay, window = tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[6])
-local cached = op_replay(opkey)
-if cached then return cached end
-local lost_ms = redis.call('ZSCORE', lost, to)
-if lost_ms then return {1, 'OWNER_LOST', to, tonumber(lost_ms)} end
-local gmap, smap = rb_keymap(10, 7)
-if not gmap then return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the ids in ARGV'} end
+local rb = {oreplay = KEYS[5], oto = KEYS[6], sidskey = KEYS[7], bkey = KEYS[8],
+  to = ARGV[3], replay = ARGV[4]}
+local opkey = KEYS[9]
+local n, window = tonumber(ARGV[2]), tonumber(ARGV[6])
+local early = rb_open(rb, opkey, KEYS[10], 10, 7)
+if early then return early end
 
 -- merge the two FIFO queues by seq: O(log n + window)
 local a = redis.call('ZRANGE', qa, 0, window - 1, 'WITHSCORES')
@@ -51,23 +49,17 @@ while #cand < window and (i <= #a or j <= #e) do
     cand[#cand + 1] = e[j]; from[e[j]] = 'e'; j = j + 2
   end
 end
-local picked = {}
-for k = 1, math.min(n, #cand) do picked[k] = cand[k] end
-local need_g, need_s = {}, {}
-rb_missing(sidskey, picked, gmap, smap, need_g, need_s)
-if #need_g > 0 or #need_s > 0 then
-  local extra = {}
-  for k = #picked + 1, #cand do extra[#extra + 1] = cand[k] end
-  rb_missing(sidskey, extra, gmap, smap, need_g, need_s)
-  return rb_need_reply(need_g, need_s)
-end
+local npicked = math.min(n, #cand)
+local need_reply = rb_need_window(rb, cand, npicked, {g = {}, s = {}})
+if need_reply then return need_reply end
 
-local out = {0, 'OK', #picked}
-for _, gid in ipairs(picked) do
+local out = {0, 'OK', npicked}
+for k = 1, npicked do
+  local gid = cand[k]
   if from[gid] == 'a' then
-    rb_hand_over(gid, gmap[gid], qa, va, oreplay, oto, sidskey, bkey, smap, replay, to, out)
+    rb_hand_over(rb, gid, qa, va, out)
   else
-    rb_hand_over(gid, gmap[gid], qe, ve, oreplay, oto, sidskey, bkey, smap, replay, to, out)
+    rb_hand_over(rb, gid, qe, ve, out)
   end
 end
 return op_record(opkey, tonumber(ARGV[5]), out)

@@ -28,38 +28,38 @@
 -- returns: {0, 'NEED', g, gid..., sid...}   missing keys; nothing written
 --          {0, 'OK', more (0|1), k, kept gid..., r, released gid..., s, released sid...}
 -- errors: INVALID_INPUT (field, message)
+-- include: clock
 -- include: op
 -- include: sessions
 -- include: rb
-local qc, vc, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local oreplay, released, events, sidskey, bkey, opkey = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local cutoff, keep_override, limit, replay = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local cached = op_replay(opkey)
-if cached then return cached end
-local gmap, smap = rb_keymap(10, 7)
-if not gmap then return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the ids in ARGV'} end
+local rb = {qc = KEYS[1], vc = KEYS[2], qe = KEYS[3], ve = KEYS[4], oreplay = KEYS[5],
+  released = KEYS[6], events = KEYS[7], sidskey = KEYS[8], bkey = KEYS[9],
+  replay = ARGV[5], rel_s = {}}
+local opkey = KEYS[10]
+local cutoff, keep_override, limit = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local early = rb_open(rb, opkey, nil, 10, 7)
+if early then return early end
 
-local stale = rb_stale(vc, cutoff, limit)
-local need_g, need_s = {}, {}
-rb_missing(sidskey, stale, gmap, smap, need_g, need_s)
-if #need_g > 0 or #need_s > 0 then return rb_need_reply(need_g, need_s) end
+local stale = rb_stale(rb.vc, cutoff, limit)
+local need = {g = {}, s = {}}
+rb_missing(rb, stale, need)
+if #need.g > 0 or #need.s > 0 then return rb_need_reply(need) end
 
-local now = now_ms()
-local kept, rel_g, rel_s = {}, {}, {}
+rb.now = now_ms()
+local kept, rel_g = {}, {}
 for _, gid in ipairs(stale) do
-  if rb_expire_group(gid, gmap[gid], keep_override, qc, vc, qe, ve, oreplay, released, events,
-      sidskey, bkey, smap, replay, now, rel_s) then
+  if rb_expire_group(rb, gid, keep_override) then
     kept[#kept + 1] = gid
   else
     rel_g[#rel_g + 1] = gid
   end
 end
 local more = 0
-if #stale == limit and rb_count_stale(vc, cutoff) > 0 then more = 1 end
+if #stale == limit and rb_count_stale(rb.vc, cutoff) > 0 then more = 1 end
 local out = {0, 'OK', more, #kept}
 for _, g in ipairs(kept) do out[#out + 1] = g end
 out[#out + 1] = #rel_g
 for _, g in ipairs(rel_g) do out[#out + 1] = g end
-out[#out + 1] = #rel_s
-for _, s in ipairs(rel_s) do out[#out + 1] = s end
+out[#out + 1] = #rb.rel_s
+for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
 return op_record(opkey, tonumber(ARGV[6]), out)

@@ -33,6 +33,7 @@
 --          {0, 0, 0, sid...}         failed/filtered: not stored, these sessions released
 -- errors: GROUP_EXISTS (gid, status), NOT_OWNER (sid, owner, actual), SESSION_RELEASED (sid, detail),
 --         INVALID_INPUT (field, message)
+-- include: clock
 -- include: op
 -- include: sessions
 local gk, q, v, seqkey, tasks, sidskey, bkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
@@ -57,11 +58,12 @@ for i = 1, n do
 end
 
 if status == 'failed' or status == 'filtered' then
-  local now = now_ms()
+  local rel = {owner = owner, okey = oown, released = released, events = events, reason = status,
+    now = now_ms()}
   local out = {0, 0, 0}
   for i = 1, n do
     local sid = ARGV[10 + i]
-    if session_release(KEYS[12 + i], sid, owner, oown, released, events, status, now) then
+    if session_release(KEYS[12 + i], sid, rel) then
       out[#out + 1] = sid
     end
   end

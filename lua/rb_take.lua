@@ -38,70 +38,54 @@
 --          {0, 'OK', k, kept gid..., r, released sid..., m, m x (gid, status, sids, min_version,
 --              seq, retryable, payload)}
 -- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message)
+-- include: clock
 -- include: op
 -- include: sessions
 -- include: rb
-local qc, vc, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local oreplay, otaker, released, events, sidskey, bkey = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local opkey, lost = KEYS[11], KEYS[12]
+local rb = {qc = KEYS[1], vc = KEYS[2], qe = KEYS[3], ve = KEYS[4], oreplay = KEYS[5], oto = KEYS[6],
+  released = KEYS[7], events = KEYS[8], sidskey = KEYS[9], bkey = KEYS[10],
+  to = ARGV[5], replay = ARGV[6], rel_s = {}}
+local opkey = KEYS[11]
 local n, cutoff, policy = tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local taker, replay = ARGV[5], ARGV[6]
 local window, max_stale = tonumber(ARGV[8]), tonumber(ARGV[9])
-local cached = op_replay(opkey)
-if cached then return cached end
-local lost_ms = redis.call('ZSCORE', lost, taker)
-if lost_ms then return {1, 'OWNER_LOST', taker, tonumber(lost_ms)} end
-local gmap, smap = rb_keymap(12, 10)
-if not gmap then return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the ids in ARGV'} end
+local early = rb_open(rb, opkey, KEYS[12], 12, 10)
+if early then return early end
 
 -- plan (reads only)
-local nstale = rb_count_stale(vc, cutoff)
+local nstale = rb_count_stale(rb.vc, cutoff)
 if nstale > max_stale then return {0, 'EXPIRE_FIRST', nstale} end
-local stale = rb_stale(vc, cutoff, 0)
+local stale = rb_stale(rb.vc, cutoff, 0)
 local cand
 if policy == 'staleness' then
   if cutoff == '' then
-    cand = redis.call('ZRANGE', vc, 0, window - 1)
+    cand = redis.call('ZRANGE', rb.vc, 0, window - 1)
   else
-    cand = redis.call('ZRANGEBYSCORE', vc, cutoff, '+inf', 'LIMIT', 0, window)
+    cand = redis.call('ZRANGEBYSCORE', rb.vc, cutoff, '+inf', 'LIMIT', 0, window)
   end
 else
   local is_stale = {}
   for _, g in ipairs(stale) do is_stale[g] = true end
   cand = {}
-  for _, g in ipairs(redis.call('ZRANGE', qc, 0, window + #stale - 1)) do
+  for _, g in ipairs(redis.call('ZRANGE', rb.qc, 0, window + #stale - 1)) do
     if not is_stale[g] then cand[#cand + 1] = g end
   end
 end
 if #cand < n then return {0, 'SHORT', #cand} end
-local picked = {}
-for i = 1, n do picked[i] = cand[i] end
-local need_g, need_s = {}, {}
-rb_missing(sidskey, stale, gmap, smap, need_g, need_s)
-rb_missing(sidskey, picked, gmap, smap, need_g, need_s)
-if #need_g > 0 or #need_s > 0 then
-  -- name the whole window, so a retry survives other takers removing the head
-  local extra = {}
-  for i = n + 1, #cand do extra[#extra + 1] = cand[i] end
-  rb_missing(sidskey, extra, gmap, smap, need_g, need_s)
-  return rb_need_reply(need_g, need_s)
-end
+local need = {g = {}, s = {}}
+rb_missing(rb, stale, need)
+local need_reply = rb_need_window(rb, cand, n, need)
+if need_reply then return need_reply end
 
 -- commit
-local now = now_ms()
-local kept, rel_s = {}, {}
+rb.now = now_ms()
+local kept = {}
 for _, gid in ipairs(stale) do
-  if rb_expire_group(gid, gmap[gid], '', qc, vc, qe, ve, oreplay, released, events, sidskey, bkey,
-      smap, replay, now, rel_s) then
-    kept[#kept + 1] = gid
-  end
+  if rb_expire_group(rb, gid, '') then kept[#kept + 1] = gid end
 end
 local out = {0, 'OK', #kept}
 for _, g in ipairs(kept) do out[#out + 1] = g end
-out[#out + 1] = #rel_s
-for _, s in ipairs(rel_s) do out[#out + 1] = s end
+out[#out + 1] = #rb.rel_s
+for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
 out[#out + 1] = n
-for _, gid in ipairs(picked) do
-  rb_hand_over(gid, gmap[gid], qc, vc, oreplay, otaker, sidskey, bkey, smap, replay, taker, out)
-end
+for i = 1, n do rb_hand_over(rb, cand[i], rb.qc, rb.vc, out) end
 return op_record(opkey, tonumber(ARGV[7]), out)

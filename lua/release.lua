@@ -17,17 +17,19 @@
 -- ARGV[4..3+n] = sid_i (same order as the session keys)
 -- returns: {0, sid, ...} the released sids, in input order
 -- errors: none
+-- include: clock
 -- include: op
 -- include: sessions
 local okey, released, events, opkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, reason = ARGV[1], ARGV[2]
 local cached = op_replay(opkey)
 if cached then return cached end
-local now = now_ms()
+local rel = {owner = owner, okey = okey, released = released, events = events, reason = reason,
+  now = now_ms()}
 local out = {0}
 for i = 5, #KEYS do
   local sid = ARGV[i - 1]
-  if session_release(KEYS[i], sid, owner, okey, released, events, reason, now) then
+  if session_release(KEYS[i], sid, rel) then
     out[#out + 1] = sid
   end
 end

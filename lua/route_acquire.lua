@@ -19,6 +19,7 @@
 -- ARGV[3..n+2] = entrypoints (n >= 1, distinct)
 -- returns: {0, entrypoint, how ("sticky" | "new" | "moved"), previous entrypoint ("" unless moved)}
 -- errors: SESSION_RETIRED (sid)
+-- include: clock
 -- include: op
 local route, load, retired, opkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local sid = ARGV[1]

@@ -15,6 +15,7 @@
 -- ARGV[3..n+2] = session ids
 -- returns: {0, sids retired by this call...}
 -- errors: none
+-- include: clock
 -- include: op
 local route, load, retired = KEYS[1], KEYS[2], KEYS[3]
 local cached = op_replay(KEYS[4])

@@ -10,7 +10,7 @@
 -- returns: {0, routed (int), retired (int, unexpired tombstones), n_load, (entrypoint, load)...,
 --           route of each ARGV sid ("" unrouted, "!retired" when tombstoned)...}
 -- errors: none
--- include: op
+-- include: clock
 local route, load, retired = KEYS[1], KEYS[2], KEYS[3]
 local now = now_ms()
 local out = {0, redis.call('HLEN', route), redis.call('ZCOUNT', retired, '(' .. now, '+inf')}

@@ -39,6 +39,29 @@ def test_every_script_has_a_valid_contract() -> None:
         assert "ts:{" not in body, f"{name} builds a key name inside Lua"
 
 
+def test_every_lua_helper_is_defined_before_use_and_takes_few_arguments() -> None:
+    """A script calling a _lib helper includes its library, and before any helper that calls it
+    (a Lua local is captured where it is defined: defined later, the call would find nil).
+    No helper takes more than six positional arguments (pass a table instead)."""
+    lib = lua_dir() / "_lib"
+    owner: dict[str, str] = {}
+    for path in sorted(lib.glob("*.lua")):
+        for m in re.finditer(r"^local function (\w+)\((.*)\)", path.read_text(), re.M):
+            owner[m.group(1)] = path.stem
+            nargs = len([a for a in m.group(2).split(",") if a.strip()])
+            assert nargs <= 6, f"_lib/{path.stem}.lua: {m.group(1)} takes {nargs} positional arguments"
+    assert owner["now_ms"] == "clock" and owner["op_replay"] == "op"
+    for name, sc in registry().items():
+        text = sc.source
+        for fn, lib_name in owner.items():
+            calls = [m.start() for m in re.finditer(rf"(?<![\w.]){fn}\(", text)]
+            defined = text.find(f"local function {fn}(")
+            uses = [c for c in calls if c != defined + len("local function ")]
+            if uses:
+                assert f"-- begin include {lib_name}\n" in text, f"{name} calls {fn} without -- include: {lib_name}"
+                assert defined < min(uses), f"{name}: {fn} is used before _lib/{lib_name}.lua defines it"
+
+
 def test_every_script_is_used_by_python() -> None:
     sources = "\n".join(p.read_text() for p in (ROOT / "tracestore").rglob("*.py"))
     for name in registry():

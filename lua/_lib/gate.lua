@@ -2,7 +2,7 @@
 -- Live leases are members of the zset ts:{R}:gate:leases scored by their
 -- deadline (ms, server clock); poisoned leases are fields of the hash
 -- ts:{R}:gate:poison (lease id -> reason json). Every key used here is passed
--- in by the caller (from KEYS). Include op first: the server clock is its now_ms.
+-- in by the caller (from KEYS). Include clock first: gate_status_reply reads now_ms.
 
 -- Move every live lease whose deadline has passed into the poison hash
 -- (invariant 2: past its deadline, the outcome of a request is not known).

@@ -12,8 +12,3 @@ local function op_record(opkey, ttl_ms, reply)
   redis.call('SET', opkey, cjson.encode(reply), 'PX', ttl_ms)
   return reply
 end
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return t[1] * 1000 + math.floor(t[2] / 1000)
-end

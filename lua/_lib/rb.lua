@@ -8,6 +8,13 @@
 -- ids (read from the fixed index ts:{R}:rb:sids) and writes nothing. The
 -- client calls again with those keys; the second call commits atomically.
 -- Every key a script touches is in KEYS; every KEYS entry is in slot {R}.
+--
+-- The helpers share one table `rb` that the calling script fills in once:
+--   gmap, smap  gid -> group key, sid -> session key (rb_open)
+--   sidskey     KEYS: ts:{R}:rb:sids        bkey     KEYS: ts:{R}:rb:bytes
+--   oreplay     KEYS: ts:{R}:o:<replay>     replay   ARGV: the buffer's owner tag
+--   to, oto     the taker's owner tag and its owner set (rb_hand_over)
+--   qc, vc, qe, ve, released, events, now, rel_s   (rb_expire_group)
 
 local RB_TWO32 = 4294967296
 
@@ -25,26 +32,55 @@ local function rb_keymap(k0, a)
   return gmap, smap
 end
 
--- Add to need_g/need_s the gids of `gids` whose group key is missing and the
--- sids of those groups whose session key is missing.
-local function rb_missing(sidskey, gids, gmap, smap, need_g, need_s)
+-- The start every take, claim and expire shares: replay a retried call's
+-- reply, refuse a taker that gc declared lost (lost_key nil: no taker), parse
+-- the keys tail into rb.gmap / rb.smap. Returns a reply to return at once, or nil.
+local function rb_open(rb, opkey, lost_key, k0, a)
+  local cached = op_replay(opkey)
+  if cached then return cached end
+  if lost_key then
+    local lost_ms = redis.call('ZSCORE', lost_key, rb.to)
+    if lost_ms then return {1, 'OWNER_LOST', rb.to, tonumber(lost_ms)} end
+  end
+  rb.gmap, rb.smap = rb_keymap(k0, a)
+  if not rb.gmap then return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the ids in ARGV'} end
+  return nil
+end
+
+-- Add to need.g the gids of `gids` whose group key is missing and to need.s
+-- the sids of those groups whose session key is missing.
+local function rb_missing(rb, gids, need)
   if #gids == 0 then return end
-  local js = redis.call('HMGET', sidskey, unpack(gids))
+  local js = redis.call('HMGET', rb.sidskey, unpack(gids))
   for i, gid in ipairs(gids) do
-    if not gmap[gid] then need_g[#need_g + 1] = gid end
+    if not rb.gmap[gid] then need.g[#need.g + 1] = gid end
     if js[i] then
       for _, sid in ipairs(cjson.decode(js[i])) do
-        if not smap[sid] then need_s[#need_s + 1] = sid end
+        if not rb.smap[sid] then need.s[#need.s + 1] = sid end
       end
     end
   end
 end
 
-local function rb_need_reply(need_g, need_s)
-  local out = {0, 'NEED', #need_g}
-  for _, g in ipairs(need_g) do out[#out + 1] = g end
-  for _, s in ipairs(need_s) do out[#out + 1] = s end
+local function rb_need_reply(need)
+  local out = {0, 'NEED', #need.g}
+  for _, g in ipairs(need.g) do out[#out + 1] = g end
+  for _, s in ipairs(need.s) do out[#out + 1] = s end
   return out
+end
+
+-- The NEED reply of a take or claim that picked cand[1..npicked] (plus what
+-- `need` holds already), or nil when every key is at hand. A NEED names the
+-- whole window cand[1..#cand], so a retry survives other takers removing the head.
+local function rb_need_window(rb, cand, npicked, need)
+  local picked, extra = {}, {}
+  for i = 1, #cand do
+    if i <= npicked then picked[#picked + 1] = cand[i] else extra[#extra + 1] = cand[i] end
+  end
+  rb_missing(rb, picked, need)
+  if #need.g == 0 and #need.s == 0 then return nil end
+  rb_missing(rb, extra, need)
+  return rb_need_reply(need)
 end
 
 -- Stale gids of a version index (min_version < cutoff), oldest first:
@@ -66,55 +102,55 @@ local function rb_bytes_add(bkey, status, task, delta)
   if delta ~= 0 then redis.call('HINCRBY', bkey, status .. ' ' .. task, delta) end
 end
 
--- Expire one stored group (status completed, keys in qc/vc). keep: move it to
--- `expired` (qe/ve), sessions stay owned by the buffer; else release each of
--- its sessions (one event each, reason 'expired') and delete the group.
--- Appends to rel_s the released sids. Returns true if kept.
-local function rb_expire_group(gid, gk, keep_override, qc, vc, qe, ve, oreplay, released, events,
-                               sidskey, bkey, smap, replay, now, rel_s)
+-- Expire one stored group (status completed, in rb.qc/rb.vc). keep: move it
+-- to `expired` (rb.qe/rb.ve), sessions stay owned by the buffer; else release
+-- each of its sessions (one event each, reason 'expired') and delete the
+-- group. keep_override '' uses the group's own retryable flag. Appends the
+-- released sids to rb.rel_s. Returns true if kept.
+local function rb_expire_group(rb, gid, keep_override)
+  local gk = rb.gmap[gid]
   local f = redis.call('HMGET', gk, 'task', 'seq', 'retryable', 'bytes', 'sids')
   local task, seq, bytes = f[1], f[2], tonumber(f[4]) or 0
-  local vs = redis.call('ZSCORE', vc, gid)
-  redis.call('ZREM', qc, gid)
-  redis.call('ZREM', vc, gid)
-  rb_bytes_add(bkey, 'completed', task, -bytes)
+  local vs = redis.call('ZSCORE', rb.vc, gid)
+  redis.call('ZREM', rb.qc, gid)
+  redis.call('ZREM', rb.vc, gid)
+  rb_bytes_add(rb.bkey, 'completed', task, -bytes)
   local keep
   if keep_override == '' then keep = (f[3] == '1') else keep = (keep_override == '1') end
   if keep then
     redis.call('HSET', gk, 'status', 'expired')
-    redis.call('ZADD', qe, seq, gid)
-    redis.call('ZADD', ve, vs, gid)
-    rb_bytes_add(bkey, 'expired', task, bytes)
+    redis.call('ZADD', rb.qe, seq, gid)
+    redis.call('ZADD', rb.ve, vs, gid)
+    rb_bytes_add(rb.bkey, 'expired', task, bytes)
     return true
   end
+  local rel = {owner = rb.replay, okey = rb.oreplay, released = rb.released, events = rb.events,
+    reason = 'expired', now = rb.now}
   for _, sid in ipairs(cjson.decode(f[5])) do
-    if session_release(smap[sid], sid, replay, oreplay, released, events, 'expired', now) then
-      rel_s[#rel_s + 1] = sid
+    if session_release(rb.smap[sid], sid, rel) then
+      rb.rel_s[#rb.rel_s + 1] = sid
     end
   end
   redis.call('DEL', gk)
-  redis.call('HDEL', sidskey, gid)
+  redis.call('HDEL', rb.sidskey, gid)
   return false
 end
 
--- Hand one stored group to `to`: move its sessions from the buffer, delete
--- the group and its index entries; append its 7 reply fields to `out`.
-local function rb_hand_over(gid, gk, q, v, oreplay, oto, sidskey, bkey, smap, replay, to, out)
+-- Hand one stored group (in queue q, version index v) to rb.to: move its
+-- sessions from the buffer, delete the group and its index entries; append
+-- its 7 reply fields to `out`.
+local function rb_hand_over(rb, gid, q, v, out)
+  local gk = rb.gmap[gid]
   local f = redis.call('HMGET', gk, 'task', 'status', 'sids', 'min_version', 'seq', 'retryable',
     'payload', 'bytes')
   for _, sid in ipairs(cjson.decode(f[3])) do
-    session_move(smap[sid], sid, replay, to, oreplay, oto)
+    session_move(rb.smap[sid], sid, rb.replay, rb.to, rb.oreplay, rb.oto)
   end
   redis.call('ZREM', q, gid)
   redis.call('ZREM', v, gid)
   redis.call('DEL', gk)
-  redis.call('HDEL', sidskey, gid)
-  rb_bytes_add(bkey, f[2], f[1], -(tonumber(f[8]) or 0))
+  redis.call('HDEL', rb.sidskey, gid)
+  rb_bytes_add(rb.bkey, f[2], f[1], -(tonumber(f[8]) or 0))
   out[#out + 1] = gid
-  out[#out + 1] = f[2]
-  out[#out + 1] = f[3]
-  out[#out + 1] = f[4]
-  out[#out + 1] = f[5]
-  out[#out + 1] = f[6]
-  out[#out + 1] = f[7]
+  for i = 2, 7 do out[#out + 1] = f[i] end
 end

@@ -14,15 +14,17 @@ local function session_move(skey, sid, from, to, okey_from, okey_to)
   return true
 end
 
--- Release a live session owned by `owner`: state, owner index, tombstone and
--- exactly one event, all in the calling script. False (and nothing changed)
--- unless `owner` owns it and it is live.
-local function session_release(skey, sid, owner, okey, released_key, events_key, reason, now)
+-- Release a live session owned by `rel.owner`: state, owner index, tombstone
+-- and exactly one event, all in the calling script. False (and nothing
+-- changed) unless that owner owns it and it is live. `rel` is the release
+-- the caller makes, shared by its sessions: {owner, okey (the owner's set),
+-- released (tombstones zset), events (stream), reason, now (ms)}.
+local function session_release(skey, sid, rel)
   local cur = redis.call('HMGET', skey, 'owner', 'state')
-  if cur[2] ~= 'live' or cur[1] ~= owner then return false end
-  redis.call('HSET', skey, 'state', 'released', 'released_ms', now, 'reason', reason)
-  redis.call('SREM', okey, sid)
-  redis.call('ZADD', released_key, now, sid)
-  redis.call('XADD', events_key, '*', 'sid', sid, 'owner', owner, 'reason', reason, 'ms', now)
+  if cur[2] ~= 'live' or cur[1] ~= rel.owner then return false end
+  redis.call('HSET', skey, 'state', 'released', 'released_ms', rel.now, 'reason', rel.reason)
+  redis.call('SREM', rel.okey, sid)
+  redis.call('ZADD', rel.released, rel.now, sid)
+  redis.call('XADD', rel.events, '*', 'sid', sid, 'owner', rel.owner, 'reason', rel.reason, 'ms', rel.now)
   return true
 end
