@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +10,7 @@ import orjson
 
 from .errors import ConfigError
 from .keys import Keys
-from .scripts import new_op_id
+from .scripts import Eval, chunks, new_op_id, script
 
 SCHEMA_VERSION = 1
 
@@ -65,6 +66,31 @@ class Context:
         """
         op_id = new_op_id()
         return op_id, self.keys.op(op_id)
+
+    def op_evals(
+        self,
+        name: str,
+        items: Sequence[str],
+        keys: Callable[[str, Sequence[str]], tuple[str, ...]],
+        args: Callable[[Sequence[str]], tuple[Any, ...]],
+        *,
+        at_least_one: bool = False,
+    ) -> list[Eval]:
+        """The calls of a mutating variadic script: one per chunk of ``items``, each with its op id.
+
+        ``keys(op_key, chunk)`` and ``args(chunk)`` build one call's KEYS and
+        ARGV. ``at_least_one``: one call with an empty chunk when ``items``
+        is empty. Each chunk is one atomic script call.
+        """
+        sc = script(name)
+        parts: list[Sequence[str]] = list(chunks(items, sc.chunk))
+        if not parts and at_least_one:
+            parts = [[]]
+        out = []
+        for part in parts:
+            op_id, op_key = self.new_op()
+            out.append(Eval(sc, keys(op_key, part), args(part), op_id=op_id))
+        return out
 
     @property
     def op_ttl_ms(self) -> int:

@@ -37,7 +37,7 @@ from . import validate
 from .context import Context
 from .errors import GatePoisoned, InvalidInput, NotDrained, StaleVersion
 from .replies import Reply, field_map, text
-from .scripts import Batch, Cmd, Eval, Op, chunks, new_op_id, script
+from .scripts import Batch, Cmd, Eval, Op, new_op_id, script
 from .twin import AsyncPart, Body, Scoped, SyncPart, op, scoped
 from .validate import duration_ms, int_in, one_of, validate_id, validate_ids
 
@@ -476,18 +476,12 @@ def clear_poison(ctx: Context, lease_ids: Sequence[str], resolution: str) -> Op[
     if not ids:
         return []
     k = ctx.keys
-    sc = script("gate_clear_poison")
-    evals = []
-    for part in chunks(ids, sc.chunk):
-        op_id, op_key = ctx.new_op()
-        evals.append(
-            Eval(
-                sc,
-                (k.gate_leases, k.gate_poison, op_key, *(k.gate_lease(x) for x in part)),
-                (ctx.op_ttl_ms, resolution, ctx.op_ttl_ms, *part),
-                op_id=op_id,
-            )
-        )
+    evals = ctx.op_evals(
+        "gate_clear_poison",
+        ids,
+        lambda op_key, part: (k.gate_leases, k.gate_poison, op_key, *(k.gate_lease(x) for x in part)),
+        lambda part: (ctx.op_ttl_ms, resolution, ctx.op_ttl_ms, *part),
+    )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]
 

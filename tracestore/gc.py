@@ -89,17 +89,18 @@ def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
     """
     k = ctx.keys
     okey = k.owner(owner)
-    sc = script("gc_owner_lost")
     fixed = (k.owners, k.owners_lost, okey, k.released, k.events)
     released: list[str] = []
     for _ in range(_SWEEPS):
         members = yield Cmd(("SMEMBERS", okey), key=okey)
         sids = sorted(text(m) for m in members)
-        evals = []
-        for p in list(chunks(sids, sc.chunk)) or [[]]:
-            op_id, op_key = ctx.new_op()
-            keys = (*fixed, op_key, *(k.session(s) for s in p))
-            evals.append(Eval(sc, keys, (owner, OWNER_LOST, ctx.op_ttl_ms, *p), op_id=op_id))
+        evals = ctx.op_evals(
+            "gc_owner_lost",
+            sids,
+            lambda op_key, part: (*fixed, op_key, *(k.session(s) for s in part)),
+            lambda part: (owner, OWNER_LOST, ctx.op_ttl_ms, *part),
+            at_least_one=True,  # the deadline check runs even when the owner has no session
+        )
         replies = [Reply(r, "gc_owner_lost") for r in (yield Batch(tuple(evals)))]
         # Each chunk re-checks the deadline: a later chunk may see it pass after the
         # first one did not, and then it released its sessions (events appended).

@@ -24,7 +24,7 @@ from .errors import InvalidInput
 from .purge import purge_sessions
 from .replies import Reply, pairs, text
 from .run import session_states
-from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, script
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, script
 from .validate import duration_ms, validate_id, validate_ids
 
 
@@ -77,18 +77,12 @@ def open_sessions(
         validate_id("group id", group)
     if not sids:
         return 0
-    sc = script("open_sessions")
-    evals = []
-    for part in chunks(sids, sc.chunk):
-        op_id, op_key = ctx.new_op()
-        evals.append(
-            Eval(
-                sc,
-                (okey, k.released, k.owners_lost, op_key, *(k.session(s) for s in part)),
-                (owner, version, group or "", ctx.op_ttl_ms, *part),
-                op_id=op_id,
-            )
-        )
+    evals = ctx.op_evals(
+        "open_sessions",
+        sids,
+        lambda op_key, part: (okey, k.released, k.owners_lost, op_key, *(k.session(s) for s in part)),
+        lambda part: (owner, version, group or "", ctx.op_ttl_ms, *part),
+    )
     yield Batch(tuple(evals))
     return len(sids)
 
@@ -114,18 +108,12 @@ def transfer(ctx: Context, sids: Sequence[str], from_owner: str, to_owner: str) 
     ofrom, oto = k.owner(from_owner), k.owner(to_owner)
     if not sids:
         return []
-    sc = script("transfer")
-    evals = []
-    for part in chunks(sids, sc.chunk):
-        op_id, op_key = ctx.new_op()
-        evals.append(
-            Eval(
-                sc,
-                (ofrom, oto, k.owners_lost, op_key, *(k.session(s) for s in part)),
-                (from_owner, to_owner, ctx.op_ttl_ms, *part),
-                op_id=op_id,
-            )
-        )
+    evals = ctx.op_evals(
+        "transfer",
+        sids,
+        lambda op_key, part: (ofrom, oto, k.owners_lost, op_key, *(k.session(s) for s in part)),
+        lambda part: (from_owner, to_owner, ctx.op_ttl_ms, *part),
+    )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]
 
@@ -138,19 +126,12 @@ def release_evals(ctx: Context, sids: Sequence[str], owner: str, reason: str) ->
     """
     k = ctx.keys
     okey = k.owner(owner)
-    sc = script("release")
-    evals = []
-    for part in chunks(sids, sc.chunk):
-        op_id, op_key = ctx.new_op()
-        evals.append(
-            Eval(
-                sc,
-                (okey, k.released, k.events, op_key, *(k.session(s) for s in part)),
-                (owner, reason, ctx.op_ttl_ms, *part),
-                op_id=op_id,
-            )
-        )
-    return evals
+    return ctx.op_evals(
+        "release",
+        sids,
+        lambda op_key, part: (okey, k.released, k.events, op_key, *(k.session(s) for s in part)),
+        lambda part: (owner, reason, ctx.op_ttl_ms, *part),
+    )
 
 
 def release(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .context import Context
 from .errors import InvalidInput
 from .replies import Reply, text
-from .scripts import Batch, Eval, Op, chunks, script
+from .scripts import Batch, Eval, Op, script
 from .twin import AsyncPart, SyncPart, op
 from .validate import duration_ms, validate_id, validate_ids
 
@@ -140,13 +140,12 @@ def retire(scope: RouteScope, sids: Sequence[str]) -> Op[list[str]]:
     if not ids:
         return []
     ctx = scope.ctx
-    sc = script("route_retire")
-    evals = []
-    for part in chunks(ids, sc.chunk):
-        op_id, op_key = ctx.new_op()
-        evals.append(
-            Eval(sc, (*_keys(ctx), op_key), (scope.retention_ms, ctx.op_ttl_ms, *part), op_id=op_id)
-        )
+    evals = ctx.op_evals(
+        "route_retire",
+        ids,
+        lambda op_key, part: (*_keys(ctx), op_key),
+        lambda part: (scope.retention_ms, ctx.op_ttl_ms, *part),
+    )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]
 

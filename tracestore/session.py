@@ -147,14 +147,8 @@ class RecorderMethods(Generic[St]):
         return req if req is not None and req.prompt_text == prompt else None
 
     def _plan(
-        self,
-        req: Request,
-        messages: Sequence[Message],
-        assistant_message: Message,
-        output_ids: Sequence[int],
-        logprobs: Sequence[float],
-        routed_experts: Any | None,
-        version: int,
+        self, req: Request, messages: Sequence[Message], assistant_message: Message,
+        output_ids: Sequence[int], logprobs: Sequence[float], routed_experts: Any | None, version: int,
     ) -> _Plan:
         """Every check of a response, before anything is put or written."""
         sid, prompt = req.sid, req.prompt_text

@@ -215,7 +215,19 @@ def _named(method: Callable[..., Any], f: Callable[..., Any], name: str) -> Any:
     return method
 
 
-class op(Generic[C, P, R]):  # noqa: N801 - used like a decorator/function
+class _Binding:
+    """What :class:`op` and :class:`scoped` share: the operation and the name it is bound under."""
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self.f = f
+        self.name = f.__name__
+        self.__doc__ = f.__doc__
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name
+
+
+class op(_Binding, Generic[C, P, R]):  # noqa: N801 - used like a decorator/function
     """Bind an operation ``f(scope, *args) -> Op[R]`` as a method of sync and async runners.
 
     On an instance the attribute is made once and cached in the instance
@@ -224,12 +236,7 @@ class op(Generic[C, P, R]):  # noqa: N801 - used like a decorator/function
     """
 
     def __init__(self, f: Callable[Concatenate[C, P], Op[R]]) -> None:
-        self.f = f
-        self.name = f.__name__
-        self.__doc__ = f.__doc__
-
-    def __set_name__(self, owner: type[Any], name: str) -> None:
-        self.name = name
+        super().__init__(f)
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> Self: ...
@@ -263,7 +270,7 @@ class op(Generic[C, P, R]):  # noqa: N801 - used like a decorator/function
         return method
 
 
-class scoped(Generic[C, P, T]):  # noqa: N801
+class scoped(_Binding, Generic[C, P, T]):  # noqa: N801
     """Bind a scoped operation ``f(scope, *args)`` (yields one :class:`Body`) as a context manager.
 
     Sync runners get ``with x.f(...) as value:``, async runners
@@ -271,12 +278,7 @@ class scoped(Generic[C, P, T]):  # noqa: N801
     """
 
     def __init__(self, f: Callable[Concatenate[C, P], Scoped[T]]) -> None:
-        self.f = f
-        self.name = f.__name__
-        self.__doc__ = f.__doc__
-
-    def __set_name__(self, owner: type[Any], name: str) -> None:
-        self.name = name
+        super().__init__(f)
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> Self: ...

@@ -87,18 +87,16 @@ class _CheckedTurn:
 
 
 def _check_turn(
-    sid: str,
-    prompt_text: str,
-    response_text: str,
-    prefix: PrefixMatch,
-    delta_token_ids: Sequence[int],
-    response_token_ids: Sequence[int],
-    response_logprobs: Sequence[float],
-    v: int,
-    delta_expert_key: str | None,
-    response_expert_key: str | None,
+    sid: str, prompt_text: str, response_text: str, prefix: PrefixMatch, v: int,
+    ids: tuple[Sequence[int], Sequence[int], Sequence[float]], keys: tuple[str | None, str | None],
 ) -> _CheckedTurn:
-    """Every check of :func:`record_turn`; each text is encoded once, the prefix hashed once."""
+    """Every check of :func:`record_turn`; each text is encoded once, the prefix hashed once.
+
+    ``ids``: delta token ids, response token ids, response logprobs;
+    ``keys``: delta and response expert keys.
+    """
+    delta_token_ids, response_token_ids, response_logprobs = ids
+    delta_expert_key, response_expert_key = keys
     validate_id("session id", sid)
     if not isinstance(prefix, PrefixMatch):
         raise InvalidInput("prefix", "expected the PrefixMatch returned by lookup()")
@@ -244,8 +242,9 @@ def record_turn(
     Round trips: 1. Only the new tokens and new text travel; the prompt does not.
     """
     turn = _check_turn(
-        sid, prompt_text, response_text, prefix, delta_token_ids, response_token_ids,
-        response_logprobs, version, delta_expert_key, response_expert_key,
+        sid, prompt_text, response_text, prefix, version,
+        (delta_token_ids, response_token_ids, response_logprobs),
+        (delta_expert_key, response_expert_key),
     )
     delta, response = _turn_nodes(ctx, turn)
     new = [response] if delta is None else [delta, response]
