@@ -200,22 +200,40 @@ def test_restore_refuses_bad_files(store: TraceStore, url: str, tmp_path: Path) 
 
 
 def test_async_checkpoint(url: str, run_id: str, arun: Any, store: TraceStore, tmp_path: Path) -> None:
+    """Round trip through the asyncio store; the file is never opened on the event loop's thread."""
+    import sys
+    import threading
+
     from tests.conftest import connect_async
 
     _build(store)
+    opened: list[tuple[int, str]] = []
+    watching = [True]
+
+    def audit(event: str, args: tuple[Any, ...]) -> None:  # audit hooks cannot be removed: gated
+        if watching[0] and event == "open" and str(tmp_path) in str(args[0]):
+            opened.append((threading.get_ident(), str(args[0])))
+
+    sys.addaudithook(audit)
 
     async def go() -> Any:
+        loop_thread = threading.get_ident()
         a = await connect_async(url, run_id)
         b = await connect_async(url, f"t-{uuid.uuid4().hex[:12]}")
         try:
             await a.checkpoint(tmp_path / "x.tsck")
             await b.restore(tmp_path / "x.tsck")
-            return await b.replay.count()
+            return loop_thread, await b.replay.count()
         finally:
             await a.close()
             await b.close()
 
-    assert arun(go()) == store.replay.count() == 5
+    try:
+        loop_thread, count = arun(go())
+    finally:
+        watching[0] = False
+    assert count == store.replay.count() == 5
+    assert opened and all(tid != loop_thread for tid, _path in opened), opened
 
 
 def test_aof_survives_sigkill(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ runs one request.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from . import checkpoint as ckpt_ops
@@ -28,7 +29,7 @@ from .gate import AsyncGate, Gate
 from .keys import Keys
 from .replay import AsyncReplay, Replay
 from .router import AsyncRouter, Router, route_scope
-from .scripts import Request
+from .scripts import Request, registry
 from .twin import AsyncRunner, SyncRunner, op, part, part_factory
 
 
@@ -231,6 +232,7 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
         """Async counterpart of :meth:`TraceStore.connect` (same arguments and errors)."""
         keys = Keys(prefix, run)
         copts, config = _split_opts(opts)
+        await asyncio.to_thread(registry)  # read lua/ once, off the event loop
         client, cluster, display = await async_client(url, copts)
         store = cls(AsyncIO(client, cluster=cluster), Context(keys, cluster, config), display)
         try:

@@ -94,8 +94,9 @@ class SyncRunner(Generic[C]):
         """
         paused, value = self._advance(operation, None)
         if paused:
-            operation.close()
-            raise _BodyMissing("a scoped operation cannot be run(); use it as a context manager")
+            err = _BodyMissing("a scoped operation cannot be run(); use it as a context manager")
+            self._advance(operation, err)  # its cleanup runs (and normally re-raises err)
+            raise err
         return value  # type: ignore[no-any-return]
 
     def _advance(self, gen: Generator[Any, Any, Any], exc: BaseException | None) -> tuple[bool, Any]:
@@ -129,8 +130,9 @@ class SyncRunner(Generic[C]):
             raise
         else:
             if self._advance(gen, None)[0]:
-                gen.close()
-                raise _BodyMissing("a scoped operation yielded its body twice")
+                err = _BodyMissing("a scoped operation yielded its body twice")
+                self._advance(gen, err)
+                raise err
 
 
 class AsyncRunner(Generic[C]):
@@ -146,8 +148,9 @@ class AsyncRunner(Generic[C]):
         """Drive ``operation`` to completion and return its result (see :meth:`SyncRunner.run`)."""
         paused, value = await self._advance(operation, None)
         if paused:
-            operation.close()
-            raise _BodyMissing("a scoped operation cannot be run(); use it as a context manager")
+            err = _BodyMissing("a scoped operation cannot be run(); use it as a context manager")
+            await self._advance(operation, err)
+            raise err
         return value  # type: ignore[no-any-return]
 
     async def _advance(
@@ -179,8 +182,9 @@ class AsyncRunner(Generic[C]):
             raise
         else:
             if (await self._advance(gen, None))[0]:
-                gen.close()
-                raise _BodyMissing("a scoped operation yielded its body twice")
+                err = _BodyMissing("a scoped operation yielded its body twice")
+                await self._advance(gen, err)
+                raise err
 
 
 class SyncPart(SyncRunner[C]):
