@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +28,24 @@ from tracestore import AsyncTraceStore, TraceStore
 from tracestore.servers import EmbeddedServer, LocalCluster, redis_server_binary
 
 ALL_BACKENDS = ("valkey", "cluster", "redis7", "container")
+
+# Isolation: a test session never uses the user's default server, its cluster
+# state or its TRACESTORE_URL, nor another test session's (several run at once
+# on a shared machine). Every session gets a state directory of its own, which
+# subprocesses inherit, and stops the default server it started there.
+# (Test modules import this file again as ``tests.conftest``: set up once per process.)
+if os.environ.get("TRACESTORE_TESTS_PID") != str(os.getpid()):
+    os.environ["TRACESTORE_TESTS_PID"] = str(os.getpid())
+    os.environ["TRACESTORE_HOME"] = tempfile.mkdtemp(prefix="tracestore-tests-")
+    for _var in ("TRACESTORE_URL", "TRACESTORE_RUN", "TRACESTORE_CLUSTER_STATE"):
+        os.environ.pop(_var, None)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tracestore import default_server
+
+    default_server.stop()
+    shutil.rmtree(os.environ["TRACESTORE_HOME"], ignore_errors=True)
 
 
 def _selected() -> list[str]:

@@ -118,15 +118,19 @@ def _mask(url: str) -> str:
 
 
 def resolve_url(url: str | None) -> str:
-    """``url``, else ``$TRACESTORE_URL``, else the embedded server (started on demand)."""
+    """``url``, else ``$TRACESTORE_URL``, else the default server of this user.
+
+    The default server is one embedded server per machine and user, shared by
+    every process and started on first use (:mod:`tracestore.default_server`).
+    """
     if url:
         return url
     env = os.environ.get(ENV_URL)
     if env:
         return env
-    from .servers import default_server
+    from .default_server import ensure
 
-    return default_server().url
+    return ensure().url
 
 
 def _retry(opts: ConnectionOptions) -> Retry:

@@ -12,15 +12,14 @@ both classes are context managers.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import errno
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,11 +60,27 @@ def redis_server_binary() -> str | None:
     return "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
 
 
+def _family(host: str) -> socket.AddressFamily:
+    """Address family of ``host``; ServerError when it does not resolve."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ServerError(f"cannot listen on host {host!r}: {reason}") from None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (and its +10000 cluster bus port too)."""
+    """A TCP port that is free right now (and its +10000 cluster bus port too).
+
+    Raises ServerError when ``host`` is not an address of this machine.
+    """
+    family = _family(host)
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, 0))
+            except OSError as exc:
+                raise ServerError(f"cannot listen on host {host!r}: {exc.strerror}") from None
             port = int(s.getsockname()[1])
         if port + 10000 < 65536 and port_is_free(port + 10000, host):
             return port
@@ -73,13 +88,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True if nothing listens on ``host:port``."""
-    with socket.socket() as s:
+    """True if nothing listens on ``host:port``.
+
+    Raises ServerError when ``host`` is not an address of this machine (that
+    is not "in use"), or the port is out of range.
+    """
+    if not 0 < port < 65536:
+        raise ServerError(f"port {port} is out of range (1..65535)")
+    with socket.socket(_family(host)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
+        except PermissionError:
+            raise ServerError(f"port {port} needs privileges on this machine (use a port above 1023)") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise ServerError(f"cannot listen on {host!r} port {port}: {exc.strerror}") from None
     return True
 
 
@@ -133,11 +158,17 @@ class EmbeddedServer:
         cluster_enabled: bool = False,
         tls: TlsFiles | None = None,
         unix_socket: bool = False,
+        tcp: bool = True,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 15.0,
     ) -> None:
+        if not tcp and not unix_socket:
+            raise ServerError("a server without TCP needs unix_socket=True")
+        if not tcp and tls:
+            raise ServerError("TLS needs a TCP port (tcp=True)")
         self.tls = tls
         self.unix_socket = unix_socket
+        self.tcp = tcp
         self.host = host
         self.requested_port = port
         self.port = port or 0
@@ -155,11 +186,28 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
-        """``redis://`` URL of this server (``rediss://`` with TLS, CA file in the query)."""
+        """``redis://`` URL of this server (``rediss://`` with TLS, CA file in the query).
+
+        A server without TCP (``tcp=False``) answers on its unix socket only:
+        the URL is then :attr:`unix_url`.
+        """
+        if not self.tcp:
+            return self.unix_url
         auth = f":{self.password}@" if self.password else ""
+        host = f"[{self.connect_host}]" if ":" in self.connect_host else self.connect_host
         if self.tls:
-            return f"rediss://{auth}{self.host}:{self.port}?ssl_ca_certs={self.tls.ca}"
-        return f"redis://{auth}{self.host}:{self.port}"
+            return f"rediss://{auth}{host}:{self.port}?ssl_ca_certs={self.tls.ca}"
+        return f"redis://{auth}{host}:{self.port}"
+
+    @property
+    def connect_host(self) -> str:
+        """The address clients on this machine use (loopback for a wildcard ``host``)."""
+        return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+
+    @property
+    def where(self) -> str:
+        """``port N`` or ``socket PATH``: where the server listens (for messages)."""
+        return f"port {self.port}" if self.tcp else f"socket {self.socket_path}"
 
     @property
     def socket_path(self) -> Path | None:
@@ -182,8 +230,10 @@ class EmbeddedServer:
     def start(self) -> EmbeddedServer:
         """Start the process and wait until it answers PING."""
         if self.proc is not None:
-            raise ServerError(f"server on port {self.port} is already running")
-        if self.requested_port:
+            raise ServerError(f"server on {self.where} is already running")
+        if not self.tcp:
+            self.port = 0
+        elif self.requested_port:
             if not port_is_free(self.requested_port, self.host):
                 raise ServerError(f"port {self.requested_port} on {self.host} is already in use")
             self.port = self.requested_port
@@ -195,7 +245,7 @@ class EmbeddedServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
-            "--port", "0" if self.tls else str(self.port),
+            "--port", "0" if self.tls or not self.tcp else str(self.port),
             "--bind", self.host,
             "--dir", str(self.dir),
             "--daemonize", "no",
@@ -250,7 +300,7 @@ class EmbeddedServer:
             while True:
                 if self.proc.poll() is not None:
                     raise ServerError(
-                        f"{Path(self.binary).name} on port {self.port} exited with code "
+                        f"{Path(self.binary).name} on {self.where} exited with code "
                         f"{self.proc.returncode}: {self._log_tail()}"
                     )
                 try:
@@ -265,7 +315,7 @@ class EmbeddedServer:
                     pass
                 if time.monotonic() > deadline:
                     raise ServerError(
-                        f"server on port {self.port} not ready after "
+                        f"server on {self.where} not ready after "
                         f"{self.startup_timeout_s}s: {self._log_tail()}"
                     )
                 time.sleep(0.02)
@@ -283,10 +333,14 @@ class EmbeddedServer:
 
     def client(self, **kwargs: Any) -> redis.Redis:
         """A plain redis-py client for this server (tests, provisioning)."""
+        if not self.tcp:
+            return redis.Redis(
+                unix_socket_path=str(self.socket_path), password=self.password, protocol=2, **kwargs
+            )
         if self.tls:
             kwargs.update(ssl=True, ssl_ca_certs=str(self.tls.ca))
         return redis.Redis(
-            host=self.host, port=self.port, password=self.password, protocol=2, **kwargs
+            host=self.connect_host, port=self.port, password=self.password, protocol=2, **kwargs
         )
 
     @property
@@ -472,30 +526,3 @@ def _known_nodes(c: redis.Redis) -> int:
 
 def _cluster_ok(c: redis.Redis) -> bool:
     return "cluster_state:ok" in text(c.execute_command("CLUSTER", "INFO"))
-
-
-# -- the embedded default of this process --------------------------------------------------
-
-_default: EmbeddedServer | None = None
-_default_lock = threading.Lock()
-
-
-def default_server() -> EmbeddedServer:
-    """The process-wide embedded server used when no URL is configured.
-
-    Started on first use and stopped when the interpreter exits.
-    """
-    global _default
-    with _default_lock:
-        if _default is None or not _default.running:
-            _default = EmbeddedServer().start()
-            atexit.register(_stop_default)
-        return _default
-
-
-def _stop_default() -> None:
-    global _default
-    if _default is not None:
-        with contextlib.suppress(Exception):
-            _default.stop()
-        _default = None
