@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -25,8 +26,8 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -79,20 +80,20 @@ def parse_url(url: str) -> ParsedUrl:
         parts = urlsplit(url.strip())
         port = parts.port
     except ValueError as exc:
-        raise ConfigError(f"malformed connection URL {_mask(url)!r}: {exc}") from None
+        raise ConfigError(f"malformed connection URL {mask_url(url)!r}: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise ConfigError(
-            f"unsupported URL scheme {parts.scheme!r} in {_mask(url)!r}; "
+            f"unsupported URL scheme {parts.scheme!r} in {mask_url(url)!r}; "
             f"use one of {', '.join(s + '://' for s in SCHEMES)}"
         )
     if scheme == "unix":
         if not parts.path:
-            raise ConfigError(f"unix:// URL without a socket path: {_mask(url)!r}")
+            raise ConfigError(f"unix:// URL without a socket path: {mask_url(url)!r}")
     elif not parts.hostname:
-        raise ConfigError(f"URL without a host: {_mask(url)!r}")
+        raise ConfigError(f"URL without a host: {mask_url(url)!r}")
     if port is not None and not 0 < port < 65536:
-        raise ConfigError(f"port out of range in {_mask(url)!r}")
+        raise ConfigError(f"port out of range in {mask_url(url)!r}")
     cluster: bool | None = None
     if scheme.endswith("+cluster"):
         cluster = True
@@ -103,10 +104,11 @@ def parse_url(url: str) -> ParsedUrl:
         rewritten = url.strip()  # urlunsplit would drop the '//' of an empty netloc
     else:
         rewritten = urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
-    return ParsedUrl(rewritten, cluster, scheme == "rediss", _mask(url))
+    return ParsedUrl(rewritten, cluster, scheme == "rediss", mask_url(url))
 
 
-def _mask(url: str) -> str:
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for messages and logs)."""
     try:
         parts = urlsplit(url)
         if parts.password:
@@ -152,38 +154,101 @@ def _common(opts: ConnectionOptions) -> dict[str, Any]:
     }
 
 
-def _cluster_enabled(info: Any) -> bool:
-    return int(info.get("cluster_enabled", 0)) == 1
+def failure_reason(exc: BaseException) -> str:
+    """Why a connection failed, in a few words that do not repeat the URL.
+
+    redis-py's connection errors embed the address; the operating system's
+    reason (``Connection refused``) is the useful part, kept on the chained
+    ``OSError``.
+    """
+    if isinstance(exc, AuthenticationError):
+        return "authentication failed (wrong or missing password; give it in the URL: redis://:PASSWORD@host:port)"
+    if isinstance(exc, RedisTimeoutError):
+        return "timed out"
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and not isinstance(cur, RedisError) and cur.strerror:
+            return str(cur.strerror)
+        cur = cur.__cause__ or cur.__context__
+    return str(exc) or type(exc).__name__
 
 
-def _unreachable(parsed: ParsedUrl, exc: RedisError) -> StorageError:
-    return StorageError(f"cannot reach {parsed.display}: {type(exc).__name__}: {exc}")
+def _unreachable(parsed: ParsedUrl, exc: BaseException) -> StorageError:
+    return StorageError(f"cannot reach {parsed.display}: {failure_reason(exc)}")
 
 
-def _detect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
-    if parsed.cluster is not None:
-        return parsed.cluster
+def _check_tls(parsed: ParsedUrl, opts: ConnectionOptions) -> None:
+    """Raise ConfigError when a ``rediss://`` URL names a plain server (one short TCP probe).
+
+    A TLS client would otherwise wait out a handshake that a plain server
+    never answers (the whole connect timeout) and report no reason.
+    """
+    parts = urlsplit(parsed.url)
+    if not parsed.tls or not parts.hostname:
+        return
+    try:
+        timeout = min(1.0, opts.connect_timeout_s)
+        with socket.create_connection((parts.hostname, parts.port or 6379), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            first = s.recv(1)
+    except OSError:
+        return  # unreachable, or a TLS server closing on plain text: let TLS decide
+    if first in (b"+", b"-"):  # a RESP reply
+        raise ConfigError(
+            f"{parsed.display} is a plain (non-TLS) server: use redis:// instead of rediss://"
+        )
+
+
+def _cluster_enabled(parsed: ParsedUrl, info: Any) -> bool:
+    enabled = int(info.get("cluster_enabled", 0)) == 1
+    if parsed.cluster and not enabled:
+        plain = parsed.display.replace("+cluster", "", 1)
+        raise ConfigError(f"{parsed.display} is a standalone server, not a cluster node: use {plain}")
+    return enabled
+
+
+def _is_unix(parsed: ParsedUrl) -> bool:
+    return urlsplit(parsed.url).scheme == "unix"
+
+
+def detect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
+    """True when ``parsed`` names a cluster node (one ``INFO cluster`` round trip).
+
+    Raises ConfigError when the URL cannot work as written (``rediss://`` to a
+    plain server, ``redis+cluster://`` to a standalone one) and StorageError
+    when the server cannot be reached. A unix socket is never a cluster node.
+    """
+    _check_tls(parsed, opts)
+    if _is_unix(parsed):
+        return False
     probe = redis.Redis.from_url(parsed.url, **_common(replace(opts, retries=0)))
     try:
-        return _cluster_enabled(probe.info("cluster"))
+        info = probe.info("cluster")
     except RedisError as exc:
         raise _unreachable(parsed, exc) from exc
     finally:
         probe.close()
+    return _cluster_enabled(parsed, info)
 
 
 async def _adetect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
-    if parsed.cluster is not None:
-        return parsed.cluster
+    """The asyncio counterpart of :func:`detect_cluster` (the TLS probe runs in a thread)."""
+    if parsed.tls:
+        await asyncio.to_thread(_check_tls, parsed, opts)
+    if _is_unix(parsed):
+        return False
     common = _common(replace(opts, retries=0))
     common["retry"] = _async_retry(replace(opts, retries=0))
     probe = redis.asyncio.Redis.from_url(parsed.url, **common)
     try:
-        return _cluster_enabled(await probe.info("cluster"))
+        info = await probe.info("cluster")
     except RedisError as exc:
         raise _unreachable(parsed, exc) from exc
     finally:
         await probe.aclose()
+    return _cluster_enabled(parsed, info)
 
 
 def _async_retry(opts: ConnectionOptions) -> AsyncRetry:
@@ -201,15 +266,22 @@ def sync_client(
 ) -> tuple[redis.Redis | RedisCluster, bool, str]:
     """A redis-py client for ``url``: ``(client, is_cluster, masked_url)``.
 
-    One round trip (``INFO cluster``) unless the scheme says cluster or unix.
+    One round trip (``INFO cluster``) unless the URL is a unix socket.
+    Raises ConfigError (bad URL, TLS to a plain server, cluster scheme to a
+    standalone server) or StorageError (unreachable).
     """
     opts = opts or ConnectionOptions()
     parsed = parse_url(resolve_url(url))
-    cluster = _detect_cluster(parsed, opts)
+    cluster = detect_cluster(parsed, opts)
     common = _common(opts)
     if cluster:
         common.pop("retry_on_error")
-        client: Any = RedisCluster.from_url(parsed.url, **common, max_connections=opts.max_connections)
+        try:
+            client: Any = RedisCluster.from_url(
+                parsed.url, **common, max_connections=opts.max_connections
+            )
+        except (RedisError, RedisClusterException) as exc:
+            raise StorageError(f"cannot reach cluster {parsed.display}: {failure_reason(exc)}") from exc
     else:
         client = redis.Redis.from_url(
             parsed.url,
