@@ -18,6 +18,7 @@ from .errors import (
     NotOwner,
     OwnerLost,
     PromptMismatch,
+    RunInUse,
     RunNotEmpty,
     ScriptError,
     ServerError,
@@ -34,6 +35,7 @@ from .gc import GcReport
 from .keys import Keys
 from .replay import ExpireReport, Group, PutResult, Taken
 from .router import Route, RouteTable
+from .runs import RunDeleted, RunSummary
 from .session import AsyncTurnRecorder, TurnRecorder
 from .store import AsyncTraceStore, TraceStore, connect
 from .traces import Node, PrefixMatch, Segment, Trace, Turn
@@ -47,6 +49,9 @@ __all__ = [
     "GroupExists",
     "PutResult",
     "RunNotEmpty",
+    "RunInUse",
+    "RunDeleted",
+    "RunSummary",
     "Taken",
     "expert_key_lost",
     "AsyncTraceStore",

@@ -238,7 +238,24 @@ class RunNotEmpty(TracestoreError):
         self.found = list(found)
         super().__init__(
             f"run {run!r} is not empty ({len(self.found)}+ keys, e.g. {self.found[:3]}); "
-            "restore into a new run id or delete this run first"
+            "restore into a new run id or delete this run first (store.delete_run())"
+        )
+
+
+class RunInUse(TracestoreError):
+    """``delete_run`` of a run whose live owners still hold sessions; nothing was deleted.
+
+    ``owners`` lists ``(owner tag, live sessions)``.
+    """
+
+    def __init__(self, run: str, owners: Sequence[tuple[str, int]]) -> None:
+        self.run = run
+        self.owners = list(owners)
+        shown = ", ".join(f"{o} ({n})" for o, n in self.owners[:5])
+        more = f" and {len(self.owners) - 5} more" if len(self.owners) > 5 else ""
+        super().__init__(
+            f"run {run!r} is in use: live owners hold sessions: {shown}{more}; stop them "
+            "(or let gc declare them lost), or delete with force=True"
         )
 
 
@@ -313,6 +330,7 @@ __all__ = [
     "UnknownLease",
     "GroupExists",
     "RunNotEmpty",
+    "RunInUse",
     "StorageError",
     "ScriptError",
     "raise_for_code",

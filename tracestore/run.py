@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .context import SCHEMA_VERSION, Context
-from .keys import meta_pattern, run_of_meta_key
 from .replies import Reply, text
-from .scripts import Batch, Cmd, Eval, Op, ScanAll, ServerTime, script, variadic_evals
+from .scripts import Batch, Cmd, Eval, Op, ServerTime, script, variadic_evals
 from .validate import validate_ids
 
 
@@ -76,8 +75,10 @@ def server_info(ctx: Context, prefix: str = "ts") -> Op[ServerInfo]:
     fields = info if isinstance(info, dict) else _parse_info(text(info))
     engine = "valkey" if "valkey_version" in fields or fields.get("server_name") == "valkey" else "redis"
     version = str(fields.get("valkey_version") or fields.get("redis_version") or "?")
-    keys = yield ScanAll(meta_pattern(prefix), count=1000)
-    runs = sorted({r for k in keys if (r := run_of_meta_key(k, prefix))})
+    from .keys import Keys
+    from .runs import run_ids  # runs builds on ownership, which builds on this module
+
+    runs = yield from run_ids(Context(Keys(prefix, ctx.keys.run), ctx.cluster, ctx.config))
     nodes = 1
     if ctx.cluster:
         slots = yield Cmd(("CLUSTER", "SHARDS"), key=ctx.keys.meta)

@@ -21,6 +21,7 @@ from . import gc as gc_ops
 from . import ownership as own_ops
 from . import purge as purge_ops
 from . import run as run_ops
+from . import runs as runs_ops
 from . import traces as trace_ops
 from ._io import AsyncIO, SyncIO
 from .connection import ConnectionOptions, async_client, sync_client
@@ -86,6 +87,9 @@ class StoreMethods:
     ping = op(run_ops.ping)
     session_states = op(run_ops.session_states)
     server_info = op(run_ops.server_info)
+    run_ids = op(runs_ops.run_ids)
+    list_runs = op(runs_ops.list_runs)
+    delete_run = op(runs_ops.delete_run)
 
     # -- data plane (traces, purge.py) ----------------------------------------------
     lookup = op(trace_ops.lookup)
