@@ -25,9 +25,12 @@ def _fill(st: TraceStore) -> None:
 def test_replay_stats(standalone_url: str) -> None:
     run = f"t-{uuid.uuid4().hex[:12]}"
     r = CliRunner().invoke(main, ["replay", "stats", "--url", standalone_url, "--run", run])
-    assert r.exit_code == 0, r.output
-    assert "empty" in r.output
+    assert r.exit_code == 2, r.output  # an unknown run is an error, not an empty table
+    assert f"no run {run!r} on {standalone_url}; runs there:" in r.output
     with TraceStore.connect(standalone_url, run=run) as st:
+        r = CliRunner().invoke(main, ["replay", "stats", "--url", standalone_url, "--run", run])
+        assert r.exit_code == 0, r.output
+        assert "empty" in r.output
         _fill(st)
     r = CliRunner().invoke(main, ["replay", "stats", "--run", run], env={"TRACESTORE_URL": standalone_url})
     assert r.exit_code == 0, r.output

@@ -4,27 +4,130 @@ Commands are defined in the modules of this package; each module registers
 its commands on :data:`main` when imported, so a new feature adds a module
 (``tracestore/cli/gate.py`` -> ``tracestore gate ...``) without touching the
 others. Options that name a server fall back to ``$TRACESTORE_URL``.
+
+Every error is one line on stderr (``error: ...``) with advice in CLI terms,
+never a traceback: usage mistakes exit 2, failures exit 1, Ctrl-C exits 130.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from ..errors import TracestoreError
+from ..errors import (
+    GatePoisoned,
+    NotDrained,
+    RunInUse,
+    RunNotEmpty,
+    StaleVersion,
+    TracestoreError,
+)
 
 if TYPE_CHECKING:
     from ..store import TraceStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+
+def _advice(exc: TracestoreError) -> str:
+    """The error's message, with the library's advice replaced by the CLI's."""
+    if isinstance(exc, NotDrained):
+        return (
+            f"cannot install: gate is {exc.state} with {exc.live} live lease(s); "
+            "run `tracestore gate seal` and `tracestore gate drain` first"
+        )
+    if isinstance(exc, GatePoisoned):
+        ids = " ".join(exc.lease_ids[:5]) + (" ..." if len(exc.lease_ids) > 5 else "")
+        return (
+            f"{len(exc.lease_ids)} poisoned lease(s) block install ({ids}); resolve them with "
+            "`tracestore gate clear-poison --resolution WHAT LEASE_ID...` (or --all)"
+        )
+    if isinstance(exc, StaleVersion):
+        return (
+            f"cannot install version {exc.requested}: the gate is at version {exc.current} "
+            "(versions must increase; see `tracestore gate status`)"
+        )
+    if isinstance(exc, RunNotEmpty):
+        return (
+            f"run {exc.run!r} is not empty; load into a new run (--run NEW) or delete it with "
+            f"`tracestore run delete {exc.run}`"
+        )
+    if isinstance(exc, RunInUse):
+        shown = ", ".join(f"{o} ({n})" for o, n in exc.owners[:5])
+        return (
+            f"run {exc.run!r} is in use: live owners hold sessions: {shown}; stop them "
+            "(`tracestore gc` releases those whose heartbeat expired), or add --force"
+        )
+    return str(exc)
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line printed for ``exc`` (without the ``error:`` prefix)."""
+    from ..errors import ConfigError, ServerError, StorageError
+
+    text = " ".join((_advice(exc) if isinstance(exc, TracestoreError) else str(exc)).split())
+    if isinstance(exc, (ConfigError, ServerError, StorageError)) or not isinstance(
+        exc, TracestoreError
+    ):
+        return text
+    return f"{type(exc).__name__}: {text}"
+
+
+class Cli(click.Group):
+    """The top-level group: one-line errors instead of tracebacks and usage blocks."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+            fail(f"{exc.format_message()}{where}", EXIT_USAGE)
+        except click.ClickException as exc:
+            fail(exc.format_message(), exc.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("", err=True)
+            fail("interrupted", EXIT_INTERRUPTED)
+        except TracestoreError as exc:
+            fail(error_line(exc))
+        except BrokenPipeError:  # `tracestore runs | head`
+            sys.stderr.close()
+            sys.exit(EXIT_FAILURE)
+        except Exception as exc:
+            # redis-py errors that escaped the library's wrapping: still one line
+            from redis.exceptions import RedisClusterException, RedisError
+
+            if isinstance(exc, (RedisError, RedisClusterException)):
+                fail(f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+            raise
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(
+    cls=Cli,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(package_name="tracestore")
 def main() -> None:
     """tracestore: a Redis-backed trace store for agentic RL.
@@ -32,57 +135,102 @@ def main() -> None:
     Multi-turn rollout traces, session ownership with exactly-once release
     events, the weight-update gate and the replay buffer, kept in Redis or a
     Redis Cluster. Every command that talks to a server takes --url (default:
-    $TRACESTORE_URL, else an embedded server started for the command).
+    $TRACESTORE_URL, else this user's default server, started on first use
+    and shared by every process; `tracestore server status|stop`).
     """
 
 
 def url_option(f: F) -> F:
-    """``--url`` falling back to ``$TRACESTORE_URL`` (else the embedded server)."""
+    """``--url`` falling back to ``$TRACESTORE_URL`` (else the default server)."""
     return click.option(
         "--url",
         envvar="TRACESTORE_URL",
         show_envvar=True,
         default=None,
         help="Server URL: redis://, rediss:// (TLS), unix:// or redis+cluster://. "
-        "Unset: an embedded valkey-server is started for this command.",
+        "Unset: this user's default server (one per machine and user, started on first use).",
     )(f)
 
 
 def run_option(f: F) -> F:
-    """``--run`` falling back to ``$TRACESTORE_RUN``."""
+    """``--run`` falling back to ``$TRACESTORE_RUN``, else the only run on the server."""
     return click.option(
         "--run",
         envvar="TRACESTORE_RUN",
         show_envvar=True,
-        default="default",
-        show_default=True,
-        help="Run id (namespace of keys ts:{RUN}:*).",
+        default=None,
+        help="Run id (keys ts:{RUN}:*). Default: the only run on the server; "
+        "`tracestore runs` lists them.",
     )(f)
 
 
-def connect(url: str | None, run: str) -> TraceStore:
-    """A store of the existing run ``run`` (operator commands never create a run)."""
+def json_option(f: F) -> F:
+    """``--json``: print the command's result as JSON instead of a table."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
+
+
+class RunNotChosen(click.ClickException):
+    """No run given and not exactly one on the server, or the given run does not exist (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+def _run_list(names: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def connect(url: str | None, run: str | None) -> TraceStore:
+    """A store of an existing run: ``run``, else the only run on the server.
+
+    Operator commands never create a run. Raises :class:`RunNotChosen`
+    (exit 2) naming the candidates when ``run`` is not given and the server
+    holds several runs (or none), and when ``run`` does not exist there.
+    """
     from ..store import TraceStore
 
-    return TraceStore.connect(url, run=run, create_run=False)
+    store = TraceStore.connect(url, run=run or "default", create_run=False)
+    try:
+        runs = store.run_ids()
+    except BaseException:
+        store.close()
+        raise
+    if run is not None and run in runs:
+        return store
+    store.close()
+    where = store.url
+    if run is not None:
+        known = f"runs there: {_run_list(runs)}" if runs else "it holds no run"
+        raise RunNotChosen(f"no run {run!r} on {where}; {known}")
+    if not runs:
+        raise RunNotChosen(f"no run on {where} (start one with `tracestore train`, or give --url)")
+    if len(runs) > 1:
+        raise RunNotChosen(
+            f"{len(runs)} runs on {where}: {_run_list(runs)}; choose one with --run "
+            "(or $TRACESTORE_RUN)"
+        )
+    return TraceStore.connect(url, run=runs[0], create_run=False)
 
 
-def fail(message: str, code: int = 1) -> None:
-    """Print ``message`` to stderr and exit with ``code``."""
-    click.echo(f"error: {message}", err=True)
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    """Print ``error: message`` (one line) to stderr and exit with ``code``."""
+    click.echo(f"error: {' '.join(message.split())}", err=True)
     sys.exit(code)
 
 
 def guarded(f: F) -> F:
-    """Turn TracestoreError into a readable message and exit code 1."""
-    import functools
+    """Turn TracestoreError into a one-line message and exit code 1.
+
+    Kept for commands invoked outside :data:`main` (``python -m trainer``);
+    :class:`Cli` does the same for every command it runs.
+    """
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return f(*args, **kwargs)
         except TracestoreError as exc:
-            fail(f"{type(exc).__name__}: {exc}")
+            fail(error_line(exc))
 
     return wrapper  # type: ignore[return-value]
 

@@ -9,13 +9,21 @@ from . import guarded, main, url_option
 
 @main.command()
 @url_option
-@click.option("--only", default=None, help="Run only the sections whose name contains this text.")
+@click.option("--only", default=None,
+              help="Run only the sections whose name contains this text "
+              "(a text that matches none lists them).")
 @guarded
 def demo(url: str | None, only: str | None) -> None:
     """Run a short scripted scenario and print what it did, one table per section.
 
-    Without --url/$TRACESTORE_URL it starts an embedded server for the run.
+    Without --url/$TRACESTORE_URL it runs on this user's default server.
     """
     from ..demo import run_demo
+    from ..errors import InvalidInput
 
-    run_demo(url, only=only, echo=click.echo)
+    try:
+        run_demo(url, only=only, echo=click.echo)
+    except InvalidInput as exc:
+        if exc.field != "only":
+            raise
+        raise click.BadParameter(str(exc).split(": ", 1)[1], param_hint="'--only'") from None

@@ -12,22 +12,30 @@ import sys
 import click
 import orjson
 
-from .._table import format_table
+from .._table import format_table, human_duration, human_time
 from ..gate import GateStatus
 from ..router import route_table
 from ..store import TraceStore
-from . import connect, guarded, main, run_option, url_option
+from . import connect, guarded, json_option, main, run_option, url_option
+
+
+def _deadline(st: GateStatus) -> str:
+    if not st.next_deadline_ms:
+        return "-"
+    left = st.next_deadline_ms - st.server_ms
+    return f"in {human_duration(left)}" if left >= 0 else f"passed {human_duration(left)} ago"
 
 
 def _status_rows(st: GateStatus) -> list[list[object]]:
+    """The table of ``gate status``: times in local time with their age (raw ms with --json)."""
     return [
         ["state", st.state],
         ["version", st.version],
         ["live leases", st.live],
         ["poisoned leases", st.poisoned],
-        ["sealed at (ms)", st.sealed_ms if st.sealed_ms is not None else "-"],
-        ["installed at (ms)", st.installed_ms if st.installed_ms is not None else "-"],
-        ["next deadline in (ms)", (st.next_deadline_ms - st.server_ms) if st.next_deadline_ms else "-"],
+        ["sealed at", human_time(st.sealed_ms, st.server_ms)],
+        ["installed at", human_time(st.installed_ms, st.server_ms)],
+        ["next lease deadline", _deadline(st)],
         ["install possible now", "yes" if st.installable else "no"],
     ]
 
@@ -63,11 +71,15 @@ def gate() -> None:
 @gate.command("status")
 @url_option
 @run_option
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the status as JSON (times raw: ms since the epoch, server clock).")
 @click.option("--check", is_flag=True, help="Exit 2 unless install would succeed now.")
 @guarded
-def gate_status(url: str | None, run: str, as_json: bool, check: bool) -> None:
-    """State, version, live and poisoned leases (with their sessions and holders)."""
+def gate_status(url: str | None, run: str | None, as_json: bool, check: bool) -> None:
+    """State, version, live and poisoned leases (with their sessions and holders).
+
+    Times are shown in local time with their age, from the server's clock.
+    """
     with connect(url, run) as store:
         st = store.gate.status()
         _echo_status(store, st, as_json)
@@ -81,7 +93,7 @@ def gate_status(url: str | None, run: str, as_json: bool, check: bool) -> None:
 @click.option("--retry-after-ms", type=int, default=500, show_default=True,
               help="Retry hint that refused admissions carry.")
 @guarded
-def gate_seal(url: str | None, run: str, retry_after_ms: int) -> None:
+def gate_seal(url: str | None, run: str | None, retry_after_ms: int) -> None:
     """Seal the gate: every admission is refused (GateSealed) until reopen."""
     with connect(url, run) as store:
         st = store.gate.seal(retry_after_ms)
@@ -94,7 +106,7 @@ def gate_seal(url: str | None, run: str, retry_after_ms: int) -> None:
 @click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
               help="Seconds to wait for live leases to settle.")
 @guarded
-def gate_drain(url: str | None, run: str, timeout_s: float) -> None:
+def gate_drain(url: str | None, run: str | None, timeout_s: float) -> None:
     """Wait until no lease is live (or the timeout); exit 2 unless drained and unpoisoned."""
     with connect(url, run) as store:
         res = store.gate.drain(timeout_s)
@@ -117,7 +129,7 @@ def gate_drain(url: str | None, run: str, timeout_s: float) -> None:
 @run_option
 @click.argument("version", type=int)
 @guarded
-def gate_install(url: str | None, run: str, version: int) -> None:
+def gate_install(url: str | None, run: str | None, version: int) -> None:
     """Install weight VERSION (the gate must be sealed, drained and unpoisoned)."""
     with connect(url, run) as store:
         prev = store.gate.install(version)
@@ -128,7 +140,7 @@ def gate_install(url: str | None, run: str, version: int) -> None:
 @url_option
 @run_option
 @guarded
-def gate_reopen(url: str | None, run: str) -> None:
+def gate_reopen(url: str | None, run: str | None) -> None:
     """Reopen the gate: admissions resume under the current version."""
     with connect(url, run) as store:
         st = store.gate.reopen()
@@ -143,7 +155,7 @@ def gate_reopen(url: str | None, run: str) -> None:
 @click.option("--resolution", required=True,
               help="What happened to those requests (kept on the lease record), e.g. aborted.")
 @guarded
-def gate_clear_poison(url: str | None, run: str, lease_ids: tuple[str, ...], clear_all: bool,
+def gate_clear_poison(url: str | None, run: str | None, lease_ids: tuple[str, ...], clear_all: bool,
                       resolution: str) -> None:
     """Resolve poisoned leases (LEASE_IDS, or --all) so install can proceed."""
     with connect(url, run) as store:
@@ -166,11 +178,15 @@ def gate_clear_poison(url: str | None, run: str, lease_ids: tuple[str, ...], cle
 @url_option
 @run_option
 @click.argument("sids", nargs=-1)
+@json_option
 @guarded
-def routes(url: str | None, run: str, sids: tuple[str, ...]) -> None:
+def routes(url: str | None, run: str | None, sids: tuple[str, ...], as_json: bool) -> None:
     """Session affinity: load per entrypoint, and the entrypoint of each of SIDS."""
     with connect(url, run) as store:
         table = store.run(route_table(store.context, list(sids)))
+    if as_json:
+        click.echo(orjson.dumps(table, option=orjson.OPT_INDENT_2).decode())
+        return
     click.echo(format_table(["entrypoint", "sessions"], sorted(table.load.items())))
     click.echo(f"routed sessions: {table.routed}; retired (tombstoned): {table.retired}")
     if sids:

@@ -53,7 +53,7 @@ from . import connect, guarded, main, run_option, url_option
 @guarded
 def gc_command(
     url: str | None,
-    run: str,
+    run: str | None,
     tombstone_retention_s: float,
     group_idle_limit_s: float,
     event_retention_s: float,
@@ -61,7 +61,11 @@ def gc_command(
     as_json: bool,
     check: bool,
 ) -> None:
-    """Run one garbage-collection pass over a run and print what it did."""
+    """Run one garbage-collection pass over a run and print what it did.
+
+    Safe on a live run: it releases only sessions of owners whose heartbeat
+    expired, and trims only what is final.
+    """
     with connect(url, run) as store:
         report = store.gc(
             tombstone_retention_s=tombstone_retention_s,
@@ -91,7 +95,7 @@ def gc_command(
 @click.option("--owner", default=None, help="List the live session ids of this owner tag.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
-def sessions_command(url: str | None, run: str, owner: str | None, as_json: bool) -> None:
+def sessions_command(url: str | None, run: str | None, owner: str | None, as_json: bool) -> None:
     """Owners of a run (live sessions, heartbeat, lost mark), or one owner's session ids."""
     with connect(url, run) as store:
         if owner is not None:
@@ -100,6 +104,9 @@ def sessions_command(url: str | None, run: str, owner: str | None, as_json: bool
             return
         infos = store.owners()
         now = store.run(server_ms(store.context))  # server clock (ms)
+    if not infos and not as_json:
+        click.echo(f"run {store.run_id!r} has no owner")
+        return
     if as_json:
         click.echo(orjson.dumps(infos, option=orjson.OPT_INDENT_2).decode())
         return

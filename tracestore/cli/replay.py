@@ -28,7 +28,7 @@ def replay() -> None:
 @click.option("--task", default=None, help="Only this task.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @guarded
-def replay_stats(url: str | None, run: str, task: str | None, as_json: bool) -> None:
+def replay_stats(url: str | None, run: str | None, task: str | None, as_json: bool) -> None:
     """Groups per task and status, oldest weight version, bytes of group records."""
     with connect(url, run) as store:
         cells = store.replay.stats(task)
@@ -36,7 +36,7 @@ def replay_stats(url: str | None, run: str, task: str | None, as_json: bool) -> 
         click.echo(orjson.dumps(cells, option=orjson.OPT_INDENT_2).decode())
         return
     if not cells:
-        click.echo(f"replay buffer of run {run!r} is empty (no task seen)")
+        click.echo(f"replay buffer of run {store.run_id!r} is empty (no task seen)")
         return
     rows = [
         [c.task, c.status, c.groups, "-" if c.oldest_version is None else c.oldest_version, c.bytes]
@@ -56,12 +56,12 @@ def checkpoint() -> None:
 @run_option
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @guarded
-def checkpoint_save(url: str | None, run: str, path: Path) -> None:
+def checkpoint_save(url: str | None, run: str | None, path: Path) -> None:
     """Write the run (control plane, replay groups, traces) to PATH."""
     with connect(url, run) as store:
         info = store.checkpoint(path)
     click.echo(
-        f"saved run {run!r} to {info.path}: {info.keys} control keys, {info.groups} groups, "
+        f"saved run {store.run_id!r} to {info.path}: {info.keys} control keys, {info.groups} groups, "
         f"{info.sessions} sessions, {info.nodes} nodes, {info.bytes} bytes"
     )
 
@@ -71,9 +71,16 @@ def checkpoint_save(url: str | None, run: str, path: Path) -> None:
 @run_option
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @guarded
-def checkpoint_load(url: str | None, run: str, path: Path) -> None:
-    """Restore PATH into the run, which must be empty (expert keys are marked lost)."""
-    with connect(url, run) as store:
+def checkpoint_load(url: str | None, run: str | None, path: Path) -> None:
+    """Restore PATH into a run that is empty or new (expert keys are marked lost).
+
+    --run defaults to the run the checkpoint was saved from.
+    """
+    from ..checkpoint import read_header
+    from ..store import TraceStore
+
+    run = run or str(read_header(path)["run"])
+    with TraceStore.connect(url, run=run, create_run=False) as store:
         info = store.restore(path)
     click.echo(
         f"loaded {info.path} into run {run!r}: {info.groups} groups, {info.sessions} sessions, "

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from .._table import format_table
+from ..errors import InvalidInput
 from ..store import TraceStore
 
 
@@ -26,6 +27,11 @@ def sections() -> list[ModuleType]:
     return [importlib.import_module(f"{__name__}.{name}") for name in sorted(mods)]
 
 
+def section_name(mod: ModuleType) -> str:
+    """A section's short name (``s30_gate`` -> ``gate``), what ``--only`` matches."""
+    return mod.__name__.rsplit(".", 1)[1].split("_", 1)[-1]
+
+
 def run_demo(
     url: str | None,
     *,
@@ -33,14 +39,19 @@ def run_demo(
     echo: Callable[[str], None] = print,
     run_prefix: str = "demo",
 ) -> dict[str, list[tuple[str, object]]]:
-    """Run every section (or those whose name contains ``only``); return their rows."""
+    """Run every section (or those whose name contains ``only``); return their rows.
+
+    Raises InvalidInput, before anything runs, when ``only`` matches no section.
+    """
     results: dict[str, list[tuple[str, object]]] = {}
     stamp = uuid.uuid4().hex[:6]
-    for mod in sections():
+    chosen = [m for m in sections() if not only or only in m.__name__.rsplit(".", 1)[1]]
+    if not chosen:
+        names = ", ".join(section_name(m) for m in sections())
+        raise InvalidInput("only", f"no section matches {only!r}; sections: {names}")
+    for mod in chosen:
         name = mod.__name__.rsplit(".", 1)[1]
-        if only and only not in name:
-            continue
-        run = f"{run_prefix}-{name.split('_', 1)[-1]}-{stamp}"
+        run = f"{run_prefix}-{section_name(mod)}-{stamp}"
         start = time.perf_counter()
         with TraceStore.connect(url, run=run) as store:
             rows = mod.run(store)

@@ -1,0 +1,80 @@
+"""``tracestore runs`` and ``tracestore run delete``: the runs on a server (DESIGN section 12)."""
+
+from __future__ import annotations
+
+import click
+import orjson
+
+from .._table import format_table, human_bytes, human_time
+from ..store import TraceStore
+from . import connect, json_option, main, url_option
+
+
+def _owners_cell(owners: tuple[str, ...], limit: int = 3) -> str:
+    if not owners:
+        return "-"
+    return ", ".join(owners[:limit]) + (f" +{len(owners) - limit}" if len(owners) > limit else "")
+
+
+@main.command("runs")
+@url_option
+@json_option
+def runs_command(url: str | None, as_json: bool) -> None:
+    """The runs on the server: created, live sessions, owners holding them, last activity, memory.
+
+    Memory is what the run's control plane (keys ts:{RUN}:*, one hash slot)
+    takes on the server. Times are the server's clock; --json gives them raw
+    (ms since the epoch).
+    """
+    with TraceStore.connect(url, run="default", create_run=False) as store:
+        runs = store.list_runs()
+    if as_json:
+        click.echo(orjson.dumps(runs, option=orjson.OPT_INDENT_2).decode())
+        return
+    if not runs:
+        click.echo(f"no run on {store.url} (`tracestore train` makes one)")
+        return
+    rows = [
+        [
+            r.run,
+            human_time(r.created_ms, r.server_ms),
+            r.live_sessions,
+            _owners_cell(r.owners),
+            ("heartbeat now" if r.heartbeating else human_time(r.last_activity_ms, r.server_ms)),
+            f"{human_bytes(r.control_bytes)} in {r.control_keys} key{'s' if r.control_keys != 1 else ''}",
+        ]
+        for r in runs
+    ]
+    click.echo(f"runs on {store.url}")
+    click.echo(format_table(
+        ["run", "created", "live sessions", "owners", "last activity", "control plane"], rows
+    ))
+
+
+@main.group("run")
+def run_group() -> None:
+    """Operate on one run (`tracestore runs` lists them)."""
+
+
+@run_group.command("delete")
+@url_option
+@click.argument("run")
+@click.option("--force", is_flag=True,
+              help="Delete even while live owners hold sessions (their next writes fail or recreate keys).")
+@json_option
+def run_delete(url: str | None, run: str, force: bool, as_json: bool) -> None:
+    """Delete RUN: its control plane and every session's data; nothing of another run.
+
+    Refused while owners that are still alive (heartbeat not expired, not
+    declared lost) hold sessions of the run, unless --force.
+    """
+    with connect(url, run) as store:
+        done = store.delete_run(force=force)
+    if as_json:
+        click.echo(orjson.dumps(done, option=orjson.OPT_INDENT_2).decode())
+        return
+    forced = f"; overrode live owners {', '.join(done.forced_owners)}" if done.forced_owners else ""
+    click.echo(
+        f"deleted run {run!r} from {store.url}: {done.control_keys} control keys, "
+        f"{done.data_keys} data keys of {done.sessions} sessions{forced}"
+    )
