@@ -9,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 from click.testing import CliRunner
 
 from tracestore import StorageError, TraceStore
 from tracestore.cli import main
+from tracestore.servers import EmbeddedServer
 
 BIN = [sys.executable, "-m", "tracestore.cli"]
 
@@ -81,6 +83,95 @@ def test_cluster_up_status_down(tmp_path: Path) -> None:
     assert not Path(state).exists()
     r = CliRunner().invoke(main, ["cluster", "status"], env=env)
     assert r.exit_code == 1
+    again = CliRunner().invoke(main, ["cluster", "down"], env=env)  # idempotent
+    assert again.exit_code == 0 and "nothing to stop" in again.output
+
+
+def test_ping_checks_every_primary_and_json_on_status_commands(cluster_url: str, run_id: str) -> None:
+    with TraceStore.connect(cluster_url, run=run_id) as st:
+        st.gate.admit("s", "w", 30)
+        st.router(["ep-a"]).acquire("s")
+    r = CliRunner().invoke(main, ["ping", "--url", cluster_url])
+    assert r.exit_code == 0, r.output
+    assert "cluster, 3 primaries answer" in r.output
+    r = CliRunner().invoke(main, ["ping", "--url", cluster_url, "--json"])
+    doc = orjson.loads(r.output)
+    assert doc["ok"] and len(doc["primaries"]) == 3 and all(p["ok"] for p in doc["primaries"])
+    r = CliRunner().invoke(main, ["info", "--url", cluster_url, "--json"])
+    doc = orjson.loads(r.output)
+    assert doc["mode"] == "cluster" and doc["nodes"] == 3 and run_id in doc["runs"]
+    r = CliRunner().invoke(main, ["routes", "--url", cluster_url, "--run", run_id, "--json", "s"])
+    assert orjson.loads(r.output)["routes"] == {"s": "ep-a"}
+    r = CliRunner().invoke(main, ["gate", "status", "--url", cluster_url, "--run", run_id, "--json"])
+    doc = orjson.loads(r.output)
+    assert doc["live"] == 1 and doc["next_deadline_ms"] > doc["server_ms"]  # raw ms
+    r = CliRunner().invoke(main, ["gate", "status", "--url", cluster_url, "--run", run_id])
+    assert "next lease deadline   in " in r.output and " s" in r.output  # human
+
+
+def test_gate_status_shows_local_times_with_their_age(standalone_url: str, run_id: str) -> None:
+    with TraceStore.connect(standalone_url, run=run_id) as st:
+        st.gate.seal()
+        sealed = st.gate.status().sealed_ms
+    r = CliRunner().invoke(main, ["gate", "status", "--url", standalone_url, "--run", run_id])
+    assert r.exit_code == 0, r.output
+    row = next(ln for ln in r.output.splitlines() if ln.startswith("sealed at"))
+    assert time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sealed / 1000)) in row
+    assert row.endswith("ago)")
+    assert str(sealed) not in r.output
+
+
+def test_redis_cli_runs_the_bundled_valkey_cli(standalone_url: str, cluster_url: str, run_id: str) -> None:
+    for url in (standalone_url, cluster_url):
+        with TraceStore.connect(url, run=run_id):
+            pass
+        res = subprocess.run(
+            [*BIN, "redis-cli", "--url", url, "HGET", f"ts:{{{run_id}}}:meta", "schema"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == "1"  # on a cluster, -c followed the slot's redirect
+    # no URL: the default server, over its unix socket
+    with TraceStore.connect(run=run_id):
+        pass
+    res = subprocess.run(
+        [*BIN, "redis-cli", "--scan", "--pattern", f"ts:{{{run_id}}}:*"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [f"ts:{{{run_id}}}:meta"]
+
+
+def test_redis_cli_passes_a_password_through_the_environment(tmp_path: Path) -> None:
+    with EmbeddedServer(password="s3cret") as srv:
+        res = subprocess.run(
+            [*BIN, "redis-cli", "--url", srv.url, "PING"], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 0 and res.stdout.strip() == "PONG", res.stderr
+        assert "Warning" not in res.stderr  # not given with -a on the command line
+
+
+def test_foreground_server_with_host_password_and_appendonly(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = subprocess.Popen(
+        [*BIN, "server", "--host", "0.0.0.0", "--password", "pw", "--appendonly", "--dir", str(data)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("redis://:pw@127.0.0.1:")
+        with TraceStore.connect(url, run="fg") as st:
+            assert st.redis.config_get("appendonly")["appendonly"] == "yes"
+            assert st.redis.config_get("bind")["bind"] == "0.0.0.0"
+        with pytest.raises(StorageError, match="authentication failed"):
+            TraceStore.connect(url.replace(":pw@", ""), run="fg", retries=0)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        assert any(data.glob("appendonly*"))  # kept: the caller's directory
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_server_runs_in_foreground_until_ctrl_c() -> None:

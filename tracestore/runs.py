@@ -21,6 +21,7 @@ from .context import Context
 from .errors import RunInUse
 from .keys import Keys, key_slot, meta_pattern, run_of_meta_key
 from .ownership import OwnerInfo, owners
+from .replay import REPLAY_OWNER
 from .replies import text
 from .scripts import Batch, Cmd, Op, ScanAll, ServerTime, chunks, group_by_slot
 
@@ -140,12 +141,16 @@ def live_owners(infos: Sequence[OwnerInfo], now_ms: int) -> list[OwnerInfo]:
 
     An owner counts as live unless gc declared it lost or its heartbeat
     deadline passed; an owner that never heart-beat cannot be told dead, so
-    it counts as live.
+    it counts as live. The replay buffer's tag (``replay``) is no process:
+    groups waiting in the buffer do not keep a run alive.
     """
     return [
         o
         for o in infos
-        if o.sessions and o.lost_ms is None and (o.deadline_ms is None or o.deadline_ms > now_ms)
+        if o.sessions
+        and o.owner != REPLAY_OWNER
+        and o.lost_ms is None
+        and (o.deadline_ms is None or o.deadline_ms > now_ms)
     ]
 
 
@@ -164,7 +169,7 @@ def delete_run(ctx: Context, *, force: bool = False) -> Op[RunDeleted]:
     """Delete every key of the store's run: its control plane and all its sessions' data.
 
     Refused with :class:`~tracestore.errors.RunInUse` while live owners (see
-    :func:`live_owners`) hold sessions, unless ``force=True``. Keys of other
+    :func:`live_owners`; the replay buffer is none) hold sessions, unless ``force=True``. Keys of other
     runs are never touched: SCAN patterns match only this run's keys, and
     each key is checked against the run's layout before it is deleted. Data
     keys are unlinked grouped by hash slot, then the control plane, its meta

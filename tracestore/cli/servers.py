@@ -66,16 +66,16 @@ def server(ctx: click.Context, host: str, port: int | None, password: str | None
         binary = redis_server_binary()
         if binary is None:
             fail("redis-server is not installed (apt-get install redis-server)")
+    srv = EmbeddedServer(
+        host=host, port=port, aof=aof, dir=data_dir, binary=binary, password=password
+    ).start()
+    click.echo(srv.url, nl=True)
     if host not in LOOPBACK and not password:
         click.echo(
             f"# warning: listening on {host} without a password: anyone who reaches this port "
             "can read and change every run (give --password)",
             err=True,
         )
-    srv = EmbeddedServer(
-        host=host, port=port, aof=aof, dir=data_dir, binary=binary, password=password
-    ).start()
-    click.echo(srv.url, nl=True)
     persist = "append-only file on" if aof else "no persistence"
     click.echo(f"# data dir {srv.dir}; {persist}; Ctrl-C to stop", err=True)
     stop = {"now": False}

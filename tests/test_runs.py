@@ -1,0 +1,134 @@
+"""``store.list_runs``, ``store.delete_run`` and ``tracestore runs`` / ``run delete`` on every backend.
+
+The delete test fills the run to delete and three neighbours whose ids share
+its characters (``R``, ``Rx``, ``R-1``, ``R`` minus its last character) with
+sessions, traces, replay groups, gate leases and heartbeats, dumps every key
+of the neighbours (``DUMP`` and TTL, on every primary) and checks that the
+dump is byte-identical afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from tests.test_ownership import write_turn
+from tracestore import Group, RunInUse, TraceStore
+from tracestore.cli import main
+
+
+def _fill(st: TraceStore, tag: str) -> None:
+    """A bit of everything a run writes: sessions with traces, a replay group, leases, owners."""
+    sids = [f"{tag}-{i}" for i in range(6)]
+    st.open_sessions(sids, "rollout:0")
+    for s in sids:
+        write_turn(st, s)
+    st.replay.put(Group(f"g-{tag}", "calc", tuple(sids[:2]), min_version=0), "rollout:0")
+    st.release([sids[2]], "rollout:0", "done")
+    st.gate.admit(sids[3], "rollout:0", 60)
+    st.router(["ep-a", "ep-b"]).acquire(sids[4])
+
+
+def _keys_of_server(st: TraceStore) -> list[str]:
+    c: Any = st.redis
+    clients = [c.get_redis_connection(n) for n in c.get_primaries()] if st.cluster else [c]
+    return sorted(k.decode() for cl in clients for k in cl.scan_iter(match="ts:*", count=1000))
+
+
+def _dump(st: TraceStore, keys: list[str]) -> dict[str, tuple[bytes, bool]]:
+    c: Any = st.redis
+    return {k: (c.dump(k), c.pttl(k) > 0) for k in keys}
+
+
+def test_delete_run_removes_its_keys_and_leaves_other_runs_byte_identical(
+    url: str, run_id: str
+) -> None:
+    names = [run_id, f"{run_id}x", f"{run_id}-1", run_id[:-1]]
+    stores = [TraceStore.connect(url, run=n) for n in names]
+    try:
+        for st, n in zip(stores, names, strict=True):
+            _fill(st, n.replace(".", "_"))
+        target = stores[0]
+        mine = [k for k in _keys_of_server(target) if k.startswith((f"ts:{{{run_id}}}:", f"ts:{{{run_id}/"))]
+        others = [k for k in _keys_of_server(target) if k not in set(mine)]
+        assert len(mine) > 20 and others
+        before = _dump(target, others)
+
+        # the gate lease's holder never heart-beat: a live owner, so refused
+        with pytest.raises(RunInUse) as ei:
+            target.delete_run()
+        assert ("rollout:0", 3) in ei.value.owners
+        assert set(_keys_of_server(target)) >= set(mine)  # nothing deleted
+
+        done = target.delete_run(force=True)
+        assert done.forced_owners == ("rollout:0",)
+        assert done.sessions == 6 and done.control_keys + done.data_keys == len(mine)
+        assert not [k for k in _keys_of_server(target) if k in set(mine)]
+        assert _dump(target, others) == before
+        assert run_id not in target.run_ids() and set(names[1:]) <= set(target.run_ids())
+        again = target.delete_run()  # idempotent
+        assert (again.control_keys, again.data_keys, again.sessions) == (0, 0, 0)
+    finally:
+        for st in stores:
+            st.close()
+
+
+def test_delete_run_allows_owners_that_are_gone(store: TraceStore) -> None:
+    store.open_sessions(["a", "b"], "rollout:dead")
+    store.heartbeat("rollout:dead", 0.05)
+    store.open_session("c", "rollout:alive")
+    store.heartbeat("rollout:alive", 60)
+    time.sleep(0.1)  # rollout:dead's deadline passes
+    with pytest.raises(RunInUse) as ei:
+        store.delete_run()
+    assert ei.value.owners == [("rollout:alive", 1)]  # the expired one does not count
+    store.release_owner("rollout:alive", "done")
+    done = store.delete_run()
+    assert done.forced_owners == () and done.control_keys > 0
+    assert (done.sessions, done.data_keys) == (1, 1)  # the purge tombstone of "c"
+    assert store.run not in store.run_ids()
+
+
+def test_list_runs_reports_sessions_owners_activity_and_memory(url: str, run_id: str) -> None:
+    with TraceStore.connect(url, run=run_id) as st, TraceStore.connect(url, run=f"{run_id}-idle") as idle:
+        st.open_sessions(["a", "b", "c"], "rollout:0")
+        st.open_session("d", "replay")
+        st.heartbeat("rollout:0", 60)
+        st.release(["c"], "rollout:0", "done")
+        runs = {r.run: r for r in st.list_runs()}
+        r, i = runs[run_id], runs[idle.run]
+        assert r.live_sessions == 3 and r.owners == ("rollout:0", "replay")
+        assert r.heartbeating == 1 and r.last_activity_ms == r.server_ms
+        assert r.created_ms is not None and r.created_ms <= r.server_ms
+        assert r.control_keys > i.control_keys >= 1 and r.control_bytes > i.control_bytes > 0
+        assert (i.live_sessions, i.owners, i.heartbeating) == (0, (), 0)
+        assert i.last_activity_ms == i.created_ms
+
+        cli = CliRunner().invoke(main, ["runs", "--url", url, "--json"])
+        assert cli.exit_code == 0, cli.output
+        rows = {d["run"]: d for d in orjson.loads(cli.output)}
+        assert rows[run_id]["live_sessions"] == 3 and rows[run_id]["owners"] == ["rollout:0", "replay"]
+        cli = CliRunner().invoke(main, ["runs", "--url", url])
+        assert cli.exit_code == 0, cli.output
+        line = next(ln for ln in cli.output.splitlines() if ln.startswith(run_id + " "))
+        assert "rollout:0, replay" in line and "heartbeat now" in line and " key" in line
+
+
+def test_run_delete_command(standalone_url: str, run_id: str) -> None:
+    with TraceStore.connect(standalone_url, run=run_id) as st:
+        st.open_session("s", "rollout:0")
+        st.heartbeat("rollout:0", 60)
+        write_turn(st, "s")
+    r = CliRunner().invoke(main, ["run", "delete", run_id, "--url", standalone_url])
+    assert r.exit_code == 1
+    assert "rollout:0 (1)" in r.output and "--force" in r.output
+    r = CliRunner().invoke(main, ["run", "delete", run_id, "--url", standalone_url, "--force"])
+    assert r.exit_code == 0, r.output
+    assert f"deleted run {run_id!r}" in r.output and "of 1 sessions" in r.output
+    assert "overrode live owners rollout:0" in r.output
+    r = CliRunner().invoke(main, ["run", "delete", run_id, "--url", standalone_url])
+    assert r.exit_code == 2 and f"no run {run_id!r}" in r.output
