@@ -5,7 +5,9 @@
 * ``valkey``: the embedded ``valkey-server`` (always);
 * ``cluster``: a local 3-primary cluster from the same binary (always);
 * ``redis7``: Debian's ``redis-server`` when installed (skipped with a reason otherwise);
-* ``container``: testcontainers' Redis when a Docker engine is reachable (skipped otherwise).
+* ``container``: a testcontainers container of the local server image
+  (``tests/_docker.py``, built on first use) when a Docker engine is
+  reachable (skipped with the reason otherwise).
 
 ``TRACESTORE_TEST_BACKENDS=valkey,cluster`` narrows the list (for quick local loops).
 Servers are started once per test session and stopped at its end. Every test
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests._docker import ServerContainer, build_image, engine_reason
 from tracestore import AsyncTraceStore, TraceStore
 from tracestore.servers import EmbeddedServer, LocalCluster, redis_server_binary
 
@@ -57,20 +60,6 @@ def _selected() -> list[str]:
     return chosen
 
 
-def _docker_reason() -> str | None:
-    try:
-        import docker  # installed with testcontainers
-    except ImportError:
-        return "testcontainers/docker SDK not installed"
-    try:
-        client = docker.from_env(timeout=3)
-        client.ping()
-        client.close()
-    except Exception as exc:  # no engine: the SDK raises several kinds
-        return f"no Docker engine reachable ({type(exc).__name__})"
-    return None
-
-
 class _Servers:
     """Starts each backend on first use; stops them all at session end."""
 
@@ -97,14 +86,13 @@ class _Servers:
             self._stoppers.append(s.stop)
             url = s.url
         elif backend == "container":
-            reason = _docker_reason()
+            reason = engine_reason()
             if reason:
                 pytest.skip(reason)
-            from testcontainers.redis import RedisContainer
-
-            ctr = RedisContainer("redis:7.4").start()
+            build_image()  # locally, from the embedded binaries: nothing is pulled
+            ctr = ServerContainer().start()
             self._stoppers.append(ctr.stop)
-            url = f"redis://{ctr.get_container_host_ip()}:{ctr.get_exposed_port(6379)}"
+            url = ctr.url
         else:  # pragma: no cover
             raise AssertionError(backend)
         self._urls[backend] = url
