@@ -20,6 +20,17 @@ from tracestore.servers import EmbeddedServer
 BIN = [sys.executable, "-m", "tracestore.cli"]
 
 
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """End a foreground `tracestore server` the way a user does, so it stops its server too."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def test_help_explains_every_command() -> None:
     r = CliRunner().invoke(main, ["--help"])
     assert r.exit_code == 0
@@ -170,8 +181,7 @@ def test_foreground_server_with_host_password_and_appendonly(tmp_path: Path) -> 
         assert proc.wait(timeout=20) == 0
         assert any(data.glob("appendonly*"))  # kept: the caller's directory
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop(proc)
 
 
 def test_server_runs_in_foreground_until_ctrl_c() -> None:
@@ -192,5 +202,4 @@ def test_server_runs_in_foreground_until_ctrl_c() -> None:
         with pytest.raises(StorageError):
             TraceStore.connect(url, run="fg", retries=0, connect_timeout_s=1)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop(proc)

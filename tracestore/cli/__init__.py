@@ -187,16 +187,18 @@ def connect(url: str | None, run: str | None) -> TraceStore:
     (exit 2) naming the candidates when ``run`` is not given and the server
     holds several runs (or none), and when ``run`` does not exist there.
     """
+    from ..scripts import Cmd
     from ..store import TraceStore
 
     store = TraceStore.connect(url, run=run or "default", create_run=False)
     try:
+        meta = store.keys.meta
+        if run is not None and store._io.execute(Cmd(("EXISTS", meta), key=meta)):
+            return store  # one round trip; the SCAN for candidates only when needed
         runs = store.run_ids()
     except BaseException:
         store.close()
         raise
-    if run is not None and run in runs:
-        return store
     store.close()
     where = store.url
     if run is not None:
