@@ -215,6 +215,11 @@ def test_bad_configuration_is_refused_with_a_clear_message(tmp_path: Any) -> Non
     r = _cli("--steps", "0")
     assert r.exit_code == 2 and "--steps must be at least 1" in r.output
     r = _cli("--url", "redis://127.0.0.1:1", "--steps", "1", "--out", str(tmp_path))
-    assert r.exit_code == 2 and "cannot reach the store at redis://127.0.0.1:1" in r.output
+    assert r.exit_code == 3  # the store is unreachable: exit 3, one line, the reason once
+    assert "error: cannot reach the store at redis://127.0.0.1:1: Connection refused\n" in r.output
+    r = _cli("--run", "a/b")
+    assert r.exit_code == 2 and "--run 'a/b' is not a run id" in r.output
+    r = _cli("--sync-every", "0")
+    assert r.exit_code == 2 and "--sync-every must be at least 1" in r.output
     r = _cli("--resume", "--out", str(tmp_path / "nothing"))
     assert r.exit_code == 2 and "no checkpoint" in r.output

@@ -72,6 +72,11 @@ def server_dir() -> Path:
     return state_dir() / "server"
 
 
+def is_default(url: str) -> bool:
+    """True when ``url`` is the unix socket URL the default server of this user answers on."""
+    return url == f"unix://{server_dir() / 'server.sock'}"
+
+
 @dataclass(frozen=True)
 class DefaultServer:
     """The default server as recorded in its pid file ``server.json``."""

@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 MODES = ("colocated", "disaggregated")
 TASK = "calc"
+#: Options of ``tracestore train`` (the others are set from Python only).
+CLI_OPTIONS = frozenset(
+    {"mode", "steps", "url", "run", "out", "resume", "seed", "workers", "sync_every", "checkpoint_every"}
+)
+#: What ``--resume`` takes from the checkpoint: a flag that disagrees is an error ...
+FROM_CHECKPOINT = ("url", "run", "mode")
+#: ... unless --override lets it replace the checkpoint's (a resumed run keeps its id).
+OVERRIDABLE = ("url", "mode")
 
 
 class ConfigError(ValueError):
-    """A training option is invalid (the command prints it and exits non-zero)."""
+    """A training option is invalid (the command prints it and exits 2)."""
+
+
+def option_name(name: str) -> str:
+    """How a person names a config field: ``--sync-every`` for a CLI option, else the field."""
+    return f"--{name.replace('_', '-')}" if name in CLI_OPTIONS else name
 
 
 @dataclass
@@ -49,8 +63,15 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Check the options; raise :class:`ConfigError` with a readable message."""
+        from tracestore.errors import InvalidId
+        from tracestore.keys import validate_run
+
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        try:
+            validate_run(self.run)
+        except InvalidId as exc:
+            raise ConfigError(f"--run {self.run!r} is not a run id: {exc.rule}") from None
         if self.steps < 1:
             raise ConfigError(f"--steps must be at least 1, got {self.steps}")
         for name in (
@@ -66,7 +87,7 @@ class TrainConfig:
             "max_buffer",
         ):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{option_name(name)} must be at least 1, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ConfigError("group_size must be at least 2 (GRPO compares samples of a prompt)")
         if not self.eval_temperature > 0 or not self.lr > 0:
@@ -84,3 +105,31 @@ class TrainConfig:
         """Inverse of :meth:`to_json` (unknown keys ignored)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    def resumed(self, given: Mapping[str, Any], *, override: bool = False) -> TrainConfig:
+        """The configuration of ``--resume``: this (the checkpoint's) with the options ``given``.
+
+        URL, run and mode come from the checkpoint (:data:`FROM_CHECKPOINT`):
+        a given one that disagrees raises ConfigError naming both values,
+        unless ``override`` (URL and mode only: a resumed run keeps its id).
+        Other given options (``--steps`` to go further, ``--workers``...)
+        replace the checkpoint's.
+        """
+        from tracestore.connection import mask_url
+
+        out = replace(self, resume=True, crash_after_step=None)
+        for name, value in given.items():
+            saved = getattr(self, name)
+            if name in FROM_CHECKPOINT and value != saved:
+                if not override or name not in OVERRIDABLE:
+                    flag = option_name(name)
+                    fix = "add --override to change it" if name in OVERRIDABLE else (
+                        "a resumed run keeps its id"
+                    )
+                    shown, was = (mask_url(value), mask_url(saved)) if name == "url" else (value, saved)
+                    raise ConfigError(
+                        f"{flag} {shown!r} disagrees with the checkpoint, which ran with "
+                        f"{was!r}; leave {flag} out to resume as it was, or {fix}"
+                    )
+            setattr(out, name, value)
+        return out

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import ray
 
-from tracestore import TraceStore
-from tracestore.connection import resolve_url
+from tracestore import StorageError, TraceStore, TracestoreError, default_server
+from tracestore.connection import failure_reason, mask_url, resolve_url
 
 from .actors import Handle, Workers, kill, object_store_used, remote, start_ray
 from .checkpoint import CheckpointState, ckpt_dir, load_state, store_path
@@ -44,20 +44,67 @@ class SimulatedCrash(RuntimeError):
         self.history = history
 
 
-def run(cfg: TrainConfig, progress: Progress | None = None) -> Report:
+class Interrupted(Exception):
+    """Ctrl-C during the run: every actor was killed; ``step`` steps were trained.
+
+    ``checkpoint`` is the step of this run's last checkpoint (None: none yet),
+    where ``--resume`` continues.
+    """
+
+    def __init__(self, step: int, checkpoint: int | None) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+class StoreUnreachable(Exception):
+    """The store stopped answering (or never answered): ``url`` and the ``reason``.
+
+    ``step`` is the last step trained (None: before the loop started),
+    ``checkpoint`` the step of this run's last checkpoint (None: none yet).
+    """
+
+    def __init__(self, url: str, reason: str, step: int | None, checkpoint: int | None) -> None:
+        super().__init__(f"cannot reach the store at {url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+def run(
+    cfg: TrainConfig,
+    progress: Progress | None = None,
+    started: Callable[[str, str], None] | None = None,
+) -> Report:
     """Train; return the report (also written to ``cfg.out``).
 
-    ``progress`` is called with each step's record. Raises ConfigError (a
-    bad option, an unreachable store, ``--resume`` without a checkpoint),
-    SimulatedCrash, and the roles' errors (every actor is killed first).
+    ``progress`` is called with each step's record, ``started`` with the
+    URL and run id once the store answers. Raises ConfigError (a
+    bad option, ``--resume`` without a checkpoint), StoreUnreachable (at the
+    start or mid-run), Interrupted (Ctrl-C), SimulatedCrash, and the roles'
+    errors; every actor is killed before any of them propagates.
     """
     cfg.validate()
     state = resume_state(cfg)
     store = connect(cfg)
+    if started is not None:
+        started(cfg.url or "", cfg.run)
     os.makedirs(cfg.out, exist_ok=True)
     started_ray = start_ray()
+    driver = Driver(cfg, store, state, progress)
     try:
-        report = Driver(cfg, store, state, progress).run()
+        report = driver.run()
+    except KeyboardInterrupt as exc:
+        raise Interrupted(driver.step, last_checkpoint(cfg)) from exc
+    except SimulatedCrash:
+        raise
+    except Exception as exc:
+        reason = unreachable(cfg)
+        if reason is None:
+            raise
+        url = mask_url(cfg.url or "")
+        raise StoreUnreachable(url, reason, driver.step, last_checkpoint(cfg)) from exc
     finally:
         store.close()
         if started_ray:
@@ -67,23 +114,55 @@ def run(cfg: TrainConfig, progress: Progress | None = None) -> Report:
 
 
 def resume_state(cfg: TrainConfig) -> CheckpointState | None:
-    """With ``--resume``, the checkpoint's state; the run continues the checkpoint's run id."""
+    """With ``--resume``, the checkpoint's state.
+
+    The run continues the checkpoint's run id, and its URL unless ``cfg.url``
+    names one (``tracestore train`` also takes the mode from the checkpoint,
+    see :meth:`TrainConfig.resumed`).
+    """
     if not cfg.resume:
         return None
     state = load_state(cfg)
     if state is None:
         raise ConfigError(f"--resume: no checkpoint in {ckpt_dir(cfg)}")
     cfg.run = state.cfg.run
+    if cfg.url is None:
+        cfg.url = state.cfg.url
     return state
 
 
+def last_checkpoint(cfg: TrainConfig) -> int | None:
+    """The step of ``cfg.run``'s last checkpoint in ``cfg.out`` (None: none of this run)."""
+    state = load_state(cfg)
+    return state.step if state is not None and state.cfg.run == cfg.run else None
+
+
 def connect(cfg: TrainConfig) -> TraceStore:
-    """The driver's store (``cfg.url`` resolved). Raises ConfigError when it is unreachable."""
+    """The driver's store (``cfg.url`` resolved). Raises StoreUnreachable.
+
+    A run on this user's default server finds it again on resume, and
+    starts it when it was stopped (the run is then restored from its
+    checkpoint).
+    """
     cfg.url = resolve_url(cfg.url)
+    if default_server.is_default(cfg.url):
+        default_server.ensure()
     try:
         return TraceStore.connect(cfg.url, run=cfg.run, retries=1, socket_timeout_s=5.0)
-    except Exception as exc:
-        raise ConfigError(f"cannot reach the store at {cfg.url}: {exc}") from exc
+    except StorageError as exc:
+        raise StoreUnreachable(mask_url(cfg.url), failure_reason(exc.__cause__ or exc), None, None) from exc
+
+
+def unreachable(cfg: TrainConfig) -> str | None:
+    """Why the store does not answer now, or None when it does (one PING, 2 s at most)."""
+    try:
+        with TraceStore.connect(
+            cfg.url, run=cfg.run, create_run=False, retries=0,
+            connect_timeout_s=2.0, socket_timeout_s=2.0,
+        ):
+            return None
+    except TracestoreError as exc:
+        return failure_reason(exc.__cause__ or exc)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,13 @@ torch, Ray, matplotlib and tqdm are imported only when the command runs
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from .._table import format_table
 from . import fail, main, url_option
@@ -20,7 +23,12 @@ from . import fail, main, url_option
 if TYPE_CHECKING:
     from tracestore.trainer.report import StepRecord
 
+#: Exit codes of ``tracestore train`` (docs/trainer.md).
+EXIT_OK = 0
+EXIT_INVARIANT = 1
 EXIT_CONFIG = 2
+EXIT_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
 
 
 def _log_line(rec: StepRecord) -> str:
@@ -39,48 +47,128 @@ def _log_line(rec: StepRecord) -> str:
     return "  ".join(parts)
 
 
+def _resume_command(out: str) -> str:
+    return f"tracestore train --resume --out {shlex.quote(out)}"
+
+
+def _inspect_commands(url: str, run: str) -> str:
+    """The commands that look at ``run`` from another shell (printed when the run starts)."""
+    from ..connection import mask_url
+    from ..default_server import is_default
+
+    where = "" if is_default(url) or os.environ.get("TRACESTORE_URL") == url else (
+        f" --url {shlex.quote(mask_url(url))}"
+    )
+    return "; ".join(
+        f"tracestore {cmd}{where}"
+        for cmd in ("runs", f"sessions --run {run}", f"gate status --run {run}", f"replay stats --run {run}")
+    )
+
+
+def _config(kw: dict[str, Any]) -> Any:
+    """The run's TrainConfig: the options given, or with --resume the checkpoint's (see resumed)."""
+    from tracestore.trainer.checkpoint import ckpt_dir, load_state
+    from tracestore.trainer.config import ConfigError, TrainConfig
+
+    from ..connection import mask_url
+
+    override = bool(kw.pop("override", False))
+    resume = bool(kw.pop("resume", False))
+    given = {k: v for k, v in kw.items() if v is not None}
+    if override and not resume:
+        raise ConfigError("--override only applies with --resume")
+    if not resume:
+        return TrainConfig(**given)
+    out = given.pop("out", TrainConfig.out)
+    state = load_state(TrainConfig(out=out))
+    if state is None:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir(TrainConfig(out=out))}")
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and "url" in given and ctx.get_parameter_source("url") == ParameterSource.ENVIRONMENT:
+        if given["url"] != state.cfg.url and not override:
+            raise ConfigError(
+                f"$TRACESTORE_URL {mask_url(given['url'])!r} disagrees with the checkpoint, which "
+                f"ran with {mask_url(state.cfg.url or '')!r}; unset it to resume as it was, or add "
+                "--override to change it"
+            )
+    cfg = state.cfg.resumed(given, override=override)
+    cfg.out = out
+    return cfg
+
+
 def train_command(**kw: Any) -> None:
-    """Shared body of ``tracestore train`` and ``python -m tracestore.trainer``."""
+    """Shared body of ``tracestore train`` and ``python -m tracestore.trainer``.
+
+    One line and an exit code for every way a run ends early: a bad
+    configuration (2), the store unreachable at the start or mid-run (3),
+    Ctrl-C (130), with the command that resumes it.
+    """
     try:
         from tqdm import tqdm
 
-        from tracestore.trainer.config import ConfigError, TrainConfig
-        from tracestore.trainer.loop import SimulatedCrash, run
+        from tracestore.trainer.config import ConfigError
+        from tracestore.trainer.loop import Interrupted, StoreUnreachable, run
         from tracestore.trainer.report import report_rows
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the trainer needs the extra tracestore[ray] (torch, ray, tqdm): {exc}", EXIT_CONFIG)
-        return
-    opts = {k: v for k, v in kw.items() if v is not None}
-    cfg = TrainConfig(**opts)
+    # Errors of tasks whose results nobody reads any more (the run is ending) are not news.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     try:
-        cfg.validate()
+        cfg = _config(dict(kw)).validate()
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
-    bar = tqdm(total=cfg.steps, desc=f"train {cfg.mode}", unit="step", file=sys.stderr)
+    bars: list[Any] = []  # the progress bar, shown once the store answers
+
+    def started(url: str, run_id: str) -> None:
+        click.echo(f"# run {run_id}; inspect it with: {_inspect_commands(url, run_id)}", err=True)
+        bars.append(tqdm(total=cfg.steps, desc=f"train {cfg.mode}", unit="step", file=sys.stderr))
 
     def progress(rec: StepRecord) -> None:
+        bar = bars[0]
         if bar.n == 0 and rec.step > 1:
             bar.update(rec.step - 1)
         bar.update(1)
         tqdm.write(_log_line(rec), file=sys.stdout)
 
     try:
-        report = run(cfg, progress)
+        try:
+            report = run(cfg, progress, started)
+        finally:
+            for bar in bars:
+                bar.close()
     except ConfigError as exc:
-        bar.close()
         fail(str(exc), EXIT_CONFIG)
-        return
-    except SimulatedCrash as crash:
-        bar.close()
-        fail(f"simulated crash after step {crash.step}", 3)
-        return
-    bar.close()
+    except Interrupted as exc:
+        click.echo("", err=True)
+        if exc.checkpoint is None:
+            click.echo(
+                f"interrupted at step {exc.step}, before the run's first checkpoint: nothing to "
+                f"resume (`tracestore run delete {cfg.run}` removes what it wrote)",
+                err=True,
+            )
+        else:
+            click.echo(
+                f"interrupted at step {exc.step}; resume with: {_resume_command(cfg.out)}"
+                + (f" (from the checkpoint of step {exc.checkpoint})" if exc.checkpoint != exc.step else ""),
+                err=True,
+            )
+        sys.exit(EXIT_INTERRUPTED)
+    except StoreUnreachable as exc:
+        if exc.step is None:
+            fail(f"cannot reach the store at {exc.url}: {exc.reason}", EXIT_UNREACHABLE)
+        resume = (
+            f"once it is back, resume with: {_resume_command(cfg.out)}"
+            if exc.checkpoint is not None
+            else "the run had no checkpoint yet; start it again"
+        )
+        fail(f"store unreachable at {exc.url} after step {exc.step} ({exc.reason}); {resume}",
+             EXIT_UNREACHABLE)
     click.echo("")
     click.echo(format_table(["report", "value"], report_rows(report)))
     click.echo(f"\nreport: {cfg.out}/report.json, plot: {cfg.out}/report.png, run: {report.run}")
     bad = report.violations()
     if bad:
-        fail("invariants violated: " + ", ".join(bad), 1)
+        fail("invariants violated: " + ", ".join(bad), EXIT_INVARIANT)
 
 
 def train_options(f: Any) -> Any:
@@ -88,11 +176,10 @@ def train_options(f: Any) -> Any:
     opts = [
         click.option(
             "--mode",
-            default="colocated",
-            show_default=True,
-            help="colocated (generate, then train) or disaggregated (overlapped).",
+            default=None,
+            help="colocated (generate, then train; the default) or disaggregated (overlapped).",
         ),
-        click.option("--steps", type=int, default=20, show_default=True, help="Training steps."),
+        click.option("--steps", type=int, default=None, help="Training steps (default 20)."),
         url_option,
         click.option(
             "--run",
@@ -105,7 +192,17 @@ def train_options(f: Any) -> Any:
             show_default=True,
             help="Directory for report.json, report.png and checkpoints.",
         ),
-        click.option("--resume", is_flag=True, help="Continue from the checkpoint in --out."),
+        click.option(
+            "--resume",
+            is_flag=True,
+            help="Continue from the checkpoint in --out, with its URL, run and mode.",
+        ),
+        click.option(
+            "--override",
+            is_flag=True,
+            help="With --resume: let --url and --mode replace the checkpoint's "
+            "(without it, a disagreement is an error).",
+        ),
         click.option("--seed", type=int, default=None, help="Seed (default 0)."),
         click.option("--workers", type=int, default=None, help="Rollout workers (default 2)."),
         click.option(
@@ -131,8 +228,15 @@ def train_options(f: Any) -> Any:
 def train(**kw: Any) -> None:
     """Run the reference agentic RL loop (tiny MoE policy, calculator task) on Ray.
 
-    Exits 0 when the run ends with nothing leaked (no live session, no held
-    ref, no poisoned lease, one release event per session), 1 otherwise, 2
-    on a bad configuration (unknown mode, zero steps, unreachable server).
+    \b
+    Exit codes:
+      0    the run ended with nothing leaked (no live session, no held ref,
+           no poisoned lease, one release event per session)
+      1    a leak or a violated invariant
+      2    a bad configuration (unknown mode, --steps 0, a --resume flag that
+           disagrees with the checkpoint, no checkpoint to resume)
+      3    the store is unreachable (at the start, or mid-run: the message
+           names the URL and the command that resumes)
+      130  interrupted (Ctrl-C): the message gives the command that resumes
     """
     train_command(**kw)

@@ -1,0 +1,145 @@
+"""``tracestore train`` as a person runs it: Ctrl-C, a resume that resumes, a store that goes away.
+
+The runs are real (Ray, torch, real servers). The first run of each test is
+started through :func:`tracestore.cli.train.train_command` in a subprocess
+with the small configuration of the other trainer tests (options that only
+Python can set), in a session of its own so that SIGINT reaches its whole
+process group as Ctrl-C in a terminal does; the resume is the real command
+line, with no --url and no --mode: both must come from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("ray")
+
+from tracestore import TraceStore, default_server  # noqa: E402
+from tracestore.servers import EmbeddedServer  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+SMALL: dict[str, Any] = {
+    "prompts_per_step": 2,
+    "group_size": 4,
+    "warmup_steps": 30,
+    "eval_every": 2,
+    "eval_prompts": 4,
+    "max_buffer": 2,
+    "lease_ttl_s": 2.0,
+}
+
+
+def _start(tmp: Path, **opts: Any) -> subprocess.Popen[str]:
+    """``train_command(**opts)`` in a new process session (stdout: one line per step)."""
+    code = (
+        "import json, sys\n"
+        "from tracestore.cli.train import train_command\n"
+        "train_command(**json.loads(sys.argv[1]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRACESTORE_URL"}
+    return subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps({**SMALL, **opts})],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=tmp, env=env,
+    )
+
+
+def _wait_for_step(proc: subprocess.Popen[str], step: int) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(f"step {step:>3}"):
+            return
+    raise AssertionError(f"the run ended before step {step}: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}")
+
+
+def test_ctrl_c_then_resume_keeps_mode_and_url_of_a_disaggregated_cluster_run(
+    cluster_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    proc = _start(tmp_path, mode="disaggregated", url=cluster_url, steps=3, checkpoint_every=1,
+                  out=str(out))
+    try:
+        _wait_for_step(proc, 2)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    m = re.fullmatch(
+        r"interrupted at step (\d+); resume with: tracestore train --resume --out (\S+)"
+        r"( \(from the checkpoint of step \d+\))?",
+        last,
+    )
+    assert m is not None, err
+    assert int(m.group(1)) >= 2 and m.group(2) == str(out)
+    assert "Traceback" not in err
+
+    # a flag that disagrees with the checkpoint is refused, naming both values
+    bad = subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", "train", "--resume", "--out", str(out),
+         "--mode", "colocated"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "--mode 'colocated' disagrees with the checkpoint, which ran with 'disaggregated'" in bad.stderr
+
+    # the printed command, as printed: no --url, no --mode
+    argv = shlex.split(last.split("resume with: ", 1)[1].split(" (from", 1)[0])
+    assert argv[:3] == ["tracestore", "train", "--resume"]
+    res = subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", *argv[1:]],
+        capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "TRACESTORE_URL"},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "train disaggregated" in res.stderr  # the progress bar names the mode it runs
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "disaggregated" and report["resumed_from_step"] >= 1
+    assert [h["step"] for h in report["history"]] == [1, 2, 3]
+    assert report["sessions_leaked"] == 0 and report["release_events"] == report["sessions_opened"]
+    # it ran on the cluster of the checkpoint, not on this user's default server
+    with TraceStore.connect(cluster_url, run=report["run"], create_run=False) as st:
+        assert st.cluster and st.run in st.run_ids() and st.sessions() == []
+    found = default_server.find()
+    if found is not None:
+        with TraceStore.connect(found.url, run="probe", create_run=False) as st:
+            assert report["run"] not in st.run_ids()
+
+
+def test_store_lost_mid_run_is_one_line_with_the_url_and_the_resume_command(tmp_path: Path) -> None:
+    srv = EmbeddedServer().start()
+    out = tmp_path / "out"
+    proc = _start(tmp_path, mode="colocated", url=srv.url, steps=6, checkpoint_every=1, out=str(out))
+    try:
+        _wait_for_step(proc, 2)
+        srv.kill()  # the server dies mid-run
+        _, err = proc.communicate(timeout=300)
+    finally:
+        srv.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 3, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    assert re.fullmatch(
+        rf"error: store unreachable at {re.escape(srv.url)} after step \d+ \(Connection refused\); "
+        rf"once it is back, resume with: tracestore train --resume --out {re.escape(str(out))}",
+        lines[0],
+    ), lines[0]
+    assert "Traceback" not in err and "RayTaskError" not in err and "StorageError" not in err
