@@ -19,6 +19,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from tests.test_servers import _alive
 from tracestore import TraceStore, default_server
 from tracestore.cli import main
 
@@ -43,14 +44,6 @@ def _connect_in_process(run: str) -> tuple[str, int]:
         [sys.executable, "-c", CONNECT, run], capture_output=True, text=True, timeout=60, check=True
     ).stdout.split()
     return out[0], int(out[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_two_processes_without_url_share_one_store(home: Path) -> None:

@@ -25,18 +25,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("ray")
 
+from tests.test_trainer_e2e import FAST  # noqa: E402
 from tracestore import TraceStore, default_server  # noqa: E402
 from tracestore.servers import EmbeddedServer  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
+#: The other trainer tests' small configuration (steps and checkpoints set per test).
 SMALL: dict[str, Any] = {
-    "prompts_per_step": 2,
-    "group_size": 4,
-    "warmup_steps": 30,
-    "eval_every": 2,
-    "eval_prompts": 4,
-    "max_buffer": 2,
+    **{k: v for k, v in FAST.items() if k not in ("steps", "checkpoint_every")},
     "lease_ttl_s": 2.0,
 }
 

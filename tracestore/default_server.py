@@ -35,7 +35,7 @@ import secrets
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -307,31 +307,25 @@ def status() -> DefaultServerStatus:
     info = _read(d)
     if info is None:
         return DefaultServerStatus(False, str(d), detail="not started (it starts on first use)")
+    recorded = DefaultServerStatus(
+        False, str(d), pid=info.pid, url=info.display_url, started_ms=info.started_ms
+    )
     c = _client(info.url)
     try:
         srv = c.info("server")
         if int(srv.get("process_id", -1)) != info.pid:
             raise redis.exceptions.ConnectionError("another process answers")
-        mem = c.info("memory")
-        clients = c.info("clients")
-        return DefaultServerStatus(
-            True,
-            str(d),
-            pid=info.pid,
-            url=info.display_url,
-            started_ms=info.started_ms,
+        return replace(
+            recorded,
+            running=True,
             uptime_s=int(srv.get("uptime_in_seconds", 0)),
-            clients=int(clients.get("connected_clients", 0)),
-            used_memory_bytes=int(mem.get("used_memory", 0)),
+            clients=int(c.info("clients").get("connected_clients", 0)),
+            used_memory_bytes=int(c.info("memory").get("used_memory", 0)),
             keys=int(c.dbsize()),
         )
     except redis.exceptions.RedisError:
-        return DefaultServerStatus(
-            False,
-            str(d),
-            pid=info.pid,
-            url=info.display_url,
-            started_ms=info.started_ms,
+        return replace(
+            recorded,
             detail="stale pid file: the recorded server is gone (the next use starts a new one)",
         )
     finally:

@@ -175,6 +175,13 @@ class RunNotChosen(click.ClickException):
     exit_code = EXIT_USAGE
 
 
+def echo_json(doc: Any) -> None:
+    """Print ``doc`` (dataclasses, lists, dicts) as indented JSON: what ``--json`` prints."""
+    import orjson
+
+    click.echo(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+
+
 def _run_list(names: Sequence[str], limit: int = 10) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
@@ -193,7 +200,7 @@ def connect(url: str | None, run: str | None) -> TraceStore:
     store = TraceStore.connect(url, run=run or "default", create_run=False)
     try:
         meta = store.keys.meta
-        if run is not None and store._io.execute(Cmd(("EXISTS", meta), key=meta)):
+        if run is not None and store.execute(Cmd(("EXISTS", meta), key=meta)):
             return store  # one round trip; the SCAN for candidates only when needed
         runs = store.run_ids()
     except BaseException:

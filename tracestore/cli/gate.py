@@ -10,13 +10,12 @@ from __future__ import annotations
 import sys
 
 import click
-import orjson
 
 from .._table import format_table, human_duration, human_time
 from ..gate import GateStatus
 from ..router import route_table
 from ..store import TraceStore
-from . import connect, guarded, json_option, main, run_option, url_option
+from . import connect, echo_json, guarded, json_option, main, run_option, url_option
 
 
 def _deadline(st: GateStatus) -> str:
@@ -42,7 +41,7 @@ def _status_rows(st: GateStatus) -> list[list[object]]:
 
 def _echo_status(store: TraceStore, st: GateStatus, as_json: bool) -> None:
     if as_json:
-        click.echo(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode())
+        echo_json(st)
         return
     click.echo(format_table(["gate", "value"], _status_rows(st)))
     if st.poison:
@@ -185,7 +184,7 @@ def routes(url: str | None, run: str | None, sids: tuple[str, ...], as_json: boo
     with connect(url, run) as store:
         table = store.run(route_table(store.context, list(sids)))
     if as_json:
-        click.echo(orjson.dumps(table, option=orjson.OPT_INDENT_2).decode())
+        echo_json(table)
         return
     click.echo(format_table(["entrypoint", "sessions"], sorted(table.load.items())))
     click.echo(f"routed sessions: {table.routed}; retired (tombstoned): {table.retired}")

@@ -17,7 +17,7 @@ import orjson
 
 from .._table import format_table
 from ..run import server_ms
-from . import connect, guarded, main, run_option, url_option
+from . import connect, echo_json, guarded, main, run_option, url_option
 
 
 @main.command("gc")
@@ -74,7 +74,7 @@ def gc_command(
             scan_data=not no_scan,
         )
     if as_json:
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+        echo_json(report)
     else:
         click.echo(format_table(["gc", "count"], report.summary()))
         for title, ids in (
@@ -108,7 +108,7 @@ def sessions_command(url: str | None, run: str | None, owner: str | None, as_jso
         click.echo(f"run {store.run_id!r} has no owner")
         return
     if as_json:
-        click.echo(orjson.dumps(infos, option=orjson.OPT_INDENT_2).decode())
+        echo_json(infos)
         return
     rows = [
         [

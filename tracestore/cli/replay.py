@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-import orjson
 
 from .._table import format_table
-from . import connect, guarded, main, run_option, url_option
+from . import connect, echo_json, guarded, main, run_option, url_option
 
 
 @main.group()
@@ -33,7 +32,7 @@ def replay_stats(url: str | None, run: str | None, task: str | None, as_json: bo
     with connect(url, run) as store:
         cells = store.replay.stats(task)
     if as_json:
-        click.echo(orjson.dumps(cells, option=orjson.OPT_INDENT_2).decode())
+        echo_json(cells)
         return
     if not cells:
         click.echo(f"replay buffer of run {store.run_id!r} is empty (no task seen)")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import click
-import orjson
 
 from .._table import format_table, human_bytes, human_time
 from ..store import TraceStore
-from . import connect, json_option, main, url_option
+from . import connect, echo_json, json_option, main, url_option
 
 
 def _owners_cell(owners: tuple[str, ...], limit: int = 3) -> str:
@@ -29,7 +28,7 @@ def runs_command(url: str | None, as_json: bool) -> None:
     with TraceStore.connect(url, run="default", create_run=False) as store:
         runs = store.list_runs()
     if as_json:
-        click.echo(orjson.dumps(runs, option=orjson.OPT_INDENT_2).decode())
+        echo_json(runs)
         return
     if not runs:
         click.echo(f"no run on {store.url} (`tracestore train` makes one)")
@@ -71,7 +70,7 @@ def run_delete(url: str | None, run: str, force: bool, as_json: bool) -> None:
     with connect(url, run) as store:
         done = store.delete_run(force=force)
     if as_json:
-        click.echo(orjson.dumps(done, option=orjson.OPT_INDENT_2).decode())
+        echo_json(done)
         return
     forced = f"; overrode live owners {', '.join(done.forced_owners)}" if done.forced_owners else ""
     click.echo(

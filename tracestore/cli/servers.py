@@ -17,13 +17,9 @@ from .. import default_server
 from .._table import format_table, human_bytes, human_duration
 from ..servers import EmbeddedServer, LocalCluster, embedded_cli, node_status, redis_server_binary
 from ..store import TraceStore
-from . import fail, json_option, main, url_option
+from . import echo_json, fail, json_option, main, url_option
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _echo_json(doc: Any) -> None:
-    click.echo(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
 
 
 @main.group(invoke_without_command=True)
@@ -100,7 +96,7 @@ def server_status(as_json: bool) -> None:
     """Whether the default server runs: pid, URL, uptime, clients, memory, keys (exit 1 if not)."""
     st = default_server.status()
     if as_json:
-        _echo_json(st)
+        echo_json(st)
     elif st.running:
         assert st.uptime_s is not None and st.used_memory_bytes is not None
         click.echo(format_table(["default server", "value"], [
@@ -200,7 +196,7 @@ def cluster_status(state_file: str | None, as_json: bool) -> None:
     state = orjson.loads(path.read_bytes())
     rows = [node_status("127.0.0.1", node["port"]) for node in state["nodes"]]
     if as_json:
-        _echo_json({"url": state["url"], "nodes": rows})
+        echo_json({"url": state["url"], "nodes": rows})
     else:
         click.echo(state["url"])
         click.echo(format_table(
@@ -284,7 +280,7 @@ def ping(url: str | None, as_json: bool) -> None:
         ms = 1000 * (time.perf_counter() - start)
     down = [r for r in rows if not r["ok"]]
     if as_json:
-        _echo_json({"url": st.url, "mode": mode, "ok": not down, "ms": ms, "primaries": rows})
+        echo_json({"url": st.url, "mode": mode, "ok": not down, "ms": ms, "primaries": rows})
         if down:
             raise SystemExit(1)
         return
@@ -306,7 +302,7 @@ def info(url: str | None, prefix: str, as_json: bool) -> None:
     with TraceStore.connect(url, run="info", prefix=prefix, create_run=False) as st:
         si = st.server_info(prefix)
     if as_json:
-        _echo_json({"url": st.url, **{k: getattr(si, k) for k in si.__dataclass_fields__}})
+        echo_json({"url": st.url, **{k: getattr(si, k) for k in si.__dataclass_fields__}})
         return
     click.echo(format_table(["field", "value"], [
         ["url", st.url],
