@@ -96,7 +96,7 @@ def test_delete_run_allows_owners_that_are_gone(store: TraceStore) -> None:
     done = store.delete_run()
     assert done.forced_owners == () and done.control_keys > 0
     assert (done.sessions, done.data_keys) == (1, 1)  # the purge tombstone of "c"
-    assert store.run not in store.run_ids()
+    assert store.run_id not in store.run_ids()
 
 
 def test_list_runs_reports_sessions_owners_activity_and_memory(url: str, run_id: str) -> None:
@@ -106,7 +106,7 @@ def test_list_runs_reports_sessions_owners_activity_and_memory(url: str, run_id:
         st.heartbeat("rollout:0", 60)
         st.release(["c"], "rollout:0", "done")
         runs = {r.run: r for r in st.list_runs()}
-        r, i = runs[run_id], runs[idle.run]
+        r, i = runs[run_id], runs[idle.run_id]
         assert r.live_sessions == 3 and r.owners == ("rollout:0", "replay")
         assert r.heartbeating == 1 and r.last_activity_ms == r.server_ms
         assert r.created_ms is not None and r.created_ms <= r.server_ms

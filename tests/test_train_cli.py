@@ -111,7 +111,7 @@ def test_ctrl_c_then_resume_keeps_mode_and_url_of_a_disaggregated_cluster_run(
     assert report["sessions_leaked"] == 0 and report["release_events"] == report["sessions_opened"]
     # it ran on the cluster of the checkpoint, not on this user's default server
     with TraceStore.connect(cluster_url, run=report["run"], create_run=False) as st:
-        assert st.cluster and st.run in st.run_ids() and st.sessions() == []
+        assert st.cluster and st.run_id in st.run_ids() and st.sessions() == []
     found = default_server.find()
     if found is not None:
         with TraceStore.connect(found.url, run="probe", create_run=False) as st:
