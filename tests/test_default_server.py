@@ -8,6 +8,7 @@ finds and stops a default server nobody else uses. Processes are real
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,10 @@ def test_two_processes_without_url_share_one_store(home: Path) -> None:
     r = CliRunner().invoke(main, ["sessions"])  # the only run on the server
     assert r.exit_code == 0, r.output
     assert "rollout:0" in r.output
+    r = CliRunner().invoke(main, ["runs"])  # every run of the server
+    assert r.exit_code == 0, r.output
+    row = next(ln for ln in r.output.splitlines() if ln.startswith("shared "))
+    assert re.search(r"ago\)\s+1\s+rollout:0\s", row), row  # created, live sessions, owners
     # the server outlives the processes that used it, and is private to the user
     assert _alive(pid_a)
     assert (home / "server").stat().st_mode & 0o777 == 0o700

@@ -105,7 +105,9 @@ def test_list_runs_reports_sessions_owners_activity_and_memory(url: str, run_id:
         st.open_session("d", "replay")
         st.heartbeat("rollout:0", 60)
         st.release(["c"], "rollout:0", "done")
-        runs = {r.run: r for r in st.list_runs()}
+        assert {run_id, idle.run_id} <= set(st.run_ids())
+        # the other tests' runs on this server are not ours to wait for: name the two
+        runs = {r.run: r for r in st.list_runs([run_id, idle.run_id])}
         r, i = runs[run_id], runs[idle.run_id]
         assert r.live_sessions == 3 and r.owners == ("rollout:0", "replay")
         assert r.heartbeating == 1 and r.last_activity_ms == r.server_ms
@@ -114,14 +116,16 @@ def test_list_runs_reports_sessions_owners_activity_and_memory(url: str, run_id:
         assert (i.live_sessions, i.owners, i.heartbeating) == (0, (), 0)
         assert i.last_activity_ms == i.created_ms
 
-        cli = CliRunner().invoke(main, ["runs", "--url", url, "--json"])
+        cli = CliRunner().invoke(main, ["runs", "--url", url, "--json", run_id, idle.run_id])
         assert cli.exit_code == 0, cli.output
         rows = {d["run"]: d for d in orjson.loads(cli.output)}
         assert rows[run_id]["live_sessions"] == 3 and rows[run_id]["owners"] == ["rollout:0", "replay"]
-        cli = CliRunner().invoke(main, ["runs", "--url", url])
+        cli = CliRunner().invoke(main, ["runs", "--url", url, run_id, idle.run_id])
         assert cli.exit_code == 0, cli.output
         line = next(ln for ln in cli.output.splitlines() if ln.startswith(run_id + " "))
         assert "rollout:0, replay" in line and "heartbeat now" in line and " key" in line
+        cli = CliRunner().invoke(main, ["runs", "--url", url, "nosuch"])
+        assert cli.exit_code == 2 and "no run 'nosuch'" in cli.output
 
 
 def test_run_delete_command(standalone_url: str, run_id: str) -> None:

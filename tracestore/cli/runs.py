@@ -6,7 +6,7 @@ import click
 
 from .._table import format_table, human_bytes, human_time
 from ..store import TraceStore
-from . import connect, echo_json, json_option, main, url_option
+from . import RunNotChosen, connect, echo_json, json_option, main, url_option
 
 
 def _owners_cell(owners: tuple[str, ...], limit: int = 3) -> str:
@@ -17,16 +17,22 @@ def _owners_cell(owners: tuple[str, ...], limit: int = 3) -> str:
 
 @main.command("runs")
 @url_option
+@click.argument("names", nargs=-1, metavar="[RUN]...")
 @json_option
-def runs_command(url: str | None, as_json: bool) -> None:
-    """The runs on the server: created, live sessions, owners holding them, last activity, memory.
+def runs_command(url: str | None, names: tuple[str, ...], as_json: bool) -> None:
+    """The runs on the server (or RUN...): created, live sessions, owners, last activity, memory.
 
     Memory is what the run's control plane (keys ts:{RUN}:*, one hash slot)
     takes on the server. Times are the server's clock; --json gives them raw
-    (ms since the epoch).
+    (ms since the epoch). Each run costs a SCAN of its control plane: on a
+    standalone server with many runs, name the ones to show.
     """
     with TraceStore.connect(url, run="default", create_run=False) as store:
-        runs = store.list_runs()
+        if names:
+            missing = sorted(set(names) - set(store.run_ids()))
+            if missing:
+                raise RunNotChosen(f"no run {missing[0]!r} on {store.url}")
+        runs = store.list_runs(list(names) if names else None)
     if as_json:
         echo_json(runs)
         return
