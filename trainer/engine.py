@@ -189,6 +189,8 @@ class PolicyEngine:
         )
         if g.finish_reason == "stop" and job.matched is None and g.output_ids:
             job.matched = g.output_ids[-1]
+        if g.finish_reason == "abort":
+            self.aborted += 1  # counted here: a client that left never reads the reply
         return g
 
     # -- HTTP -------------------------------------------------------------------------------
@@ -235,8 +237,6 @@ class PolicyEngine:
         return meta
 
     def _final(self, job: _Job, g: Generation, meta: dict[str, Any]) -> None:
-        if g.finish_reason == "abort":
-            self.aborted += 1
         if job.experts:
             rows = np.ascontiguousarray(g.routed_experts[1:], dtype="<i4")
             meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode()

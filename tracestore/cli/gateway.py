@@ -68,6 +68,7 @@ def _announce(url: str) -> None:
 )
 @click.option("--max-body-mb", type=float, default=32.0, show_default=True, help="Largest request body accepted (413 above).")
 @click.option("--engine-timeout", type=float, default=600.0, show_default=True, help="Seconds before an engine call counts as lost.")
+@click.option("--redis-connections", type=click.IntRange(8, None), default=256, show_default=True, help="Connection pool size to the store (per node); store calls queue beyond it.")
 @click.option("--max-tokens", "default_max_tokens", type=int, default=1024, show_default=True, help="max_tokens of OpenAI requests that give none.")
 @click.option(
     "--ray",
@@ -112,6 +113,7 @@ def gateway(engines: tuple[str, ...], ray_address: str | None, **kw: Any) -> Non
         max_body_bytes=int(kw["max_body_mb"] * (1 << 20)),
         engine_timeout_s=kw["engine_timeout"],
         default_max_tokens=kw["default_max_tokens"],
+        redis_connections=kw["redis_connections"],
     )
     try:
         cfg.validate()

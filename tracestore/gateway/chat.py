@@ -252,9 +252,10 @@ def function_tool(name: Any, description: Any, parameters: Any, param: str) -> d
     if not name or len(name) > 128:
         raise invalid(f"{param}.name must be 1..128 characters", f"{param}.name")
     params = {"type": "object", "properties": {}} if parameters is None else as_dict(parameters, f"{param}.parameters")
-    fn: dict[str, Any] = {"name": name, "parameters": params}
+    fn: dict[str, Any] = {"name": name}  # OpenAI's key order: templates that tojson a tool show it as sent
     if description is not None:
         fn["description"] = as_str(description, f"{param}.description")
+    fn["parameters"] = params
     return {"type": "function", "function": fn}
 
 

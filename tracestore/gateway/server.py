@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from aiohttp import web
@@ -82,6 +82,8 @@ from .metrics import Metrics
 from .tokenizer import ChatTokenizer, Detokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: How many session ids a gateway remembers as opened (LRU).
 OPENED_CACHE = 200_000
@@ -126,6 +128,7 @@ class GatewayConfig:
     engine_timeout_s: float = 600.0
     default_max_tokens: int = 1024
     trace_sessions: int = 4096
+    redis_connections: int = 256
 
     def validate(self) -> GatewayConfig:
         """Check the options; raises ConfigError with a message a person can act on."""
@@ -145,6 +148,8 @@ class GatewayConfig:
         for name in ("lease_ttl_s", "gate_poll_s", "engine_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.redis_connections < 8:
+            raise ConfigError(f"redis_connections must be at least 8, got {self.redis_connections}")
         for name in ("max_body_bytes", "default_max_tokens", "trace_sessions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -218,6 +223,9 @@ class Gateway:
         self._rr = 0
         self._overhead: deque[float] = deque(maxlen=10_000)
         self._stop_ids = frozenset(tokenizer.stop_token_ids)
+        # Each store call holds one pooled connection; past the pool size redis-py raises
+        # instead of waiting, so calls queue here (a few connections stay for the watcher).
+        self._db_slots = asyncio.Semaphore(config.redis_connections - 4)
 
     @classmethod
     async def create(
@@ -235,7 +243,7 @@ class Gateway:
         """
         config.validate()
         tok = tokenizer or load_tokenizer(config.tokenizer, config.tool_parser)
-        st = store or await AsyncTraceStore.connect(config.url, run=config.run)
+        st = store or await AsyncTraceStore.connect(config.url, run=config.run, max_connections=config.redis_connections)
         return cls(config, st, tok, holder, owns_store=store is None)
 
     # -- application ------------------------------------------------------------------------
@@ -324,7 +332,7 @@ class Gateway:
                 )
             messages, assistant, tools = last
             key = self.tok.render([*messages, assistant], tools, False).rstrip()
-            tr = await self.store.export_training_trace(sid, key)
+            tr = await self._db(self.store.export_training_trace(sid, key))
         except InvalidId as exc:
             return self._error(wire, invalid(str(exc), "session_id"))
         except ApiError as err:
@@ -434,7 +442,7 @@ class Gateway:
 
     async def _open(self, sid: str, owner: str) -> None:
         try:
-            await self.store.open_session(sid, owner)
+            await self._db(self.store.open_session(sid, owner))
         except SessionExists:
             pass
         self._opened[sid] = None
@@ -453,9 +461,9 @@ class Gateway:
             raise self._store_error(exc) from None
         phase = asyncio.ensure_future(
             asyncio.gather(
-                rec.prepare(sid, req.messages),
-                self.router.acquire(sid),
-                self.store.gate.admit(sid, self.name, self.config.lease_ttl_s),
+                self._db(rec.prepare(sid, req.messages)),
+                self._db(self.router.acquire(sid)),
+                self._db(self.store.gate.admit(sid, self.name, self.config.lease_ttl_s)),
                 return_exceptions=True,
             )
         )
@@ -641,7 +649,9 @@ class Gateway:
         text_ids = ids[:-1] if gen.finish == "stop" and ids[-1] in self._stop_ids else ids
         text = self.tok.decode(text_ids)
         stop_string = gen.matched if isinstance(gen.matched, str) else None
-        text = _cut(_cut(text, stop_string), self.tok.stop_word)
+        text = _cut(text, stop_string)
+        if not req.ignore_eos:  # a model that spells out the end-of-turn marker ends its turn there
+            text = _cut(text, self.tok.stop_word)
         calls: list[ToolCall] = []
         if req.parse_tools and req.tools:
             text, found = self.tok.parse_tool_calls(text, req.tools)
@@ -673,8 +683,10 @@ class Gateway:
         assistant = answer.message()
         t0 = time.perf_counter()
         call.record_task = asyncio.ensure_future(
-            rec.after_response(
-                call.sid, req.messages, assistant, answer.output_ids, answer.logprobs, experts, call.lease.version
+            self._db(
+                rec.after_response(
+                    call.sid, req.messages, assistant, answer.output_ids, answer.logprobs, experts, call.lease.version
+                )
             )
         )
         try:
@@ -721,7 +733,7 @@ class Gateway:
         sw = wire.Stream(req, _rid(wire), len(input_ids))
         det = Detokenizer(self.tok.decode)
         gen = Generated(prompt_tokens=len(input_ids))
-        cuts = [s for s in (*req.stop, self.tok.stop_word) if s]
+        cuts = [s for s in (*req.stop, None if req.ignore_eos else self.tok.stop_word) if s]
         hold = max((len(s) for s in cuts), default=1) - 1
         text = ""
         sent = 0
@@ -810,7 +822,7 @@ class Gateway:
     async def _settle(self, lease: Lease, outcome: str) -> None:
         t0 = time.perf_counter()
         try:
-            await self.store.gate.settle(lease, outcome)
+            await self._db(self.store.gate.settle(lease, outcome))
         except Exception as exc:  # the lease then expires into the poison set: loud, not lost
             log.warning("gateway: could not settle lease %s as %s: %s", lease.id, outcome, exc)
         finally:
@@ -839,6 +851,11 @@ class Gateway:
         else:
             self.metrics.aborted.labels("client_disconnect").inc()
         await self._settle_call(call, outcome)
+
+    async def _db(self, coro: Awaitable[T]) -> T:
+        """Await a store call once a pooled connection is free for it."""
+        async with self._db_slots:
+            return await coro
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
