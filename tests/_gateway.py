@@ -15,11 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
-
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 

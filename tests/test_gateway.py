@@ -23,10 +23,9 @@ import anthropic
 import openai
 import pytest
 
+from tests._gateway import CliServer, dump_run, lease_outcomes
 from tracestore import TraceStore
 from tracestore.gateway.tokenizer import BuiltinTokenizer, HFTokenizer
-
-from tests._gateway import CliServer, dump_run, lease_outcomes
 
 MODEL = "tracestore-reference"
 SYSTEM = "use add sub mul with one digit then done"

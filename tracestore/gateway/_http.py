@@ -26,7 +26,7 @@ AppFactory = Callable[[], Awaitable[web.Application]]
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Bind ``app`` on ``host:port``; returns the runner and the URL actually bound."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
