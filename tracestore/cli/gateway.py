@@ -70,16 +70,7 @@ def _announce(url: str) -> None:
 @click.option("--engine-timeout", type=float, default=600.0, show_default=True, help="Seconds before an engine call counts as lost.")
 @click.option("--redis-connections", type=click.IntRange(8, None), default=256, show_default=True, help="Connection pool size to the store (per node); store calls queue beyond it.")
 @click.option("--max-tokens", "default_max_tokens", type=int, default=1024, show_default=True, help="max_tokens of OpenAI requests that give none.")
-@click.option(
-    "--ray",
-    "ray_address",
-    default=None,
-    metavar="ADDRESS",
-    help="Join this Ray cluster ('auto' or host:port) and keep routed experts in a named RefHolder "
-    "actor (tracestore-holder-<name>, namespace tracestore). Without it, engines are not asked for "
-    "routed experts and turns are recorded without expert keys.",
-)
-def gateway(engines: tuple[str, ...], ray_address: str | None, **kw: Any) -> None:
+def gateway(engines: tuple[str, ...], **kw: Any) -> None:
     """Serve the OpenAI/Anthropic-compatible session gateway in front of ENGINE(s).
 
     Agents call POST /v1/chat/completions or POST /v1/messages with a session
@@ -87,8 +78,10 @@ def gateway(engines: tuple[str, ...], ray_address: str | None, **kw: Any) -> Non
     in the run's trace store, gated against weight updates (503 + Retry-After
     while sealed) and routed to a sticky engine (410 for a retired or released
     session). Without a session id it is a plain proxy. Also GET /v1/models,
-    /health, /metrics (Prometheus) and /v1/sessions/{sid}/trace. See
-    docs/gateway.md.
+    /health, /metrics (Prometheus) and /v1/sessions/{sid}/trace. Routed
+    experts are kept only by a gateway embedded in a Ray process with a
+    RefHolder (tracestore.gateway.start_gateway); this command records turns
+    without expert keys. See docs/gateway.md.
     """
     try:
         from ..gateway import GatewayConfig
@@ -117,43 +110,13 @@ def gateway(engines: tuple[str, ...], ray_address: str | None, **kw: Any) -> Non
     )
     try:
         cfg.validate()
-        holder = _ray_holder(ray_address, cfg) if ray_address else None
-        serve_forever(lambda: make_app(cfg, holder=holder), kw["host"], kw["port"], _announce)
+        serve_forever(lambda: make_app(cfg), kw["host"], kw["port"], _announce)
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
     except TracestoreError as exc:
         fail(f"{type(exc).__name__}: {exc}")
     except OSError as exc:
         fail(f"cannot listen on {kw['host']}:{kw['port']}: {exc.strerror or exc}")
-
-
-class _ActorHolder:
-    """An expert holder backed by a RefHolderActor (``put`` is a blocking actor call)."""
-
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    def put(self, sid: str, value: Any) -> str:
-        import ray
-
-        return str(ray.get(self.actor.put.remote(sid, value)))
-
-
-def _ray_holder(address: str, cfg: Any) -> _ActorHolder:
-    try:
-        import ray
-
-        from ..ray import RefHolderActor
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        from ..errors import ConfigError
-
-        raise ConfigError(f"--ray needs the extra tracestore[ray]: {exc}") from None
-    from ..gateway.server import _default_name
-
-    ray.init(address=address, namespace="tracestore", log_to_driver=False)
-    name = cfg.name or _default_name()
-    actor = RefHolderActor.options(name=f"tracestore-holder-{name}").remote(cfg.url, cfg.run, name=name)
-    return _ActorHolder(actor)
 
 
 @main.command("engine")

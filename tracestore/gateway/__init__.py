@@ -13,6 +13,6 @@ imports this package.
 """
 
 from .chat import ApiError, ChatRequest
-from .server import Gateway, GatewayConfig, make_app
+from .server import GATEWAY, Gateway, GatewayConfig, make_app, start_gateway
 
-__all__ = ["ApiError", "ChatRequest", "Gateway", "GatewayConfig", "make_app"]
+__all__ = ["GATEWAY", "ApiError", "ChatRequest", "Gateway", "GatewayConfig", "make_app", "start_gateway"]

@@ -45,9 +45,9 @@ import re
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 from aiohttp import web
@@ -69,6 +69,7 @@ from ..keys import validate_id
 from ..session import AsyncTurnRecorder, ExpertHolder, Request
 from ..store import AsyncTraceStore
 from . import anthropic, openai
+from ._http import BackgroundServer
 from .chat import Answer, ApiError, ChatRequest, ToolCall, invalid, new_id
 from .engine import (
     EngineClient,
@@ -226,6 +227,9 @@ class Gateway:
         # Each store call holds one pooled connection; past the pool size redis-py raises
         # instead of waiting, so calls queue here (a few connections stay for the watcher).
         self._db_slots = asyncio.Semaphore(config.redis_connections - 4)
+        # Admissions and settlements of one event-loop iteration go to Redis as one call.
+        self._admits: _Coalescer[str, Lease] = _Coalescer(self._admit_batch, 1000)
+        self._settles: _Coalescer[tuple[Lease, str], None] = _Coalescer(self._settle_batch, 1000)
 
     @classmethod
     async def create(
@@ -434,9 +438,18 @@ class Gateway:
 
     def _recorder(self, req: ChatRequest) -> AsyncTurnRecorder:
         tools = req.tools
+        memo: dict[tuple[int, bool], str] = {}
 
         def render(messages: Any, gen: bool) -> str:
-            return self.tok.render(messages, tools, gen)
+            # The recorder renders the request's messages twice (prepare, then to check
+            # the answer extends the same prompt): the list is not changed in between.
+            key = (id(messages), gen)
+            if messages is req.messages and key in memo:
+                return memo[key]
+            out = self.tok.render(messages, tools, gen)
+            if messages is req.messages:
+                memo[key] = out
+            return out
 
         return AsyncTurnRecorder(self.store, render, self.tok.encode, self.holder)
 
@@ -463,7 +476,7 @@ class Gateway:
             asyncio.gather(
                 self._db(rec.prepare(sid, req.messages)),
                 self._db(self.router.acquire(sid)),
-                self._db(self.store.gate.admit(sid, self.name, self.config.lease_ttl_s)),
+                self._admits.submit(sid),
                 return_exceptions=True,
             )
         )
@@ -820,13 +833,40 @@ class Gateway:
     # -- settling and cleanup ---------------------------------------------------------------
 
     async def _settle(self, lease: Lease, outcome: str) -> None:
-        t0 = time.perf_counter()
         try:
-            await self._db(self.store.gate.settle(lease, outcome))
+            await self._settles.submit((lease, outcome))
         except Exception as exc:  # the lease then expires into the poison set: loud, not lost
             log.warning("gateway: could not settle lease %s as %s: %s", lease.id, outcome, exc)
+
+    async def _admit_batch(self, sids: list[str]) -> list[Lease | BaseException]:
+        """One ``admit_many`` for the admissions of one loop iteration.
+
+        admit_many is all or nothing: when one session of the batch was released,
+        each is admitted alone so that only that one is refused.
+        """
+        ttl = self.config.lease_ttl_s
+        try:
+            leases: list[Lease | BaseException] = list(
+                await self._db(self.store.gate.admit_many([(s, self.name) for s in sids], ttl))
+            )
+            return leases
+        except SessionReleased:
+            if len(sids) == 1:
+                raise
+        alone = await asyncio.gather(*(self._db(self.store.gate.admit(s, self.name, ttl)) for s in sids), return_exceptions=True)
+        return list(alone)
+
+    async def _settle_batch(self, items: list[tuple[Lease, str]]) -> list[None | BaseException]:
+        """Settle the leases of one loop iteration: one pipelined ``settle_many`` per outcome."""
+        by: dict[str, list[Lease]] = {}
+        for lease, outcome in items:
+            by.setdefault(outcome, []).append(lease)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(self._db(self.store.gate.settle_many(ls, o)) for o, ls in by.items()))
         finally:
             self.metrics.latency.labels("settle").observe(time.perf_counter() - t0)
+        return [None] * len(items)
 
     async def _settle_call(self, call: _Call, outcome: str) -> None:
         if call.settled:
@@ -898,6 +938,59 @@ class Gateway:
             await asyncio.sleep(poll)
 
 
+X = TypeVar("X")
+Y = TypeVar("Y")
+
+
+class _Coalescer(Generic[X, Y]):
+    """Gathers the calls made during one event-loop iteration into one batch call.
+
+    ``flush(items)`` returns one result (or exception) per item, in order;
+    an exception it raises goes to every item of the batch. No timer: a batch
+    is sent on the loop's next iteration, so a lone call waits for nothing.
+    """
+
+    def __init__(self, flush: Callable[[list[X]], Awaitable[list[Y | BaseException]]], limit: int) -> None:
+        self._flush = flush
+        self._limit = limit
+        self._items: list[tuple[X, asyncio.Future[Y]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(self, item: X) -> Y:
+        """Queue ``item`` for the next batch and wait for its result."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Y] = loop.create_future()
+        if not self._items:
+            loop.call_soon(self._start)
+        self._items.append((item, fut))
+        return await fut
+
+    def _start(self) -> None:
+        items, self._items = self._items, []
+        for i in range(0, len(items), self._limit):
+            task = asyncio.ensure_future(self._run(items[i : i + self._limit]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, items: list[tuple[X, asyncio.Future[Y]]]) -> None:
+        try:
+            results = await self._flush([x for x, _ in items])
+        except BaseException as exc:  # every caller of the batch gets it
+            for _, fut in items:
+                if not fut.done():
+                    fut.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for (_, fut), res in zip(items, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(res, BaseException):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
+
+
 def _cut(text: str, stop: str | None) -> str:
     if not stop:
         return text
@@ -914,11 +1007,30 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 
 async def make_app(config: GatewayConfig, *, holder: ExpertHolder | None = None) -> web.Application:
-    """Create the gateway of ``config`` and its aiohttp application (the ``gateway`` key holds it)."""
+    """Create the gateway of ``config`` and its aiohttp application (``app[GATEWAY]`` holds it)."""
     gw = await Gateway.create(config, holder=holder)
     app = gw.app()
-    app["gateway"] = gw
+    app[GATEWAY] = gw
     return app
 
 
-__all__ = ["Gateway", "GatewayConfig", "make_app"]
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+def start_gateway(
+    config: GatewayConfig, *, holder: ExpertHolder | None = None, host: str = "127.0.0.1", port: int = 0
+) -> BackgroundServer:
+    """Serve a gateway from a background thread of this process; returns the started server.
+
+    For a gateway embedded in a Ray actor (its ``holder`` a
+    :class:`tracestore.ray.RefHolder`, so routed experts stay in this
+    process's object store), a test or a benchmark. ``server.url`` is the
+    base URL, ``server.app[GATEWAY]`` the :class:`Gateway`, ``server.stop()``
+    shuts it down. Raises what :meth:`Gateway.create` raises.
+    """
+    server = BackgroundServer(lambda: make_app(config, holder=holder), host, port)
+    server.start()
+    return server
+
+
+__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "make_app", "start_gateway"]
