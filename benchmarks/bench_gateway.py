@@ -202,6 +202,21 @@ async def _throughput(gw: str, concurrency: int, seconds: float) -> dict[str, An
     return {"turns": done, "seconds": round(took, 2), "turns_per_s": round(done / took, 1)}
 
 
+def _parts(url: str) -> dict[str, float]:
+    """Mean ms per request of each part of the gateway's latency histogram (all turns so far)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        for kind, into in (("_sum{", sums), ("_count{", counts)):
+            if line.startswith("tracestore_gateway_latency_seconds" + kind):
+                part = line.split('part="')[1].split('"')[0]
+                into[part] = float(line.split()[-1])
+    return {p: round(sums[p] / counts[p] * 1000, 3) for p in sums if counts.get(p)}
+
+
 def run(quick: bool) -> dict[str, Any]:
     """Start the processes, measure latency then throughput, stop everything."""
     counts = SESSIONS_QUICK if quick else SESSIONS_FULL
@@ -229,6 +244,7 @@ def run(quick: bool) -> dict[str, Any]:
         print("   added latency per turn (gateway - direct engine call, same ids)", flush=True)
         lat = asyncio.run(_latency(gws, engine.url, counts))
         figures["added_latency"] = lat
+        figures["tracestore_parts_mean_ms"] = _parts(ours.url)
         figures["throughput"] = {}
         for n in CONCURRENCY:
             row = {}

@@ -56,7 +56,22 @@ def serve_forever(make_app: AppFactory, host: str, port: int, announce: Callable
         finally:
             await runner.cleanup()
 
-    asyncio.run(main())
+    run_loop(main())
+
+
+def run_loop(coro: Awaitable[None]) -> None:
+    """``asyncio.run``, on uvloop when it is installed (unless ``TRACESTORE_UVLOOP=0``)."""
+    import os
+
+    if os.environ.get("TRACESTORE_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            uvloop.run(coro)  # type: ignore[arg-type]
+            return
+    asyncio.run(coro)  # type: ignore[arg-type]
 
 
 class BackgroundServer:
