@@ -102,7 +102,7 @@ class _Proc:
 
 
 def _document(tokens: int, rng: random.Random) -> str:
-    from trainer.tokenizer import TOKENIZER
+    from tracestore.trainer.tokenizer import TOKENIZER
 
     text = "".join(rng.choice(WORDS) for _ in range(tokens))
     ids = TOKENIZER.encode(text)

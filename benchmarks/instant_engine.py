@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from tracestore.gateway._http import serve_forever
-from trainer.tokenizer import TOKENIZER
+from tracestore.trainer.tokenizer import TOKENIZER
 
 
 class InstantEngine:

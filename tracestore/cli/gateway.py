@@ -144,9 +144,8 @@ def engine(host: str, port: int, seed: int, warmup_steps: int, max_len: int, wei
     gateway at SGLang for those).
     """
     try:
-        from trainer.engine import build_engine
-
         from ..gateway._http import serve_forever
+        from ..trainer.engine import build_engine
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the engine needs the extras tracestore[ray,gateway] (torch, aiohttp): {exc}", EXIT_CONFIG)
         return

@@ -105,8 +105,8 @@ class BuiltinTokenizer:
     name = "tracestore-reference"
 
     def __init__(self) -> None:
-        from trainer import chat
-        from trainer.tokenizer import TOKENIZER
+        from ..trainer import chat
+        from ..trainer.tokenizer import TOKENIZER
 
         self._tok = TOKENIZER
         self._render = chat.render
