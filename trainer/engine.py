@@ -140,6 +140,13 @@ class PolicyEngine:
         self.requests = 0
         self.aborted = 0
 
+    def abort_all(self) -> int:
+        """Abort every request running or queued (an engine pause before a weight update)."""
+        with self._lock:
+            for job in self._running.values():
+                job.abort.set()
+            return len(self._running)
+
     # -- weights ----------------------------------------------------------------------------
 
     def set_weights(self, state: dict[str, np.ndarray], version: int) -> int:

@@ -162,6 +162,25 @@ def _default_name() -> str:
     return f"gateway-{host}-{os.getpid()}"
 
 
+@dataclass(frozen=True)
+class GatewayStats:
+    """Chat requests answered (``by_status``: HTTP status -> count; 503s are the refusals and
+    aborts clients retried), requests in flight, and the gateway's own time per request
+    (``overhead``: total minus the engine call) and total time, in seconds (None: no sample)."""
+
+    requests: int
+    by_status: dict[str, int]
+    in_flight: int
+    overhead_p50_s: float | None
+    overhead_p99_s: float | None
+    total_p50_s: float | None
+
+
+def _pct(xs: deque[float], q: float) -> float | None:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+
+
 @dataclass(eq=False)
 class _Call:
     """A request being served: what the seal watcher and the cleanup need."""
@@ -223,6 +242,8 @@ class Gateway:
         self._watcher: asyncio.Task[None] | None = None
         self._rr = 0
         self._overhead: deque[float] = deque(maxlen=10_000)
+        self._total: deque[float] = deque(maxlen=10_000)
+        self._status: dict[str, int] = {}
         self._stop_ids = frozenset(tokenizer.stop_token_ids)
         # Each store call holds one pooled connection; past the pool size redis-py raises
         # instead of waiting, so calls queue here (a few connections stay for the watcher).
@@ -288,11 +309,16 @@ class Gateway:
             await self.store.close()
             self._owns_store = False
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for reports: in flight, and the p50/p99 of the gateway's own time per request."""
-        xs = sorted(self._overhead)
-        pick = (lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else (lambda q: None)
-        return {"in_flight": len(self._calls), "overhead_p50_s": pick(0.5), "overhead_p99_s": pick(0.99), "samples": len(xs)}
+    def stats(self) -> GatewayStats:
+        """Counters for reports: chat requests by status, in flight, latency percentiles."""
+        return GatewayStats(
+            requests=sum(self._status.values()),
+            by_status=dict(self._status),
+            in_flight=len(self._calls),
+            overhead_p50_s=_pct(self._overhead, 0.5),
+            overhead_p99_s=_pct(self._overhead, 0.99),
+            total_p50_s=_pct(self._total, 0.5),
+        )
 
     # -- small endpoints --------------------------------------------------------------------
 
@@ -384,6 +410,8 @@ class Gateway:
             return self._error(wire, ApiError("internal", f"{type(exc).__name__}: {exc}"))
         finally:
             total = time.perf_counter() - timing.start
+            self._status[status] = self._status.get(status, 0) + 1
+            self._total.append(total)
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, status).inc()
             self.metrics.latency.labels("total").observe(total)
@@ -670,7 +698,7 @@ class Gateway:
             text, found = self.tok.parse_tool_calls(text, req.tools)
             prefix = "toolu_" if wire.NAME == "anthropic" else "call_"
             calls = [ToolCall(new_id(prefix), n, a) for n, a in found]
-        finish = "tool_calls" if calls else ("length" if gen.finish == "length" else "stop")
+        finish = "length" if gen.finish == "length" else "tool_calls" if calls else "stop"
         version = call.lease.version if call.lease is not None else None
         return Answer(text, tuple(calls), finish, stop_string, ids, lps, prompt_tokens, version)
 
@@ -1033,4 +1061,4 @@ def start_gateway(
     return server
 
 
-__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "make_app", "start_gateway"]
+__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "GatewayStats", "make_app", "start_gateway"]
