@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from tests.test_checkpoint import _scan
 from tracestore import TraceStore
 
 BIN = [sys.executable, "-m", "tracestore.cli"]
@@ -128,16 +129,6 @@ class CliServer:
             if v >= value or time.monotonic() > end:
                 return v
             time.sleep(0.02)
-
-
-def _scan(st: TraceStore, pattern: str) -> list[bytes]:
-    r: Any = st.redis
-    if st.cluster:
-        keys: list[bytes] = []
-        for node in r.get_primaries():
-            keys += list(r.get_redis_connection(node).scan_iter(match=pattern, count=1000))
-        return keys
-    return list(r.scan_iter(match=pattern, count=1000))
 
 
 def dump_run(st: TraceStore) -> dict[bytes, Any]:

@@ -26,20 +26,11 @@ import pytest
 from tests._gateway import CliServer, dump_run, lease_outcomes
 from tracestore import TraceStore
 from tracestore.gateway.tokenizer import BuiltinTokenizer, HFTokenizer
+from tracestore.trainer.http_agents import CALC_TOOLS
 
 MODEL = "tracestore-reference"
 SYSTEM = "use add sub mul with one digit then done"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": op,
-            "description": f"{op} a one-digit number to the value",
-            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
-        },
-    }
-    for op in ("add", "sub", "mul")
-]
+TOOLS = CALC_TOOLS  # add/sub/mul with one integer n: what the reference policy calls
 CLAUDE_TOOLS = [
     {"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]}
     for t in TOOLS
