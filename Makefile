@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## The main job on the embedded default server: a short run of the reference RL trainer.
+## The main job on the embedded default server: a short run of the reference RL trainer,
+## its agents calling a session gateway over HTTP with the openai SDK (--agents local: in process).
 train: $(STAMP)
-	$(VENV)/bin/tracestore train
+	$(VENV)/bin/tracestore train --agents http
 
 ## The scripted tour of every part, one table each.
 demo: $(STAMP)

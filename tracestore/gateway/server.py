@@ -634,7 +634,7 @@ class Gateway:
             )
             await resp.prepare(request)
             await resp.write_eof()
-            await self._settle_call(call, "completed")
+            self._completed(call)
             return resp
         except ApiError:
             await self._settle_call(call, "failed" if call.abort_reason is None else "aborted")
@@ -840,7 +840,7 @@ class Gateway:
         pending = answer.content[sent:] if answer.content.startswith(text[:sent]) else ""
         await resp.write(sw.end(answer, pending))
         await resp.write_eof()
-        await self._settle_call(call, "completed")
+        self._completed(call)
         return resp
 
     def _stream_failure(self, exc: Exception) -> ApiError:
@@ -903,6 +903,17 @@ class Gateway:
         self._unregister(call)
         if call.lease is not None:
             await self._settle(call.lease, outcome)
+
+    def _completed(self, call: _Call) -> None:
+        """The answer is out: settle ``completed`` in the background.
+
+        Not awaited by the handler: a client that closes its connection right
+        after reading the answer must not cancel the settlement.
+        """
+        call.settled = True
+        self._unregister(call)
+        if call.lease is not None:
+            self._spawn(self._settle(call.lease, "completed"))
 
     async def _client_gone(self, call: _Call) -> None:
         """The client left (handler cancelled, or a write failed): abort, settle, record nothing new."""
