@@ -118,7 +118,7 @@ def labelled(trace: dict[str, Any]) -> int:
 
 def session_data(st: TraceStore, s: str) -> dict[bytes, Any]:
     """The data-plane keys of one session (with values)."""
-    tag = f"{{{st.run}/{s}}}".encode()
+    tag = f"{{{st.run_id}/{s}}}".encode()
     return {k: v for k, v in dump_run(st).items() if tag in k}
 
 

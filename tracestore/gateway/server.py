@@ -339,7 +339,7 @@ class Gateway:
         return _json(self._wire_of(request).models(self.model))
 
     async def _health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "run": self.store.run, "model": self.model, "engines": list(self.config.engines)})
+        return _json({"status": "ok", "run": self.store.run_id, "model": self.model, "engines": list(self.config.engines)})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
