@@ -352,7 +352,7 @@ def test_sealed_gate_503_then_success_after_reopen(gw: GW) -> None:
 
         def call() -> None:
             out["r"] = gw.oai(max_retries=8).chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=2, extra_headers={"X-Session-Id": s}
+                model=MODEL, messages=messages, max_tokens=2, extra_headers={"X-Session-Id": s}, extra_body=LONG
             )
 
         t = threading.Thread(target=call)
@@ -548,7 +548,7 @@ def test_models_health_metrics_and_plain_proxy(gw: GW) -> None:
     assert gw.server.get("/v1/models", {"anthropic-version": "2023-06-01"}).json()["data"][0]["type"] == "model"
     assert gw.server.get("/health").json()["status"] == "ok"
     before = dump_run(gw.store)
-    r = gw.oai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3)
+    r = gw.oai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3, extra_body=LONG)
     assert r.usage.completion_tokens == 3 and r.usage.prompt_tokens > 0
     assert dump_run(gw.store) == before  # no session id: a plain proxy, nothing recorded
     text = gw.server.get("/metrics").text

@@ -53,9 +53,10 @@ def test_routed_experts_go_to_the_holder_and_the_trace(url: str, run_id: str, en
         for turn in range(3):
             kw: dict[str, Any] = dict(model="tracestore-reference", messages=messages, max_tokens=5, extra_headers={"X-Session-Id": sid, "X-Tracestore-Owner": "agents:r3"})
             if turn == 1:  # one streamed turn: the experts come with the last chunk
-                text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+                chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
                 answer: dict[str, Any] = {"role": "assistant", "content": text}
-                completions += 5
+                completions += next(c.usage.completion_tokens for c in chunks if c.usage is not None)
             else:
                 r = client.chat.completions.create(**kw)
                 completions += r.usage.completion_tokens
