@@ -479,7 +479,7 @@ class Gateway:
                 memo[key] = out
             return out
 
-        return AsyncTurnRecorder(self.store, render, self.tok.encode, self.holder)
+        return AsyncTurnRecorder(self.store, render, self.tok.encode, _PutAhead() if self.holder is not None else None)
 
     async def _open(self, sid: str, owner: str) -> None:
         try:
@@ -721,6 +721,7 @@ class Gateway:
                 experts = decode_experts(gen.routed_experts, gen.experts_shape, rows)
             except ValueError as exc:
                 raise ApiError("bad_gateway", f"engine {call.engine}: {exc}", code="engine_error") from None
+            await self._put_ahead(call.sid, rec, prep, experts)
         assistant = answer.message()
         t0 = time.perf_counter()
         call.record_task = asyncio.ensure_future(
@@ -755,6 +756,21 @@ class Gateway:
         self._last.move_to_end(call.sid)
         if len(self._last) > self.config.trace_sessions:
             self._last.popitem(last=False)
+
+    async def _put_ahead(self, sid: str, rec: AsyncTurnRecorder, prep: Request, experts: Any) -> None:
+        """Put the delta's and the answer's expert rows into the holder on a worker thread.
+
+        ``ray.put`` blocks; on the event loop it would stall every other
+        request. The recorder then gets the keys in the order it asks for
+        them (delta part, when the delta is not empty, then the answer's).
+        If the recorder refuses the turn afterwards, the values stay under the
+        session in the holder until the session is released.
+        """
+        assert self.holder is not None and isinstance(rec.holder, _PutAhead)
+        p, d = len(prep.prefix.token_ids), len(prep.delta_ids)
+        parts = ([experts[p : p + d]] if d else []) + [experts[p + d :]]
+        loop = asyncio.get_running_loop()
+        rec.holder.keys = [await loop.run_in_executor(None, self.holder.put, sid, x) for x in parts]
 
     # -- streaming --------------------------------------------------------------------------
 
@@ -975,6 +991,17 @@ class Gateway:
             except Exception as exc:  # keep watching: a dead watcher would miss the next seal
                 log.warning("gateway: gate watcher: %s", exc)
             await asyncio.sleep(poll)
+
+
+class _PutAhead:
+    """The holder a turn's recorder sees: it hands out keys of values already put."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def put(self, sid: str, value: Any) -> str:
+        """The next key put ahead for this turn."""
+        return self.keys.pop(0)
 
 
 X = TypeVar("X")
