@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ..errors import TracestoreError
-from . import fail, main, run_option, url_option
+from . import fail, main, url_option
 
 EXIT_CONFIG = 2
 
@@ -33,7 +33,14 @@ def _announce(url: str) -> None:
     "several engines: they are the router's entrypoints, sticky per session.",
 )
 @url_option
-@run_option
+@click.option(
+    "--run",
+    envvar="TRACESTORE_RUN",
+    show_envvar=True,
+    default="default",
+    show_default=True,
+    help="Run id the gateway records into (keys ts:{RUN}:*; created if missing).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free port).")
 @click.option(
