@@ -140,6 +140,8 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
             self.ref = RefTrie()
             self.experts = experts
             self.prompts: list[str] = []  # keys written as delta (prompt) nodes, or seen prompts
+            self.old_keys: list[str] = []  # keys of incarnations purged by purge_and_reopen
+            self.last_key = ""  # the response key of the last recorded turn
 
         # -- helpers ----------------------------------------------------------------------------
 
@@ -147,8 +149,9 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
             return list(self.ref.by_key)
 
         def _text(self, data: Any) -> str:
-            """A text built from stored keys: a key, a prefix of one, or one plus new text."""
-            keys = self._keys()
+            """A text built from stored keys (or keys of before a purge): a key, a prefix of
+            one, or one plus new text."""
+            keys = self._keys() + self.old_keys
             if not keys or data.draw(st.integers(0, 5), label="fresh") == 0:
                 return data.draw(texts, label="fresh text")
             base = data.draw(st.sampled_from(keys), label="base key")
@@ -252,6 +255,7 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
                 under = self.ref.by_key[prompt] if key != prompt and delta else parent
                 self.ref.attach(key, under, val)
             assert t.written == len(plan)
+            self.last_key = prompt + response
             if data.draw(st.integers(0, 4), label="replay the call?") == 0:
                 # a client retry after a lost reply: equal nodes, nothing written
                 again = self._client(data).record_turn(self.sid, prompt, response, **call)
@@ -360,6 +364,45 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
             assert tr.versions == [v.version for v in vals for _ in v.ids]  # type: ignore[union-attr]
             assert tr.expert_keys == (None if keys[0] is None else keys)
             assert [n.id for n in tr.nodes] == [node_id(n.key) for n in path]
+
+        @precondition(lambda self: bool(self.ref.by_key))
+        @rule(data=st.data())
+        def purge_and_reopen(self, data: Any) -> None:
+            """The session's data is purged and the id used again: a new incarnation.
+
+            Every client may still hold a cached index and a continuation of the
+            old one. The new incarnation may start with the path of the last
+            turn again, the same keys and node shapes with other token ids (what
+            a client's continuation would match), and later turns reuse the old
+            texts: no client may ever see an old node or id.
+            """
+            if data.draw(st.integers(0, 3), label="purge?") != 0:
+                return
+            c = self._client(data)
+            c.drop_session_data(self.sid)
+            c.redis.delete(c.keys.dead(self.sid))
+            old = self.ref
+            self.old_keys = list(dict.fromkeys(self.old_keys + self._keys()))
+            self.ref = RefTrie()
+            self.prompts = []
+            event("purged and reopened")
+            last = old.by_key.get(self.last_key)
+            if last is None or not data.draw(st.booleans(), label="rewrite the last path?"):
+                return
+            for n in old.path(last):
+                v = n.value
+                assert v is not None
+                ids = tuple((x + 1) % 2**31 for x in v.ids)
+                labels = tuple(x if x == IGNORE else (x + 1) % 2**31 for x in v.labels)
+                val = Value(ids, v.logprobs, labels, v.version, v.expert_key)
+                self.ref.insert(n.key, val)
+                self._client(data).insert(
+                    self.sid, n.key, Segment(list(ids), list(v.logprobs), list(labels), v.version, v.expert_key)
+                )
+            event("reopened with the last path, other ids")
+            for client in clients:  # whoever recorded that turn holds a continuation of it
+                text = self.last_key + data.draw(st.one_of(st.just(""), texts), label="ext")
+                self._check_match(client.lookup(self.sid, text), text)
 
         @invariant()
         def node_count(self) -> None:

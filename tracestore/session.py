@@ -46,7 +46,7 @@ from .errors import InvalidInput
 from .scripts import Op
 from .scripts import Request as ScriptRequest
 from .store import AsyncTraceStore, StoreMethods, TraceStore
-from .traces import PrefixMatch, Turn
+from .traces import PrefixMatch, TokenIds, Turn
 from .twin import AsyncRunner, SyncRunner, op
 from .validate import validate_id
 
@@ -76,8 +76,18 @@ class Request:
 
     @property
     def input_ids(self) -> list[int]:
-        """Prefix ids followed by the delta ids (what the engine receives)."""
+        """Prefix ids followed by the delta ids (what the engine receives), as a new list.
+
+        O(context): an HTTP engine needs the list for its JSON body. In process,
+        :attr:`token_ids` is the same sequence without the copy.
+        """
         return [*self.prefix.token_ids, *self.delta_ids]
+
+    @property
+    def token_ids(self) -> TokenIds:
+        """:attr:`input_ids` as :class:`~tracestore.traces.TokenIds`: the prefix's buffer
+        extended by the delta, O(delta)."""
+        return self.prefix.token_ids + self.delta_ids
 
 
 @dataclass

@@ -27,8 +27,17 @@ insert hangs a new node under that longest prefix. Unlike XTuner, nodes are
 never overwritten (equal rewrite = no-op, else :class:`NodeConflict`) and
 reads never create a session.
 
+Flat turns: per session, the client also keeps a *continuation* (the text
+of its last recorded turn, the hash states and token ids at its nodes); a
+prompt that extends it is checked by comparison and only its new text is
+hashed, and the prefix's ids come back as :class:`TokenIds` views of one
+growing buffer, so the client's work per turn is O(new text + new tokens)
+too.
+
 The package is split by job: :mod:`~tracestore.traces.types` (value types),
+:mod:`~tracestore.traces.tokens` (TokenIds),
 :mod:`~tracestore.traces.index` (digests, the index trie, cache keys),
+:mod:`~tracestore.traces.continuation` (the per-session continuation),
 :mod:`~tracestore.traces.reads` (lookup, search, export) and
 :mod:`~tracestore.traces.write` (record_turn, insert).
 """
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 from .index import node_id
 from .reads import export_training_trace, lookup, search
+from .tokens import TokenIds
 from .types import Node, PrefixMatch, Segment, Trace, Turn
 from .write import insert, record_turn
 
@@ -44,6 +54,7 @@ __all__ = [
     "Node",
     "PrefixMatch",
     "Segment",
+    "TokenIds",
     "Trace",
     "Turn",
     "export_training_trace",

@@ -10,6 +10,7 @@ here.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,25 +81,46 @@ class SessionIndex:
         return self.match(text, field_name, limit=limit)[0]
 
     def match(
-        self, text: str, field_name: str, *, limit: int | None = None, encoded: bytes = b""
+        self,
+        text: str,
+        field_name: str,
+        *,
+        limit: int | None = None,
+        encoded: bytes = b"",
+        start: tuple[Node, Any] | None = None,
     ) -> tuple[Node | None, Any]:
         """:meth:`longest`, and the hash state at its end (None when nothing matched).
 
         One pass over ``text``: the hash state is advanced from end to end and
-        copied at each stored end (no text is hashed twice). ``encoded``, when
-        the caller has it, is ``text`` in UTF-8: an ASCII text (as many bytes
-        as characters) is then hashed from it, without encoding it again.
+        copied at each stored end (no text is hashed twice). ``start``, a
+        stored node whose key is known to prefix ``text`` and the hash state
+        at its end, skips everything up to it: only ``text[start.end:]`` is
+        hashed (the caller checked the key by comparison). ``encoded``, when
+        the caller has it, is the hashed part of ``text`` (all of it, or
+        ``text[start.end:]``) in UTF-8: an ASCII text (as many bytes as
+        characters) is then hashed from it, without encoding it again.
         """
         n = len(text) if limit is None else min(limit, len(text))
-        raw = memoryview(encoded) if encoded and len(encoded) == len(text) else None
-        h = hasher()
-        pos = 0
         best: Node | None = None
         best_h: Any = None
-        for end in self.ends:
+        pos = 0
+        h: Any = None
+        if start is not None:
+            best, best_h = start
+            pos = best.end
+            h = best_h.copy()
+        else:
+            h = hasher()
+        base = pos
+        raw = memoryview(encoded) if encoded and len(encoded) == len(text) - base else None
+        ends = self.ends
+        for i in range(bisect_right(ends, pos), len(ends)):
+            end = ends[i]
             if end > n:
                 break
-            h.update(raw[pos:end] if raw is not None else utf8(field_name, text[pos:end]))
+            h.update(
+                raw[pos - base : end - base] if raw is not None else utf8(field_name, text[pos:end])
+            )
             pos = end
             at = h.copy()
             node = self.nodes.get(at.hexdigest())

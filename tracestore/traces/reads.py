@@ -7,7 +7,6 @@ fetches the payloads the cache lacks, so a warm read is one round trip.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,9 @@ from ..nodecache import node_cache
 from ..replies import Reply
 from ..scripts import Cmd, Eval, Op, script
 from ..validate import validate_id
+from .continuation import Checkpoint, Continuation, cont_key
 from .index import SessionIndex, as_bytes, cache_payload, idx_key, node_id, tok_key, utf8
+from .tokens import TokenIds
 from .types import HashedPrefix, Node, PrefixMatch, Segment, Trace
 
 #: Characters of context shown on each side of a PromptMismatch.
@@ -26,13 +27,19 @@ WINDOW = 40
 
 
 def read_path(
-    ctx: Context, sid: str, pick: Callable[[SessionIndex], Node | None]
+    ctx: Context,
+    sid: str,
+    pick: Callable[[SessionIndex], Node | None],
+    skip: Callable[[list[Node]], int] = lambda path: 0,
 ) -> Op[tuple[SessionIndex, list[Node], dict[str, bytes]]]:
     """Resolve ``pick(index) -> node | None`` and fetch the payloads of its path.
 
-    Warm (cached index still current, payloads cached): one round trip, the
-    version check. Cold or changed index: the same round trip returns the
-    index; a second fetches the payloads the cache lacks.
+    ``skip(path)``: how many leading nodes of the path the caller needs no
+    payload of (it has their tokens already); the returned payloads are
+    those of the other nodes. Warm (cached index still current, payloads
+    cached): one round trip, the version check. Cold or changed index: the
+    same round trip returns the index; a second fetches the payloads the
+    cache lacks.
     """
     k = ctx.keys
     cache = node_cache(ctx)
@@ -41,7 +48,11 @@ def read_path(
     guess: list[Node] = []
     if snap is not None:
         guess = snap.path(pick(snap))
-        want = [n.id for n in guess if cache.get(tok_key(sid, snap.epoch, n.id)) is None]
+        want = [
+            n.id
+            for n in guess[skip(guess) :]
+            if cache.get(tok_key(sid, snap.epoch, n.id)) is None
+        ]
     reply = yield Eval(
         script("read_index"),
         (k.idx(sid), k.tok(sid), k.dead(sid)),
@@ -52,6 +63,7 @@ def read_path(
     index_pairs = r.take(r.int())
     if dead:
         cache.discard(idx_key(sid))
+        cache.discard(cont_key(sid))
         raise SessionReleased(sid, "its trace data was purged")
     got: dict[str, bytes] = {}
     for digest, data in zip(want, r.rest(), strict=True):
@@ -65,7 +77,7 @@ def read_path(
         cache_payload(cache, sid, epoch, digest, data)
     path = snap.path(pick(snap)) if changed else guess  # unchanged index: same pick
     missing = []
-    for n in path:
+    for n in path[skip(path) :]:
         if n.id in got:
             continue
         data = cache.get(tok_key(sid, epoch, n.id))  # (a hit is now most recently used)
@@ -78,19 +90,16 @@ def read_path(
         for digest, data in zip(missing, fetched, strict=True):
             if data is None:  # purged between the two round trips
                 cache.discard(idx_key(sid))
+                cache.discard(cont_key(sid))
                 raise SessionReleased(sid, "its trace data was purged during the read")
             got[digest] = as_bytes(data)
             cache_payload(cache, sid, epoch, digest, got[digest])
     return snap, path, got
 
 
-def _ids_of(path: Sequence[Node], payloads: dict[str, bytes]) -> list[int]:
-    parts = [payloads[n.id][: 4 * n.ntok] for n in path]
-    a = array("i")
-    a.frombytes(b"".join(parts))
-    if codec._BIG_ENDIAN:
-        a.byteswap()
-    return a.tolist()
+def _ids_of(path: Sequence[Node], payloads: dict[str, bytes]) -> TokenIds:
+    """The token ids of ``path``'s segments, concatenated (memory copies, no Python ints)."""
+    return TokenIds.frombytes(b"".join(payloads[n.id][: 4 * n.ntok] for n in path))
 
 
 def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
@@ -101,6 +110,12 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
     :func:`record_turn`. The prompt text is hashed locally and never sent.
     Reading never creates a session; an unknown session matches nothing.
 
+    When the prompt extends this client's last turn of the session (its
+    continuation, kept by ``record_turn``), that part is checked by
+    comparison and only the new text is encoded and hashed; the token ids
+    share the continuation's buffer (:class:`TokenIds`, no copy). Client
+    work is then O(new text + new tokens), whatever the context length.
+
     Raises InvalidId (sid), InvalidInput (text not valid UTF-8) before I/O;
     SessionReleased when the session's data was purged.
 
@@ -109,19 +124,46 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
     cached (index, then the payloads the cache lacks).
     """
     validate_id("session id", sid)
-    encoded = utf8("prompt_text", prompt_text)
-    state: list[Any] = [None]
+    if not isinstance(prompt_text, str):
+        utf8("prompt_text", prompt_text)  # raises InvalidInput
+    cont: Continuation | None = node_cache(ctx).get(cont_key(sid))
+    base = cont.base_for(prompt_text) if cont is not None else None
+    # Only the text after the base is new: the base's key was valid UTF-8 when recorded.
+    encoded = utf8("prompt_text", prompt_text[base.node.end :] if base else prompt_text)
+    used: list[Any] = [None, None]  # [the base, if the index confirmed it; hash state at the match]
 
     def pick(ix: SessionIndex) -> Node | None:
-        node, state[0] = ix.match(prompt_text, "prompt_text", encoded=encoded)
+        start = None
+        used[0] = None
+        if base is not None and cont is not None and ix.epoch == cont.epoch:
+            if ix.nodes.get(base.node.id) == base.node:
+                start, used[0] = (base.node, base.state), base
+        if start is None and base is not None:  # not current: hash it all (it cannot fail)
+            node, used[1] = ix.match(prompt_text, "prompt_text")
+        else:
+            node, used[1] = ix.match(prompt_text, "prompt_text", encoded=encoded, start=start)
         return node
 
-    snap, path, payloads = yield from read_path(ctx, sid, pick)
+    def skip(path: list[Node]) -> int:
+        b: Checkpoint | None = used[0]
+        if b is not None:
+            for i in range(len(path) - 1, -1, -1):
+                if path[i].id == b.node.id:
+                    return i + 1
+        return 0
+
+    snap, path, payloads = yield from read_path(ctx, sid, pick, skip)
     node = path[-1] if path else None
-    hashed = HashedPrefix(prompt_text[: node.end], state[0]) if node is not None else None
-    return PrefixMatch(
-        node.end if node else 0, _ids_of(path, payloads), node, tuple(path), _hashed=hashed
+    b = used[0]
+    k = skip(path)
+    if b is not None and k:
+        ids = b.ids if k == len(path) else b.ids.extended(_ids_of(path[k:], payloads))
+    else:
+        ids = _ids_of(path, payloads)
+    hashed = (
+        HashedPrefix(prompt_text, node.end, used[1], ids, snap.epoch) if node is not None else None
     )
+    return PrefixMatch(node.end if node else 0, ids, node, tuple(path), _hashed=hashed)
 
 
 def search(ctx: Context, sid: str, text: str) -> Op[PrefixMatch]:

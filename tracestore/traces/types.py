@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import codec
 from ..errors import ScriptError
+from .tokens import TokenIds
 
 
 @dataclass(frozen=True)
@@ -80,31 +81,40 @@ class Segment:
 
 
 class HashedPrefix:
-    """The blake2b state after hashing ``text`` (a match's prefix); never updated in place.
+    """What :func:`~tracestore.traces.lookup` knew at a match's end; never updated in place.
 
-    :func:`~tracestore.traces.lookup` leaves it on its :class:`PrefixMatch`
-    so that :func:`~tracestore.traces.record_turn` continues the hash instead
-    of hashing the prefix again. Pickled or copied without it (hashlib
-    objects are neither): record_turn then hashes the prefix again.
+    ``source[:end]`` is the matched prefix (``source`` is the looked-up
+    prompt itself: no copy), ``state`` the blake2b state after hashing it,
+    ``ids`` the prefix's token ids as lookup read them in data epoch
+    ``epoch``. :func:`~tracestore.traces.record_turn` continues the hash
+    instead of hashing the prefix again, and extends ``ids`` into the
+    session's continuation (a caller cannot forge them: ``PrefixMatch.token_ids``
+    is not trusted for that). Pickled or copied without it (hashlib objects
+    are neither): record_turn then hashes the prefix again.
     """
 
-    __slots__ = ("text", "state")
+    __slots__ = ("source", "end", "state", "ids", "epoch")
 
-    def __init__(self, text: str, state: Any = None) -> None:
-        self.text = text
+    def __init__(
+        self, source: str, end: int, state: Any = None, ids: TokenIds | None = None, epoch: str = ""
+    ) -> None:
+        self.source = source
+        self.end = end
         self.state = state
+        self.ids = ids
+        self.epoch = epoch
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (HashedPrefix, ("",))
+        return (HashedPrefix, ("", -1))
 
     def continues(self, text_len: int, prompt_text: object) -> bool:
         """True when this state hashed exactly ``prompt_text[:text_len]`` and can be continued."""
-        return (
-            self.state is not None
-            and len(self.text) == text_len
-            and isinstance(prompt_text, str)
-            and prompt_text.startswith(self.text)
-        )
+        if self.state is None or self.end != text_len or not isinstance(prompt_text, str):
+            return False
+        if prompt_text is self.source:
+            return True
+        src = self.source
+        return prompt_text.startswith(src if len(src) == self.end else src[: self.end])
 
 
 @dataclass(frozen=True)
@@ -112,20 +122,26 @@ class PrefixMatch:
     """The longest stored key that prefixes a text.
 
     ``text_len``: characters matched (0 = nothing); ``token_ids``: the token
-    ids of the whole matched prefix; ``node``: the matched node (None when
+    ids of the whole matched prefix (a :class:`~tracestore.traces.TokenIds`:
+    list-like, read-only, no copy; ``.tolist()`` for a list; any sequence
+    given here is converted); ``node``: the matched node (None when
     nothing matched); ``path``: nodes from the root to ``node``;
     ``segments``: one per node of ``path`` (filled by :func:`search` only).
     Pass it back as ``record_turn(..., prefix=match)``.
     """
 
     text_len: int
-    token_ids: list[int]
+    token_ids: TokenIds
     node: Node | None
     path: tuple[Node, ...] = ()
     segments: tuple[Segment, ...] = ()
     # Set by lookup(): the hash state at the matched end, so that record_turn
     # need not hash the prefix again.
     _hashed: HashedPrefix | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, TokenIds):
+            object.__setattr__(self, "token_ids", TokenIds(self.token_ids))
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,10 @@ from ..nodecache import node_cache
 from ..replies import Reply
 from ..scripts import Eval, Op, script
 from ..validate import validate_id
+from .continuation import Checkpoint, Continuation, cont_key
 from .index import SessionIndex, cache_payload, hasher, idx_key, node_id, utf8
 from .reads import WINDOW, read_path
+from .tokens import TokenIds
 from .types import HashedPrefix, Node, PrefixMatch, Segment, Turn
 
 #: Longest expert key (characters); keys go into the one-line index record.
@@ -74,8 +76,9 @@ class _CheckedTurn:
     prompt_text: str
     response_text: str
     start: int  # chars of the prompt covered by the prefix node
-    parent: str | None  # the prefix node's id
-    prefix_hash: Any  # blake2b state after prompt_text[:start]
+    parent: Node | None  # the prefix node
+    prefix_hash: Any  # blake2b state after prompt_text[:start] (a copy: ours to update)
+    hashed: HashedPrefix | None  # what lookup knew at the prefix (its ids extend the continuation)
     rest: memoryview  # UTF-8 of prompt_text[start:]
     response: bytes  # UTF-8 of response_text
     version: int
@@ -106,7 +109,7 @@ def _check_turn(
     hashed = prefix._hashed
     if not (isinstance(hashed, HashedPrefix) and hashed.continues(prefix.text_len, prompt_text)):
         hashed = None
-    p_bytes = utf8("prompt_text", prompt_text[len(hashed.text) :] if hashed else prompt_text)
+    p_bytes = utf8("prompt_text", prompt_text[hashed.end :] if hashed else prompt_text)
     r_bytes = utf8("response_text", response_text)
     if not response_text:
         raise InvalidInput(
@@ -151,7 +154,7 @@ def _check_turn(
             "the matched prefix is not a prefix of prompt_text (lookup a different prompt?)",
         )
     return _CheckedTurn(
-        sid, prompt_text, response_text, start, prefix.node.id if prefix.node else None, h, rest,
+        sid, prompt_text, response_text, start, prefix.node, h, hashed, rest,
         r_bytes, v, d_ids, r_ids, r_lps, dkey, rkey,
     )
 
@@ -159,14 +162,26 @@ def _check_turn(
 # -- building nodes ----------------------------------------------------------------------------
 
 
-def _turn_nodes(ctx: Context, t: _CheckedTurn) -> tuple[_NewNode | None, _NewNode]:
+@dataclass(frozen=True)
+class _TurnNodes:
+    """A turn's new nodes and the hash states at the response's parent end and at its end."""
+
+    delta: _NewNode | None
+    response: _NewNode
+    parent_state: Any  # after the key of the response's parent (None: no parent)
+    response_state: Any
+
+
+def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
     """The delta node (None for an empty delta) and the response node; one pass of hashing."""
     h = t.prefix_hash
+    at_prefix = h.copy() if not t.delta_ids and t.parent is not None else None
     h.update(t.rest)
     prompt_id = h.hexdigest()
+    at_prompt = h.copy() if t.delta_ids else None
     h.update(t.response)
     response_id = h.hexdigest()
-    parent, start, prompt = t.parent, t.start, t.prompt_text
+    parent, start, prompt = t.parent.id if t.parent else None, t.start, t.prompt_text
     delta: _NewNode | None = None
     if t.delta_ids:
         d_lps = array("f", bytes(4 * len(t.delta_ids)))
@@ -179,7 +194,8 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> tuple[_NewNode | None, _NewNod
     _check_size(ctx, "response_token_ids", r_payload)
     end = len(prompt) + len(t.response_text)
     node = Node(response_id, parent, end, len(t.response_ids), codec.GENERATED, t.version, t.response_key)
-    return delta, _NewNode(node, r_payload, prompt[start:] + t.response_text)
+    response = _NewNode(node, r_payload, prompt[start:] + t.response_text)
+    return _TurnNodes(delta, response, at_prompt if t.delta_ids else at_prefix, h)
 
 
 # -- the client's cache after a write --------------------------------------------------------
@@ -201,6 +217,39 @@ def _after_write(
         cache.discard(idx_key(sid))
     for x in new:
         cache_payload(cache, sid, epoch, x.node.id, x.payload)
+
+
+def _continue(ctx: Context, t: _CheckedTurn, nodes: _TurnNodes, epoch: str) -> None:
+    """Keep this turn as the session's continuation (what the next lookup extends).
+
+    Only with token ids this client read itself in this epoch (lookup's, on
+    the match), so the continuation's ids are exact; otherwise the old one
+    stays if still of this epoch (nodes are immutable within it).
+    """
+    cache = node_cache(ctx)
+    key = cont_key(t.sid)
+    hashed = t.hashed
+    if t.parent is None:
+        ids: TokenIds | None = TokenIds()
+    elif hashed is not None and hashed.ids is not None and hashed.epoch == epoch:
+        ids = hashed.ids
+    else:
+        ids = None
+    if ids is None:
+        old: Continuation | None = cache.get(key)
+        if old is not None and old.epoch != epoch:
+            cache.discard(key)
+        return
+    points: list[Checkpoint] = []
+    if nodes.delta is not None:
+        ids = ids.extended(t.delta_ids)
+        points.append(Checkpoint(nodes.delta.node, nodes.parent_state, ids))
+    elif t.parent is not None:
+        points.append(Checkpoint(t.parent, nodes.parent_state, ids))
+    ids = ids.extended(t.response_ids)
+    points.append(Checkpoint(nodes.response.node, nodes.response_state, ids))
+    cont = Continuation(epoch, (t.prompt_text, t.response_text), tuple(points))
+    cache.put(key, cont, cont.nbytes)
 
 
 # -- operations --------------------------------------------------------------------------------
@@ -246,7 +295,8 @@ def record_turn(
         (delta_token_ids, response_token_ids, response_logprobs),
         (delta_expert_key, response_expert_key),
     )
-    delta, response = _turn_nodes(ctx, turn)
+    nodes = _turn_nodes(ctx, turn)
+    delta, response = nodes.delta, nodes.response
     new = [response] if delta is None else [delta, response]
     k = ctx.keys
     args: list[Any] = [sid, 1 if ctx.config.store_text else 0, len(new)]
@@ -258,6 +308,7 @@ def record_turn(
     r = Reply(reply, "record_turn")
     epoch, before, after = r.text(), r.int(), r.int()
     _after_write(ctx, sid, epoch, before, after, new)
+    _continue(ctx, turn, nodes, epoch)
     return Turn(delta.node if delta else None, response.node, sum(int(x) for x in r.rest()))
 
 
