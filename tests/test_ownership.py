@@ -23,7 +23,7 @@ import redis
 
 from tests._netcut import CutProxy
 from tests.conftest import _selected, connect_async
-from tracestore import InvalidId, SessionReleased, TraceStore
+from tracestore import InvalidId, InvalidInput, SessionReleased, TraceStore
 from tracestore._io import SyncIO
 from tracestore.errors import OwnerLost
 from tracestore.replies import text
@@ -729,3 +729,21 @@ def test_disaggregated_race_with_the_replay_buffer(store_factory: Any) -> None:
     for s, st in states.items():
         assert st == ("replay", "live"), (s, st)
         assert data_intact(learner, s)
+
+
+def test_heartbeat_many_records_every_tag_in_one_round_trip(store: TraceStore) -> None:
+    from tests.test_scripts import _Counting
+
+    tags = ["hb:a", "hb:b", "hb:c"]
+    count = _Counting(store)
+    beats = store.heartbeat_many(tags, 30)
+    assert len(count.requests) == 1 and [b.owner for b in beats] == tags
+    scores = {o: store.redis.zscore(store.keys.owners, o) for o in tags}
+    assert all(scores[b.owner] == b.deadline_ms for b in beats)
+    store.redis.zadd(store.keys.owners_lost, {"hb:b": 1})  # gc declared one tag lost
+    with pytest.raises(OwnerLost):
+        store.heartbeat_many(tags, 60)
+    after = {o: store.redis.zscore(store.keys.owners, o) for o in tags}
+    assert after["hb:a"] > scores["hb:a"] and after["hb:c"] > scores["hb:c"]  # the others still beat
+    with pytest.raises(InvalidInput):
+        store.heartbeat_many(["hb:a"], -1)

@@ -405,3 +405,23 @@ def test_cut_connection_retries_replay_the_first_reply(backend: str, url: str, r
             assert len(_events(st)) == events0
         finally:
             st.close()
+
+
+def test_put_many_puts_every_group_and_keeps_a_refused_one_apart(store: TraceStore) -> None:
+    from tests.test_scripts import _Counting
+
+    groups = [_group(store, f"pm{i}", payload={"i": i}) for i in range(5)]
+    groups.append(_group(store, "pm-f", status="filtered"))
+    count = _Counting(store)
+    res = store.replay.put_many(groups, PRODUCER)
+    assert len(count.requests) == 2  # the puts, then the purge of the filtered group's sessions
+    assert [r.stored for r in res] == [True] * 5 + [False] and res[-1].released == groups[-1].sids
+    assert [r.seq for r in res[:5]] == sorted(r.seq for r in res[:5])  # stored in the order given
+    assert store.replay.count(task="math", status="completed") == 5
+    again = [_group(store, "pm-new"), groups[0]]  # pm0 is stored already
+    with pytest.raises(GroupExists):
+        store.replay.put_many(again, PRODUCER)
+    assert store.replay.count(task="math", status="completed") == 6  # pm-new went in all the same
+    with pytest.raises(InvalidInput):
+        store.replay.put_many([_group(store, "pm-x"), Group("pm-y", "math", ())], PRODUCER)
+    assert store.replay.count(task="math", status="completed") == 6  # refused before any I/O

@@ -163,3 +163,23 @@ def test_async_router(url: str, run_id: str, arun: Any) -> None:
             await st.close()
 
     arun(main())
+
+
+def test_acquire_many_is_acquire_in_order_in_one_round_trip(store_factory: Any) -> None:
+    from tests.test_scripts import _Counting
+
+    a, b = store_factory(), store_factory()
+    ra, rb = a.router(EPS), b.router(EPS)
+    sids = [f"many-{i}" for i in range(10)]
+    count = _Counting(a)
+    got = ra.acquire_many(sids)
+    assert len(count.requests) == 1
+    assert got == [rb.acquire(s) for s in sids]  # sticky: the same answers one by one
+    assert sorted(Counter(got).values()) == [2, 2, 3, 3]  # spread as one-by-one placements are
+    ra.retire(sids[:1])
+    with pytest.raises(SessionRetired):
+        ra.acquire_many([*sids[1:3], sids[0], "many-new"])
+    assert ra.table(["many-new"]).routes["many-new"] in EPS  # placed all the same
+    with pytest.raises(InvalidId):
+        ra.acquire_many(["ok", "bad id"])
+    assert ra.table(["ok"]).routes.get("ok") is None  # refused before any I/O

@@ -9,9 +9,21 @@ from typing import Any
 import pytest
 
 from tests.conftest import connect_async
-from tracestore import ScriptError, TraceStore
+from tracestore import InvalidInput, ScriptError, StorageError, TraceStore
 from tracestore.keys import key_slot
-from tracestore.scripts import Batch, Cmd, Eval, chunks, lua_dir, parse_script, registry, script
+from tracestore.scripts import (
+    Batch,
+    Cmd,
+    Eval,
+    Op,
+    ServerTime,
+    chunks,
+    gather,
+    lua_dir,
+    parse_script,
+    registry,
+    script,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,3 +211,97 @@ def test_cluster_refuses_cross_slot_raw_but_runtime_never_sends_it(cluster_url: 
             Eval(sc, (st.keys.session("a"), st.keys.idx("a")))
     finally:
         st.close()
+
+
+# -- gather: several operations sharing round trips ----------------------------------------
+
+
+class _Counting:
+    """Counts the requests a store executes (each is one round trip, per node)."""
+
+    def __init__(self, store: Any) -> None:
+        self.requests: list[Any] = []
+        real = store.execute
+
+        def execute(req: Any) -> Any:
+            self.requests.append(req)
+            return real(req)
+
+        store.execute = execute
+
+
+def _two_step(key: str, value: int) -> Op[int]:
+    """Write ``value`` under ``key`` (a key of its own slot), then read it back plus one."""
+    yield Cmd(("SET", key, value), key=key)
+    got = yield Cmd(("INCR", key), key=key)
+    return int(got)
+
+
+def _fails_second(key: str) -> Op[int]:
+    yield Cmd(("HSET", key, "f", "v"), key=key)
+    yield Cmd(("INCR", key), key=key)  # a hash: the server refuses it
+    return 0
+
+
+def _refused(field: str) -> Op[int]:
+    raise InvalidInput(field, "refused before any I/O")
+    yield  # pragma: no cover
+
+
+def test_gather_shares_round_trips_and_keeps_operations_apart(store: TraceStore, run_id: str) -> None:
+    keys = [f"ts:{{{run_id}/g{i}}}:k" for i in range(20)]  # 20 slots (several nodes of a cluster)
+    count = _Counting(store)
+    assert store.run(gather([_two_step(k, i) for i, k in enumerate(keys)])) == [i + 1 for i in range(20)]
+    assert len(count.requests) == 2  # two steps each: two pipelined round trips for all 20
+    assert all(isinstance(r, Batch) and len(r.requests) == 20 for r in count.requests)
+    # one operation fails on its second request: the others run to their end
+    bad = f"ts:{{{run_id}/bad}}:h"
+    ops = [_two_step(keys[0], 10), _fails_second(bad), _two_step(keys[1], 20)]
+    with pytest.raises(StorageError):
+        store.run(gather(ops))
+    assert store.redis.get(keys[1]) in (b"21", "21")
+    out = store.run(
+        gather([_two_step(keys[2], 30), _fails_second(bad), _two_step(keys[3], 40)], errors_in_place=True)
+    )
+    assert out[0] == 31 and out[2] == 41 and isinstance(out[1], StorageError)
+    # nested batches and gathers are flattened into the same round trips; other requests run alone
+    count.requests.clear()
+
+    def batched(k: str) -> Op[list[Any]]:
+        return (yield Batch((Cmd(("SET", k, 1), key=k), Cmd(("INCR", k), key=k))))
+
+    def clock() -> Op[int]:
+        return (yield ServerTime())
+
+    got = store.run(gather([batched(keys[4]), gather([_two_step(keys[5], 5)]), clock()]))
+    assert got[0][1] == 2 and got[1] == [6] and got[2] > 0
+    assert [type(r) for r in count.requests] == [ServerTime, Batch, Batch]
+
+
+def test_gather_refused_before_io_sends_nothing(store: TraceStore, run_id: str) -> None:
+    key = f"ts:{{{run_id}/never}}:k"
+    count = _Counting(store)
+    with pytest.raises(InvalidInput) as ei:
+        store.run(gather([_two_step(key, 1), _refused("x"), _refused("y")]))
+    assert ei.value.field == "x" and count.requests == [] and not store.redis.exists(key)
+    out = store.run(gather([_two_step(key, 1), _refused("x")], errors_in_place=True))
+    assert out[0] == 2 and isinstance(out[1], InvalidInput)
+    def not_an_op() -> Op[int]:
+        yield object()  # type: ignore[misc]
+        return 0
+
+    with pytest.raises(ScriptError):  # an operation must yield requests
+        store.run(gather([not_an_op()]))
+
+
+def test_gather_async(url: str, run_id: str, arun: Any) -> None:
+    keys = [f"ts:{{{run_id}/a{i}}}:k" for i in range(10)]
+
+    async def go() -> list[Any]:
+        st = await connect_async(url, run_id)
+        try:
+            return await st.run(gather([_two_step(k, i) for i, k in enumerate(keys)]))
+        finally:
+            await st.close()
+
+    assert arun(go()) == [i + 1 for i in range(10)]

@@ -227,3 +227,55 @@ def test_session_recorder_demo_section(standalone_url: str) -> None:
     )
     assert "refused, nothing written" in str(rows["an empty response"])
     assert "4 expert parts with 96 rows" in str(rows["export"])
+
+
+def test_batched_recorder_equals_one_by_one_and_keeps_failures_apart(store_factory: Any) -> None:
+    """prepare_many / after_response_many over many sessions: the same traces as the one-by-one
+    calls, one round trip per batch, and an invalid response refused alone."""
+    from tests.test_scripts import _Counting
+    from tracestore.session import Response
+
+    batched, single = store_factory(), store_factory()
+    holders = DictHolder(), DictHolder()
+    rb = TurnRecorder(batched, render, tok.encode, holders[0])
+    rs = TurnRecorder(single, render, tok.encode, holders[1])
+    sids = [f"b{i}" for i in range(6)]
+    msgs = {s: [{"role": "system", "content": "use add"}, {"role": "user", "content": f"reach {i}"}]
+            for i, s in enumerate(sids)}
+    count = _Counting(batched)
+    for t in range(3):
+        count.requests.clear()
+        reqs = rb.prepare_many([(s, msgs[s]) for s in sids])
+        assert len(count.requests) == 1  # every lookup in one pipeline (warm: the index checks)
+        responses = []
+        for i, (s, req) in enumerate(zip(sids, reqs, strict=True)):
+            assert not isinstance(req, Exception)
+            ids = rs.before_request("x" + s, msgs[s])
+            assert req.input_ids == ids and req.token_ids == ids
+            out, lps, rows = engine(req.input_ids, f"add {t + i}", seed=t)
+            answer = {"role": "assistant", "content": strip_stop(tok.decode(out))[0]}
+            rs.after_response("x" + s, msgs[s], answer, out, lps, rows, version=t)
+            if t == 2 and i == 3:  # one invalid response: one logprob missing
+                lps = lps[:-1]
+            responses.append(Response(s, msgs[s], answer, out, lps, rows, t))
+        count.requests.clear()
+        turns = rb.after_response_many(responses)
+        assert len(count.requests) == 1  # every write in one pipeline
+        for i, (s, r, turn) in enumerate(zip(sids, responses, turns, strict=True)):
+            if t == 2 and i == 3:
+                assert isinstance(turn, InvalidInput) and turn.field == "logprobs"
+                continue
+            assert not isinstance(turn, Exception) and turn.response.version == t
+            msgs[s] = [*msgs[s], r.assistant_message, {"role": "tool", "content": f"= {t}"}]
+    for s in sids:
+        key = render(msgs[s][:-1], False).rstrip()  # (b3's third turn was refused: its second)
+        a, b = batched.export_training_trace(s, key), single.export_training_trace("x" + s, key)
+        assert (a.input_ids, a.labels, a.logprobs, a.versions) == (b.input_ids, b.labels, b.logprobs, b.versions)
+        assert [np.asarray(holders[0].values[k]).tolist() for k in a.expert_keys or []] == [
+            np.asarray(holders[1].values[k]).tolist() for k in b.expert_keys or []
+        ]
+    assert rb.stats.turns == 6 * 3 - 1 and rb.stats.invalid == 1
+    # a failed lookup (purged session) stands in place too
+    batched.drop_session_data(sids[0])
+    got = rb.prepare_many([(s, msgs[s]) for s in sids[:2]])
+    assert type(got[0]).__name__ == "SessionReleased" and not isinstance(got[1], Exception)

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import connect_async
 from tracestore import (
+    InvalidId,
     InvalidInput,
     NodeConflict,
     PrefixMatch,
@@ -853,3 +854,23 @@ def test_actor_baseline_trie_agrees_with_tracestore(store: TraceStore) -> None:
             "expert_keys": None,
         }
     assert client.release(["s", "other"]) == 1 and trie.session_count() == 0
+
+
+def test_export_many_equals_exports_in_one_round_trip(store_factory: Callable[..., TraceStore]) -> None:
+    from tests.test_scripts import _Counting
+
+    writer, reader = store_factory(), store_factory()
+    keys = {f"em{i}": _three_turns(writer, f"em{i}") for i in range(5)}
+    items = list(keys.items())
+    want = [writer.export_training_trace(s, k) for s, k in items]
+    count = _Counting(reader)
+    assert reader.export_many(items) == want  # cold: index checks, then the missing payloads
+    assert len(count.requests) == 2
+    count.requests.clear()
+    assert reader.export_many(items) == want  # warm: one round trip for all
+    assert len(count.requests) == 1
+    with pytest.raises(PromptMismatch):
+        reader.export_many([items[0], ("em1", "no such key"), items[2]])
+    with pytest.raises(InvalidId):
+        reader.export_many([items[0], ("bad id", "x")])
+    assert reader.export_many([]) == []

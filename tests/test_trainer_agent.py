@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tracestore.trainer.agent import NoReply, Outcome, Reply, TurnRequest, drive, play
+from tracestore.trainer.agent import NoReply, Outcome, Reply, TurnRequest, drive, drive_many, play
 from tracestore.trainer.chat import render
 from tracestore.trainer.sample import Sample, from_payload, group_status, min_version, to_payload
 from tracestore.trainer.task import Problem
@@ -90,3 +90,33 @@ def test_group_status_priority_and_payload_round_trip() -> None:
     assert from_payload(payload) == ok
     with pytest.raises(ValueError, match="unknown sample status"):
         Sample.from_json({**s.to_json(), "status": "lost"})
+
+
+def test_drive_many_serves_turns_in_rounds_with_the_same_episodes() -> None:
+    """Each round asks the model once, for the next turn of every agent still running;
+    each episode is the one drive() plays with the same replies."""
+    script: dict[str, list[Outcome]] = {
+        "a": [Reply("add 3", True, 1), Reply("done", True, 1)],
+        "b": [Reply("done", True, 1)],
+        "c": [Reply("add 1", True, 1), NoReply("aborted")],
+        "d": [Reply("add 1", True, 1), Reply("add 1", True, 2), Reply("add 1", True, 2), Reply("done", True, 3)],
+    }
+    samples = [Sample.new(f"s-{k}", Problem("p1", start=4, target=7), max_calls=3) for k in script]
+    rounds: list[list[str]] = []
+    pos = dict.fromkeys(script, 0)
+
+    def model(reqs: list[TurnRequest]) -> list[Outcome]:
+        rounds.append([r.sid for r in reqs])
+        out = []
+        for r in reqs:
+            k = r.sid[-1]
+            out.append(script[k][pos[k]])
+            pos[k] += 1
+        return out
+
+    many = drive_many([play(s, 3) for s in samples], model)
+    assert rounds == [["s-a", "s-b", "s-c", "s-d"], ["s-a", "s-c", "s-d"], ["s-d"], ["s-d"]]
+    one = [drive(play(s, 3), _model(list(script[s.sid[-1]]), [])) for s in samples]
+    assert many == one
+    assert [s.status for s in many] == ["completed", "completed", "aborted", "completed"]
+    assert drive_many([], model) == [] and drive_many([play(many[0], 3)], model) == [many[0]]

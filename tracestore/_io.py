@@ -417,16 +417,16 @@ def _finish_batch(batch: Batch, replies: list[Any]) -> list[Any]:
             err = wrap_error(reply, what)
             err.__cause__ = reply
             first = first or err
-            out.append(None)
+            out.append(err if batch.errors_in_place else None)
             continue
         if isinstance(req, Eval):
             try:
                 out.append(decode_script_reply(req, reply))
             except TracestoreError as err:
                 first = first or err
-                out.append(None)
+                out.append(err if batch.errors_in_place else None)
         else:
             out.append(reply)
-    if first is not None:
+    if first is not None and not batch.errors_in_place:
         raise first
     return out

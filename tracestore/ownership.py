@@ -24,7 +24,7 @@ from .errors import InvalidInput
 from .purge import purge_sessions
 from .replies import Reply, pairs, text
 from .run import session_states
-from .scripts import Batch, Cmd, Eval, Op, ScanAll, script
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, gather, script
 from .validate import duration_ms, validate_id, validate_ids
 
 
@@ -271,3 +271,13 @@ def heartbeat(ctx: Context, owner: str, ttl_s: float) -> Op[Heartbeat]:
     ttl_ms = duration_ms("ttl_s", ttl_s)
     reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, ttl_ms))
     return Heartbeat(owner, Reply(reply, "heartbeat").int())
+
+
+def heartbeat_many(ctx: Context, owners: Sequence[str], ttl_s: float) -> Op[list[Heartbeat]]:
+    """:func:`heartbeat` for each of ``owners`` (a process's tags), pipelined: one round trip.
+
+    Every tag is checked before any I/O (InvalidId/InvalidInput). The
+    heartbeats are separate scripts: if gc declared a tag lost, the others
+    are still recorded and OwnerLost is raised afterwards.
+    """
+    return (yield from gather([heartbeat(ctx, o, ttl_s) for o in owners]))

@@ -48,7 +48,7 @@ from .context import Context
 from .errors import InvalidInput, ScriptError
 from .purge import purge_sessions
 from .replies import Reply, field_map, pairs, text
-from .scripts import Batch, Cmd, Eval, Op, script
+from .scripts import Batch, Cmd, Eval, Op, gather, script
 from .twin import AsyncPart, SyncPart, op
 from .validate import int_in, one_of, validate_id, validate_ids
 
@@ -334,6 +334,18 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
     return PutResult(gid, False, None, released)
 
 
+def put_many(ctx: Context, groups: Sequence[Group], owner: str) -> Op[list[PutResult]]:
+    """:func:`put` for each of ``groups``, pipelined: their results, in order.
+
+    One round trip (plus one for the purge of released sessions, shared by
+    all groups). Each put is its own atomic script: every group is checked
+    before any I/O (the errors of :func:`put`); a group refused by the
+    server (GroupExists, NotOwner, SessionReleased) leaves the others
+    stored, and the first such error is raised afterwards.
+    """
+    return (yield from gather([put(ctx, g, owner) for g in groups]))
+
+
 def take(
     ctx: Context,
     task: str,
@@ -570,6 +582,7 @@ class ReplayMethods:
     """The replay buffer's methods, listed once for :class:`Replay` and :class:`AsyncReplay`."""
 
     put = op(put)
+    put_many = op(put_many)
     take = op(take)
     claim_retry = op(claim_retry)
     expire = op(expire)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .context import Context
 from .errors import InvalidInput
 from .replies import Reply, text
-from .scripts import Batch, Eval, Op, script
+from .scripts import Batch, Eval, Op, gather, script
 from .twin import AsyncPart, SyncPart, op
 from .validate import duration_ms, validate_id, validate_ids
 
@@ -129,6 +129,17 @@ def acquire(scope: RouteScope, sid: str) -> Op[str]:
     return route.entrypoint
 
 
+def acquire_many(scope: RouteScope, sids: Sequence[str]) -> Op[list[str]]:
+    """:func:`acquire` for each of ``sids``, pipelined: the entrypoints, in order. One round trip.
+
+    Each placement is its own atomic script, applied in order (new sessions
+    spread over the least-loaded entrypoints as if acquired one by one).
+    Raises InvalidId before any I/O; SessionRetired (the first) after the
+    others were placed.
+    """
+    return (yield from gather([acquire(scope, sid) for sid in sids]))
+
+
 def retire(scope: RouteScope, sids: Sequence[str]) -> Op[list[str]]:
     """Retire sessions: drop their routes and tombstone them for the router's retention.
 
@@ -188,6 +199,7 @@ class RouterMethods:
         return self._scope.retention_ms
 
     acquire = op(acquire)
+    acquire_many = op(acquire_many)
     acquire_route = op(acquire_route)
     retire = op(retire)
     table = op(_table)

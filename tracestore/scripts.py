@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
-from .errors import InvalidInput, ScriptError
+from .errors import InvalidInput, ScriptError, TracestoreError
 from .keys import same_slot
 
 #: Lua's ``unpack`` fails somewhere above 8000 values; stay well below it.
@@ -205,10 +205,13 @@ class Batch:
     """Several Eval/Cmd requests pipelined (grouped by node on a cluster).
 
     The reply is the list of their replies in order. Requests in a batch are
-    not atomic together; each script is atomic on its own.
+    not atomic together; each script is atomic on its own. A failed request
+    raises its typed error after the whole batch ran (the first one), or,
+    with ``errors_in_place``, stands in the reply list in its place.
     """
 
     requests: tuple[Eval | Cmd, ...] = field(default_factory=tuple)
+    errors_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,102 @@ Request = Eval | Cmd | ScanAll | Batch | ServerTime | Blocking
 R = TypeVar("R")
 #: An operation: a generator yielding requests and returning its result.
 Op = Generator[Request, Any, R]
+_REQUESTS = (Eval, Cmd, ScanAll, Batch, ServerTime, Blocking)
+
+
+@overload
+def gather(operations: Iterable[Op[R]], *, errors_in_place: Literal[False] = False) -> Op[list[R]]: ...
+@overload
+def gather(
+    operations: Iterable[Op[R]], *, errors_in_place: Literal[True]
+) -> Op[list[R | TracestoreError]]: ...
+
+
+def gather(operations: Iterable[Op[Any]], *, errors_in_place: bool = False) -> Op[list[Any]]:
+    """Run several operations at once, sharing round trips; their results in order.
+
+    Each step takes the next request of every unfinished operation: script
+    calls and commands (and the requests of their batches) go out as one
+    pipelined :class:`Batch`, one round trip (per node on a cluster);
+    anything else (scans, server time, local file work, blocking commands)
+    runs alone. So N independent one-round-trip calls cost one round trip,
+    and a call that needs two shares both with the others. Not atomic
+    together: each operation keeps its own guarantees.
+
+    Errors: an operation that fails before its first request (validation)
+    fails the whole call before any I/O; later errors of one operation do
+    not stop the others. Then the first error (in the order given) is
+    raised once all have finished, or, with ``errors_in_place``, each
+    failed operation's TracestoreError stands in the result list.
+    Run it like any operation: ``store.run(gather([...]))``.
+    """
+    gens = list(operations)
+    out: list[Any] = [None] * len(gens)
+    errors: dict[int, TracestoreError] = {}
+    pending: dict[int, Request] = {}
+
+    def advance(i: int, value: Any = None, exc: BaseException | None = None) -> None:
+        try:
+            req = gens[i].throw(exc) if exc is not None else gens[i].send(value)
+        except StopIteration as stop:
+            out[i] = stop.value
+            pending.pop(i, None)
+            return
+        except TracestoreError as err:
+            errors[i] = err
+            pending.pop(i, None)
+            return
+        if not isinstance(req, _REQUESTS):
+            gens[i].close()
+            raise ScriptError("gather", f"operation {i} yielded {type(req).__name__}, not a request")
+        pending[i] = req
+
+    for i in range(len(gens)):
+        advance(i)
+    if errors and not errors_in_place:  # refused before any I/O: send nothing
+        for g in gens:
+            g.close()
+        raise errors[min(errors)]
+    while pending:
+        flat: list[Eval | Cmd] = []
+        spans: list[tuple[int, int, int]] = []  # (operation, first request, count)
+        alone: list[int] = []
+        for i, req in pending.items():
+            if isinstance(req, Batch):
+                spans.append((i, len(flat), len(req.requests)))
+                flat.extend(req.requests)
+            elif isinstance(req, Eval) or (isinstance(req, Cmd) and req.block_s is None):
+                spans.append((i, len(flat), 1))
+                flat.append(req)
+            else:
+                alone.append(i)
+        for i in alone:
+            try:
+                reply = yield pending[i]
+            except TracestoreError as alone_err:
+                advance(i, exc=alone_err)
+            else:
+                advance(i, reply)
+        replies: list[Any] = (yield Batch(tuple(flat), errors_in_place=True)) if flat else []
+        for i, start, count in spans:
+            req = pending[i]
+            part = replies[start : start + count]
+            if isinstance(req, Batch):
+                first = next((r for r in part if isinstance(r, TracestoreError)), None)
+                if first is not None and not req.errors_in_place:
+                    advance(i, exc=first)
+                else:
+                    advance(i, list(part))
+            elif isinstance(part[0], TracestoreError):
+                advance(i, exc=part[0])
+            else:
+                advance(i, part[0])
+    if errors_in_place:
+        for i, failed in errors.items():
+            out[i] = failed
+    elif errors:
+        raise errors[min(errors)]
+    return out
 
 T = TypeVar("T")
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from . import traces
-from .errors import InvalidInput
-from .scripts import Op
+from .errors import InvalidInput, TracestoreError
+from .scripts import Op, gather
 from .scripts import Request as ScriptRequest
 from .store import AsyncTraceStore, StoreMethods, TraceStore
 from .traces import PrefixMatch, TokenIds, Turn
@@ -51,6 +51,7 @@ from .twin import AsyncRunner, SyncRunner, op
 from .validate import validate_id
 
 St = TypeVar("St", bound=StoreMethods)
+R = TypeVar("R")
 
 Message = Mapping[str, Any]
 Render = Callable[[Sequence[Message], bool], str]
@@ -208,21 +209,88 @@ class RecorderMethods(Generic[St]):
         return InvalidInput(field, message)
 
 
+@dataclass(frozen=True)
+class Response:
+    """One engine answer: the arguments of :meth:`TurnRecorder.after_response`, for
+    :meth:`TurnRecorder.after_response_many`."""
+
+    sid: str
+    messages: Sequence[Message]
+    assistant_message: Message
+    output_ids: Sequence[int]
+    logprobs: Sequence[float]
+    routed_experts: Any | None
+    version: int
+
+
+def _timed(rec: RecorderMethods[Any], operation: Op[R]) -> Op[R]:
+    """Run ``operation``, counting its time as the recorder's store time."""
+    t0 = time.perf_counter()
+    try:
+        return (yield from operation)
+    finally:
+        rec.stats.store_s += time.perf_counter() - t0
+
+
 def prepare(rec: RecorderMethods[Any], sid: str, messages: Sequence[Message]) -> Op[Request]:
     """Render, look up the stored prefix and tokenize the delta; writes nothing. One round trip warm."""
     prompt = rec._prompt(sid, messages)
-    t0 = time.perf_counter()
-    try:
-        match = yield from traces.lookup(rec.store.context, sid, prompt)
-    finally:
-        rec.stats.store_s += time.perf_counter() - t0
+    match = yield from _timed(rec, traces.lookup(rec.store.context, sid, prompt))
     return rec._remember(sid, prompt, match)
+
+
+def prepare_many(
+    rec: RecorderMethods[Any], items: Sequence[tuple[str, Sequence[Message]]]
+) -> Op[list[Request | TracestoreError]]:
+    """:meth:`prepare` of each ``(sid, messages)``, the lookups pipelined.
+
+    One round trip warm for all of them (two when some index changed).
+    Errors stand in the list in place of their request (InvalidId,
+    SessionReleased...): a failed item does not stop the others. Sessions
+    must be distinct.
+    """
+    out: list[Request | TracestoreError | None] = [None] * len(items)
+    prompts: dict[int, str] = {}
+    for i, (sid, messages) in enumerate(items):
+        try:
+            prompts[i] = rec._prompt(sid, messages)
+        except TracestoreError as err:
+            out[i] = err
+    ctx = rec.store.context
+    lookups = [traces.lookup(ctx, items[i][0], p) for i, p in prompts.items()]
+    matches = yield from _timed(rec, gather(lookups, errors_in_place=True))
+    for (i, prompt), m in zip(prompts.items(), matches, strict=True):
+        out[i] = m if isinstance(m, TracestoreError) else rec._remember(items[i][0], prompt, m)
+    return out  # type: ignore[return-value]  # every slot is filled
 
 
 def before_request(rec: RecorderMethods[Any], sid: str, messages: Sequence[Message]) -> Op[list[int]]:
     """The input ids to send for ``messages`` (stored prefix ids + delta ids). One round trip warm."""
     req = yield from prepare(rec, sid, messages)
     return req.input_ids
+
+
+def _record(rec: RecorderMethods[Any], plan: _Plan, keys: tuple[str | None, str | None]) -> Op[Turn]:
+    """``record_turn`` of a checked response whose experts were put (``keys``)."""
+    req = plan.req
+    try:
+        turn = yield from traces.record_turn(
+            rec.store.context,
+            req.sid,
+            req.prompt_text,
+            plan.response_text,
+            prefix=req.prefix,
+            delta_token_ids=req.delta_ids,
+            response_token_ids=plan.output_ids,
+            response_logprobs=plan.logprobs,
+            version=plan.version,
+            delta_expert_key=keys[0],
+            response_expert_key=keys[1],
+        )
+    finally:
+        rec._pending.pop(req.sid, None)
+    rec.stats.turns += 1
+    return turn
 
 
 def after_response(
@@ -250,33 +318,64 @@ def after_response(
     if req is None:
         req = yield from prepare(rec, sid, messages)
     plan = rec._plan(req, messages, assistant_message, output_ids, logprobs, routed_experts, version)
-    dkey, rkey = rec._put(plan)
-    t0 = time.perf_counter()
-    try:
-        turn = yield from traces.record_turn(
-            rec.store.context,
-            req.sid,
-            req.prompt_text,
-            plan.response_text,
-            prefix=req.prefix,
-            delta_token_ids=req.delta_ids,
-            response_token_ids=plan.output_ids,
-            response_logprobs=plan.logprobs,
-            version=plan.version,
-            delta_expert_key=dkey,
-            response_expert_key=rkey,
-        )
-    finally:
-        rec.stats.store_s += time.perf_counter() - t0
-        rec._pending.pop(sid, None)
-    rec.stats.turns += 1
-    return turn
+    return (yield from _timed(rec, _record(rec, plan, rec._put(plan))))
+
+
+def after_response_many(
+    rec: RecorderMethods[Any], responses: Sequence[Response]
+) -> Op[list[Turn | TracestoreError]]:
+    """:meth:`after_response` of each :class:`Response`, the writes pipelined.
+
+    One round trip for all of them (plus one, shared, for the lookups of
+    those whose prompt changed since ``before_request``). Each response is
+    checked, its experts put and its turn written as by ``after_response``;
+    errors stand in the list in place of their turn (InvalidInput: nothing
+    put or written for that one; NodeConflict...): a failed item does not
+    stop the others. Sessions must be distinct.
+    """
+    out: list[Turn | TracestoreError | None] = [None] * len(responses)
+    reqs: dict[int, Request] = {}
+    again: list[int] = []
+    for i, r in enumerate(responses):
+        try:
+            req = rec._pending_for(r.sid, rec._prompt(r.sid, r.messages))
+        except TracestoreError as err:
+            out[i] = err
+            continue
+        if req is None:
+            again.append(i)
+        else:
+            reqs[i] = req
+    if again:
+        prepared = yield from prepare_many(rec, [(responses[i].sid, responses[i].messages) for i in again])
+        for i, got in zip(again, prepared, strict=True):
+            if isinstance(got, TracestoreError):
+                out[i] = got
+            else:
+                reqs[i] = got
+    writes: dict[int, Op[Turn]] = {}
+    for i, req in sorted(reqs.items()):
+        r = responses[i]
+        try:
+            plan = rec._plan(
+                req, r.messages, r.assistant_message, r.output_ids, r.logprobs, r.routed_experts, r.version
+            )
+        except TracestoreError as err:
+            out[i] = err
+            continue
+        writes[i] = _record(rec, plan, rec._put(plan))
+    turns = yield from _timed(rec, gather(writes.values(), errors_in_place=True))
+    for i, turn in zip(writes, turns, strict=True):
+        out[i] = turn
+    return out  # type: ignore[return-value]  # every slot is filled
 
 
 class _RecorderOps:
     prepare = op(prepare)
+    prepare_many = op(prepare_many)
     before_request = op(before_request)
     after_response = op(after_response)
+    after_response_many = op(after_response_many)
 
 
 class TurnRecorder(_RecorderOps, RecorderMethods[TraceStore], SyncRunner[RecorderMethods[Any]]):
@@ -310,5 +409,6 @@ __all__ = [
     "RecorderMethods",
     "Request",
     "RecorderStats",
+    "Response",
     "TurnRecorder",
 ]

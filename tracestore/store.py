@@ -97,6 +97,7 @@ class StoreMethods:
     insert = op(trace_ops.insert)
     search = op(trace_ops.search)
     export_training_trace = op(trace_ops.export_training_trace)
+    export_many = op(trace_ops.export_many)
     drop_session_data = op(purge_ops.drop_session_data)
     drop_sessions_data = op(purge_ops.drop_sessions_data)
     # (end data plane)
@@ -111,6 +112,7 @@ class StoreMethods:
     sessions = op(own_ops.sessions)
     owners = op(own_ops.owners)
     heartbeat = op(own_ops.heartbeat)
+    heartbeat_many = op(own_ops.heartbeat_many)
     gc = op(gc_ops.gc)
     # (end control plane)
 

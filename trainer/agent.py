@@ -8,8 +8,10 @@ wrote it) or a :class:`NoReply` (a weight update aborted the turn, or the
 request failed). The tool calls, the conversation and the reward stay here.
 
 A driver decides how a turn reaches the model. :func:`drive` calls a plain
-function: the rollout worker's in-process policy behind a gate lease and a
-``TurnRecorder`` (:class:`~tracestore.trainer.rollout.LocalModel`). An asyncio
+function per turn; :func:`drive_many` runs many agents in rounds and asks for
+the turns of a round at once: the rollout worker's in-process policy behind
+gate leases and a ``TurnRecorder`` (:class:`~tracestore.trainer.rollout.LocalModel`),
+which batches the round's store calls. An asyncio
 driver can send the same requests to a session gateway over HTTP with the
 ``openai`` SDK, one task per sample, without touching the episode.
 """
@@ -100,3 +102,33 @@ def drive(agent: Agent, model: Callable[[TurnRequest], Outcome]) -> Sample:
     except StopIteration as end:
         sample: Sample = end.value
         return sample
+
+
+def drive_many(
+    agents: Sequence[Agent], model: Callable[[list[TurnRequest]], list[Outcome]]
+) -> list[Sample]:
+    """Run ``agents`` together, turn by turn; their samples, in order.
+
+    Each round asks ``model`` once for the next turn of every agent still
+    running (one request per agent, so per session), so that the model can
+    batch what it does per request (the rollout worker's store calls). An
+    agent's episode is the same as under :func:`drive`; only the order in
+    which the agents' turns are served changes.
+    """
+    done: dict[int, Sample] = {}
+    waiting: dict[int, TurnRequest] = {}
+    for i, agent in enumerate(agents):
+        try:
+            waiting[i] = next(agent)
+        except StopIteration as end:
+            done[i] = end.value
+    while waiting:
+        order = list(waiting)
+        outcomes = model([waiting[i] for i in order])
+        for i, outcome in zip(order, outcomes, strict=True):
+            try:
+                waiting[i] = agents[i].send(outcome)
+            except StopIteration as end:
+                done[i] = end.value
+                del waiting[i]
+    return [done[i] for i in range(len(agents))]

@@ -81,9 +81,10 @@ class BatchBuilder:
         return Batch(train, sids, rewards, staleness, same_version, len(groups))
 
     def _export(self, samples: Sequence[Sample]) -> list[Trace]:
-        """The training trace of each sample's last turn. One round trip per sample."""
+        """The training trace of each sample's last turn: one ``export_many`` (1-2 round trips)."""
+        keys = [(s.sid, s.final_key()) for s in samples]
         with self.store_time():
-            return [self.store.export_training_trace(s.sid, s.final_key()) for s in samples]
+            return self.store.export_many(keys)
 
     def _borrow(self, wanted: list[tuple[str | None, list[str]]]) -> list[list[np.ndarray] | None]:
         """Routed-expert parts of each ``(worker, keys)``: one borrow call per worker, one get.

@@ -19,10 +19,9 @@ from .sample import Sample
 
 
 def route(router: Router, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
-    """The samples by worker, each with its ``worker`` set. One round trip per sample."""
+    """The samples by worker, each with its ``worker`` set. One round trip (``acquire_many``)."""
     by_worker: dict[str, list[Sample]] = {}
-    for s in samples:
-        w = router.acquire(s.sid)
+    for s, w in zip(samples, router.acquire_many([s.sid for s in samples]), strict=True):
         by_worker.setdefault(w, []).append(dataclasses.replace(s, worker=w))
     return by_worker
 

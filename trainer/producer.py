@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tracestore import Group, TraceStore
+from tracestore.ownership import open_sessions, transfer
 from tracestore.router import Router
+from tracestore.scripts import Op, gather
 
 from .actors import Workers
 from .clock import Stopwatch
@@ -139,9 +141,10 @@ class Producer:
             for w, ss in by_worker.items():
                 self._hand_over(w, ss, version)
         results = run_on_workers(self.workers, by_worker)
+        ctx = self.store.context
+        back = [transfer(ctx, [s.sid for s in out], self._rollout_tag(w), self.tag) for w, out in results.items()]
         with self.store_time():
-            for w, out in results.items():
-                self.store.transfer([s.sid for s in out], self._rollout_tag(w), self.tag)
+            self.store.run(gather(back))  # every worker's sessions back: one round trip
         return {s.sid: s for out in results.values() for s in out}
 
     def _roll_out_http(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
@@ -163,33 +166,41 @@ class Producer:
         return {s.sid: s for s in out}
 
     def _hand_over(self, worker: str, samples: Sequence[Sample], version: int) -> None:
-        """Open new sessions for the worker's tag; move continued ones to it from ours."""
+        """Open new sessions for the worker's tag; move continued ones to it from ours (one round trip)."""
+        ctx, tag = self.store.context, self._rollout_tag(worker)
         fresh = [s.sid for s in samples if s.status == "new"]
         resumed = [s.sid for s in samples if s.status != "new"]
+        calls: list[Op[object]] = []
         if fresh:
-            self.store.open_sessions(fresh, self._rollout_tag(worker), version=version)
-            self.opened += len(fresh)
+            calls.append(open_sessions(ctx, fresh, tag, version=version))
         if resumed:
-            self.store.transfer(resumed, self.tag, self._rollout_tag(worker))
+            calls.append(transfer(ctx, resumed, self.tag, tag))
+        self.store.run(gather(calls))
+        self.opened += len(fresh)
 
     def _put(self, jobs: Sequence[Job], done: dict[str, Sample], version: int) -> dict[str, int]:
-        counts: dict[str, int] = {}
+        """Put every job's group into the buffer with its status (one ``put_many``)."""
+        groups = []
         for job in jobs:
             samples = [done.get(s.sid, s) for s in job.samples]
             status = group_status(samples)
-            group = Group(
-                gid=job.gid,
-                task=TASK,
-                sids=tuple(s.sid for s in samples),
-                status=status,
-                min_version=min_version(samples, version),
-                retryable=status == "aborted",
-                payload=to_payload(samples),
+            groups.append(
+                Group(
+                    gid=job.gid,
+                    task=TASK,
+                    sids=tuple(s.sid for s in samples),
+                    status=status,
+                    min_version=min_version(samples, version),
+                    retryable=status == "aborted",
+                    payload=to_payload(samples),
+                )
             )
-            with self.store_time():
-                self.store.replay.put(group, self.tag)
-            counts[status] = counts.get(status, 0) + 1
-            self.counts[status] = self.counts.get(status, 0) + 1
+        with self.store_time():
+            self.store.replay.put_many(groups, self.tag)
+        counts: dict[str, int] = {}
+        for g in groups:
+            counts[g.status] = counts.get(g.status, 0) + 1
+            self.counts[g.status] = self.counts.get(g.status, 0) + 1
         return counts
 
     # -- store plumbing --------------------------------------------------------------------
@@ -198,10 +209,11 @@ class Producer:
         return f"rollout:{worker}.{self.nonce}"
 
     def _heartbeat(self) -> None:
+        """Heartbeat this process's tags (its own and its rollouts'): one round trip."""
+        rollouts = [HTTP] if self.gateway_url is not None else list(self.workers)
+        tags = [self.tag, *(self._rollout_tag(w) for w in rollouts)]
         with self.store_time():
-            rollouts = [HTTP] if self.gateway_url is not None else list(self.workers)
-            for tag in (self.tag, *(self._rollout_tag(w) for w in rollouts)):
-                self.store.heartbeat(tag, HEARTBEAT_TTL_S)
+            self.store.heartbeat_many(tags, HEARTBEAT_TTL_S)
 
     def _ready(self) -> int:
         with self.store_time():

@@ -1,13 +1,15 @@
 """Rollout worker: a copy of the policy, reached in process through the gate and a TurnRecorder.
 
-:class:`LocalModel` is how a turn reaches the model in this process (what
-the session gateway does over HTTP): admit a gate lease, render and look up
-the stored prefix (``TurnRecorder.before_request``), generate, record the
-turn with its routed experts (``after_response``), settle the lease.
-:class:`RolloutWorker` (a Ray actor) drives the calculator agent
-(:mod:`~tracestore.trainer.agent`) over it for every sample it is given, and
-keeps the session's routed experts in its ``RefHolder`` until the session is
-released.
+:class:`LocalModel` is how turns reach the model in this process (what the
+session gateway does over HTTP). It serves the turns of a round of samples at
+once, with one batched store call per step instead of one per turn: admit
+their gate leases (``admit_many``), render and look up the stored prefixes
+(``TurnRecorder.prepare_many``), generate each, record the turns with their
+routed experts (``after_response_many``), settle the leases (``settle_many``
+per outcome, pipelined). :class:`RolloutWorker` (a Ray actor) drives the
+calculator agents (:mod:`~tracestore.trainer.agent`) of the samples it is
+given over it, round by round, and keeps the sessions' routed experts in its
+``RefHolder`` until they are released.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +25,12 @@ import numpy as np
 import torch
 
 from tracestore import GateSealed, Lease, TraceStore, TurnRecorder
+from tracestore.gate import settle_many
 from tracestore.ray import HolderStats, RefHolder
+from tracestore.scripts import gather
+from tracestore.session import Request, Response
 
-from .agent import NoReply, Outcome, Reply, TurnRequest, drive, play
+from .agent import NoReply, Outcome, Reply, TurnRequest, drive_many, play
 from .chat import render, strip_stop
 from .clock import Stopwatch
 from .config import TrainConfig
@@ -33,12 +39,17 @@ from .sample import Sample
 from .tokenizer import TOKENIZER as TOK
 
 
-class _Aborted(Exception):
-    """The engine aborted the request (a weight update is coming)."""
+@dataclass(frozen=True)
+class _Answer:
+    """A generated answer, before it is recorded: what to record, what to reply, how long it took."""
+
+    response: Response
+    reply: Reply
+    generate_s: float
 
 
 class LocalModel:
-    """The worker's policy behind the run's gate, recording every turn (``turn`` per request)."""
+    """The worker's policy behind the run's gate, recording every turn (``turns`` per round)."""
 
     def __init__(self, store: TraceStore, holder: RefHolder, name: str, cfg: TrainConfig) -> None:
         self.store = store
@@ -61,63 +72,87 @@ class LocalModel:
         load_numpy_state(self.policy, state)
         self._abort.clear()
 
-    def turn(self, req: TurnRequest, temperature: float) -> Outcome:
-        """One assistant turn under a gate lease; the lease is settled with what happened.
+    def turns(self, reqs: Sequence[TurnRequest], temperature: float) -> list[Outcome]:
+        """One assistant turn for each request (distinct sessions), each under a gate lease.
 
-        Sealed gate: aborted, nothing admitted. Engine abort: settled
-        ``aborted``, nothing recorded (the turn is redone after the update).
-        Any other error: settled ``failed`` (its outcome is known).
+        The store calls are batched over the round: one ``admit_many``, one
+        ``prepare_many``, one ``after_response_many``, one pipelined
+        ``settle_many`` per outcome. Sealed gate: every turn aborted,
+        nothing admitted. Engine abort: settled ``aborted``, nothing
+        recorded (the turn is redone after the update). Any other error:
+        settled ``failed`` (its outcome is known).
         """
-        try:
-            with self.store_time():
-                lease: Lease = self.store.gate.admit(req.sid, self.name, self.cfg.lease_ttl_s)
-        except GateSealed:
-            return NoReply("aborted")
+        if not reqs:
+            return []
         t0 = time.perf_counter()
         try:
-            content, stopped = self._generate_and_record(req, lease, temperature)
-        except _Aborted:
-            self._settle(req.sid, lease, "aborted")
+            with self.store_time():
+                leases = self.store.gate.admit_many([(r.sid, self.name) for r in reqs], self.cfg.lease_ttl_s)
+        except GateSealed:
+            return [NoReply("aborted") for _ in reqs]
+        prepared = self.recorder.prepare_many([(r.sid, r.messages) for r in reqs])
+        store_s = time.perf_counter() - t0
+        outcome: dict[int, Outcome] = {}
+        answers: dict[int, _Answer] = {}
+        for i, (req, prep) in enumerate(zip(reqs, prepared, strict=True)):
+            got = self._generate(req, prep, leases[i], temperature)
+            if isinstance(got, _Answer):
+                answers[i] = got
+            else:
+                outcome[i] = got
+        t1 = time.perf_counter()
+        turns = self.recorder.after_response_many([a.response for a in answers.values()])
+        for (i, a), turn in zip(answers.items(), turns, strict=True):
+            failed = isinstance(turn, Exception)
+            outcome[i] = NoReply("failed", f"{type(turn).__name__}: {turn}") if failed else a.reply
+        self._settle(reqs, leases, outcome)
+        store_s += time.perf_counter() - t1
+        # a turn's latency: its generation and its share of the round's batched store calls
+        self.turn_s += [a.generate_s + store_s / len(reqs) for a in answers.values()]
+        return [outcome[i] for i in range(len(reqs))]
+
+    def _generate(
+        self, req: TurnRequest, prep: Request | Exception, lease: Lease, temperature: float
+    ) -> _Answer | NoReply:
+        """Generate the answer of one prepared request (NoReply when it failed or was aborted)."""
+        if isinstance(prep, Exception):
+            return NoReply("failed", f"{type(prep).__name__}: {prep}")
+        t0 = time.perf_counter()
+        try:
+            gen = self.policy.generate(
+                prep.token_ids,
+                max_new_tokens=self.cfg.max_new_tokens,
+                stop_id=TOK.stop_id,
+                generator=self.gen,
+                temperature=temperature,
+                should_abort=self._abort.is_set,
+            )
+        except Exception as exc:
+            return NoReply("failed", f"{type(exc).__name__}: {exc}")
+        if gen.finish_reason == "abort":
             self.aborted_requests += 1
             return NoReply("aborted")
-        except Exception as exc:
-            self._settle(req.sid, lease, "failed")
-            return NoReply("failed", f"{type(exc).__name__}: {exc}")
-        with self.store_time():
-            self.store.gate.settle(lease, "completed")
-        self.turn_s.append(time.perf_counter() - t0)
-        return Reply(content, stopped, lease.version)
-
-    def _generate_and_record(
-        self, req: TurnRequest, lease: Lease, temperature: float
-    ) -> tuple[str, bool]:
-        ids = self.recorder.before_request(req.sid, req.messages)
-        gen = self.policy.generate(
-            ids,
-            max_new_tokens=self.cfg.max_new_tokens,
-            stop_id=TOK.stop_id,
-            generator=self.gen,
-            temperature=temperature,
-            should_abort=self._abort.is_set,
-        )
-        if gen.finish_reason == "abort":
-            raise _Aborted
         content, stopped = strip_stop(TOK.decode(gen.output_ids))
-        self.recorder.after_response(
-            req.sid,
-            req.messages,
-            {"role": "assistant", "content": content},
-            gen.output_ids,
-            gen.logprobs,
-            gen.routed_experts,
-            lease.version,
+        answer = {"role": "assistant", "content": content}
+        response = Response(
+            req.sid, req.messages, answer, gen.output_ids, gen.logprobs, gen.routed_experts, lease.version
         )
-        return content, stopped
+        return _Answer(response, Reply(content, stopped, lease.version), time.perf_counter() - t0)
 
-    def _settle(self, sid: str, lease: Lease, outcome: str) -> None:
-        self.recorder.forget(sid)
+    def _settle(
+        self, reqs: Sequence[TurnRequest], leases: Sequence[Lease], outcome: dict[int, Outcome]
+    ) -> None:
+        """Settle every lease with its turn's outcome: one round trip (a pipeline per outcome)."""
+        by: dict[str, list[Lease]] = {}
+        for i, lease in enumerate(leases):
+            o = outcome[i]
+            status = "completed" if isinstance(o, Reply) else o.status
+            by.setdefault(status, []).append(lease)
+            if not isinstance(o, Reply):
+                self.recorder.forget(reqs[i].sid)
+        ctx = self.store.context
         with self.store_time():
-            self.store.gate.settle(lease, outcome)
+            self.store.run(gather([settle_many(ctx, ls, status) for status, ls in by.items()]))
 
 
 @dataclass(frozen=True)
@@ -166,10 +201,14 @@ class RolloutWorker:
         return str(self._server.url)
 
     def run(self, samples: list[Sample], temperature: float = 1.0) -> list[Sample]:
-        """Continue every unfinished sample until it ends, aborts (gate sealed) or fails."""
-        model = functools.partial(self.model.turn, temperature=temperature)
+        """Continue every unfinished sample until it ends, aborts (gate sealed) or fails.
+
+        The samples' turns are served in rounds (:func:`~.agent.drive_many`),
+        so that each round's store calls are batched.
+        """
+        model = functools.partial(self.model.turns, temperature=temperature)
         with self.busy():
-            return [drive(play(s, self.cfg.max_calls), model) for s in samples]
+            return drive_many([play(s, self.cfg.max_calls) for s in samples], model)
 
     def abort_requests(self) -> None:
         """Abort generation in flight (before a weight update); cleared by :meth:`set_weights`.

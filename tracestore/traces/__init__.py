@@ -45,7 +45,7 @@ The package is split by job: :mod:`~tracestore.traces.types` (value types),
 from __future__ import annotations
 
 from .index import node_id
-from .reads import export_training_trace, lookup, search
+from .reads import export_many, export_training_trace, lookup, search
 from .tokens import TokenIds
 from .types import Node, PrefixMatch, Segment, Trace, Turn
 from .write import insert, record_turn
@@ -57,6 +57,7 @@ __all__ = [
     "TokenIds",
     "Trace",
     "Turn",
+    "export_many",
     "export_training_trace",
     "insert",
     "lookup",

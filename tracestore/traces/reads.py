@@ -15,7 +15,7 @@ from ..context import Context
 from ..errors import InvalidInput, PromptMismatch, SessionReleased
 from ..nodecache import node_cache
 from ..replies import Reply
-from ..scripts import Cmd, Eval, Op, script
+from ..scripts import Cmd, Eval, Op, gather, script
 from ..validate import validate_id
 from .continuation import Checkpoint, Continuation, cont_key
 from .index import SessionIndex, as_bytes, cache_payload, idx_key, node_id, tok_key, utf8
@@ -242,6 +242,17 @@ def export_training_trace(ctx: Context, sid: str, prompt_text: str) -> Op[Trace]
     return Trace(ids, labels, lps, versions, expert_keys, tuple(path))
 
 
+def export_many(ctx: Context, items: Sequence[tuple[str, str]]) -> Op[list[Trace]]:
+    """:func:`export_training_trace` of each ``(sid, prompt_text)``, pipelined: the traces, in order.
+
+    One round trip warm, two cold, for the whole list (the sessions' index
+    checks share one pipeline, then their missing payloads another). Raises
+    InvalidId/InvalidInput before any I/O; otherwise the first error of any
+    export (PromptMismatch, SessionReleased...) once all have run.
+    """
+    return (yield from gather([export_training_trace(ctx, sid, key) for sid, key in items]))
+
+
 def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[PromptMismatch]:
     best = snap.longest(prompt, "prompt_text")
     m = best.end if best else 0
@@ -279,4 +290,4 @@ def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[Pro
     return PromptMismatch(sid, m, n, nearest, window)
 
 
-__all__ = ["export_training_trace", "lookup", "read_path", "search"]
+__all__ = ["export_many", "export_training_trace", "lookup", "read_path", "search"]
