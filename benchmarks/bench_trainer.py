@@ -36,6 +36,8 @@ KEYS = (
     "p50_turn_latency_ms",
     "turns",
     "tracestore_time_share",
+    "store_call_time_share",
+    "expert_put_time_share",
     "sessions_opened",
     "sessions_leaked",
     "release_events",

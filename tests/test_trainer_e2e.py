@@ -69,6 +69,8 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
     assert report.object_store_bytes_at_end == 0
     assert report.poisoned_leases == 0
     assert report.invalid_responses == 0
+    share = report.store_call_time_share + report.expert_put_time_share
+    assert 0 < report.store_call_time_share and abs(share - report.tracestore_time_share) < 1e-9
     assert report.violations() == []
     # no rollout failed: nobody released a session another role was still writing
     assert report.groups.get("failed", 0) == 0
@@ -81,6 +83,7 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
         assert all(o.sessions == 0 for o in store.owners())
         assert store.replay.count() == 0
         assert store.gate.status().version == report.gate_cycles
+        assert store.gate.status().live == 0  # every lease settled (workers settle a round late)
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,9 @@ class Report:
     p50_turn_latency_ms: float
     turns: int
     tracestore_time_share: float
+    #: Of ``tracestore_time_share``: the Redis calls, and the holders' puts of routed experts (Ray).
+    store_call_time_share: float
+    expert_put_time_share: float
     # bookkeeping: nothing may be left behind
     sessions_opened: int
     sessions_released: int
@@ -218,6 +221,8 @@ def build_report(
         p50_turn_latency_ms=1000 * _p50(turn_s),
         turns=len(turn_s),
         tracestore_time_share=_store_share(end),
+        store_call_time_share=_store_share(end) - _put_share(end),
+        expert_put_time_share=_put_share(end),
         sessions_opened=end.counts.opened,
         sessions_released=end.counts.released,
         sessions_leaked=end.counts.live,
@@ -249,11 +254,19 @@ def _p50(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2] if xs else 0.0
 
 
+def _busy_s(end: EndState) -> float:
+    return sum(w.busy_s for w in end.workers) + end.producer.busy_s + end.learner.busy_s
+
+
 def _store_share(end: EndState) -> float:
     """Seconds inside tracestore calls over the roles' busy seconds."""
     store_s = sum(w.store_s for w in end.workers) + end.producer.store_s + end.learner.store_s
-    busy_s = sum(w.busy_s for w in end.workers) + end.producer.busy_s + end.learner.busy_s
-    return store_s / max(1e-9, busy_s)
+    return store_s / max(1e-9, _busy_s(end))
+
+
+def _put_share(end: EndState) -> float:
+    """Seconds the holders spent putting routed experts (``ray.put``) over the roles' busy seconds."""
+    return sum(w.holder_s for w in end.workers) / max(1e-9, _busy_s(end))
 
 
 REPORT_ROWS: list[tuple[str, str]] = [
@@ -276,6 +289,8 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("p50 turn latency (ms)", "p50_turn_latency_ms"),
     ("turns", "turns"),
     ("share of time in tracestore calls", "tracestore_time_share"),
+    ("  of which Redis calls", "store_call_time_share"),
+    ("  of which expert puts (ray.put)", "expert_put_time_share"),
     ("routing replay max |dlogp|", "replay_max_abs_diff"),
     ("requests aborted in flight", "aborted_requests"),
     ("aborted groups claimed back", "aborted_groups_claimed"),
@@ -294,7 +309,7 @@ def report_rows(report: Report) -> list[list[object]]:
     for label, key in REPORT_ROWS:
         v = getattr(report, key)
         if isinstance(v, float):
-            v = f"{v:.3g}" if key != "tracestore_time_share" else f"{100 * v:.1f}%"
+            v = f"{100 * v:.1f}%" if key.endswith("time_share") else f"{v:.3g}"
         rows.append([label, "-" if v is None else v])
     return rows
 

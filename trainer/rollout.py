@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracestore import GateSealed, Lease, TraceStore, TurnRecorder
-from tracestore.gate import settle_many
+from tracestore import GateSealed, Lease, TraceStore, TracestoreError, TurnRecorder
+from tracestore.gate import admit_many, settle_many
 from tracestore.ray import HolderStats, RefHolder
-from tracestore.scripts import gather
-from tracestore.session import Request, Response
+from tracestore.scripts import Op, gather
+from tracestore.session import Request, Response, prepare_many
 
 from .agent import NoReply, Outcome, Reply, TurnRequest, drive_many, play
 from .chat import render, strip_stop
@@ -62,6 +62,8 @@ class LocalModel:
         self.aborted_requests = 0
         self.store_time = Stopwatch()  # gate calls (the recorder times its own)
         self._abort = threading.Event()
+        #: Leases of the last round served, with their outcome: settled with the next round's admission.
+        self._unsettled: list[tuple[Lease, str]] = []
 
     def abort(self) -> None:
         """Abort generation in flight until the next :meth:`load` (thread-safe)."""
@@ -75,22 +77,21 @@ class LocalModel:
     def turns(self, reqs: Sequence[TurnRequest], temperature: float) -> list[Outcome]:
         """One assistant turn for each request (distinct sessions), each under a gate lease.
 
-        The store calls are batched over the round: one ``admit_many``, one
-        ``prepare_many``, one ``after_response_many``, one pipelined
-        ``settle_many`` per outcome. Sealed gate: every turn aborted,
-        nothing admitted. Engine abort: settled ``aborted``, nothing
-        recorded (the turn is redone after the update). Any other error:
-        settled ``failed`` (its outcome is known).
+        Two round trips for the whole round: one pipeline settles the leases
+        of the previous round and admits this round's (``admit_many``) and
+        looks up its prefixes (``prepare_many``); after generation, one
+        records every answer (``after_response_many``). Call
+        :meth:`settle_pending` when no round follows. Sealed gate: every
+        turn aborted, nothing admitted. Engine abort: settled ``aborted``,
+        nothing recorded (the turn is redone after the update). Any other
+        error: settled ``failed`` (its outcome is known).
         """
         if not reqs:
             return []
         t0 = time.perf_counter()
-        try:
-            with self.store_time():
-                leases = self.store.gate.admit_many([(r.sid, self.name) for r in reqs], self.cfg.lease_ttl_s)
-        except GateSealed:
+        leases, prepared = self._admit_and_prepare(reqs)
+        if leases is None:
             return [NoReply("aborted") for _ in reqs]
-        prepared = self.recorder.prepare_many([(r.sid, r.messages) for r in reqs])
         store_s = time.perf_counter() - t0
         outcome: dict[int, Outcome] = {}
         answers: dict[int, _Answer] = {}
@@ -102,14 +103,59 @@ class LocalModel:
                 outcome[i] = got
         t1 = time.perf_counter()
         turns = self.recorder.after_response_many([a.response for a in answers.values()])
+        store_s += time.perf_counter() - t1
         for (i, a), turn in zip(answers.items(), turns, strict=True):
             failed = isinstance(turn, Exception)
             outcome[i] = NoReply("failed", f"{type(turn).__name__}: {turn}") if failed else a.reply
-        self._settle(reqs, leases, outcome)
-        store_s += time.perf_counter() - t1
+        for i, lease in enumerate(leases):
+            o = outcome[i]
+            self._unsettled.append((lease, "completed" if isinstance(o, Reply) else o.status))
+            if not isinstance(o, Reply):
+                self.recorder.forget(reqs[i].sid)
         # a turn's latency: its generation and its share of the round's batched store calls
         self.turn_s += [a.generate_s + store_s / len(reqs) for a in answers.values()]
         return [outcome[i] for i in range(len(reqs))]
+
+    def _admit_and_prepare(
+        self, reqs: Sequence[TurnRequest]
+    ) -> tuple[list[Lease] | None, list[Request | TracestoreError]]:
+        """One pipeline: settle the last round, admit and look up this one. None when sealed."""
+        ctx = self.store.context
+        calls: list[Op[Any]] = [
+            admit_many(ctx, [(r.sid, self.name) for r in reqs], self.cfg.lease_ttl_s),
+            prepare_many(self.recorder, [(r.sid, r.messages) for r in reqs]),
+            *self._settle_calls(),
+        ]
+        rec_s, t0 = self.recorder.stats.store_s, time.perf_counter()
+        admitted, prepared, *settled = self.store.run(gather(calls, errors_in_place=True))
+        # the lookups' time is the recorder's (it timed them): count the rest once, here
+        self.store_time.add(time.perf_counter() - t0 - (self.recorder.stats.store_s - rec_s))
+        for err in (x for x in settled if isinstance(x, Exception)):
+            raise err
+        if isinstance(admitted, GateSealed):
+            for r in reqs:
+                self.recorder.forget(r.sid)
+            return None, []
+        if isinstance(admitted, Exception):
+            raise admitted
+        if isinstance(prepared, Exception):
+            raise prepared
+        return admitted, prepared
+
+    def _settle_calls(self) -> list[Op[Any]]:
+        """The settlements of the leases served since the last ones (a pipeline per outcome)."""
+        by: dict[str, list[Lease]] = {}
+        for lease, status in self._unsettled:
+            by.setdefault(status, []).append(lease)
+        self._unsettled = []
+        return [settle_many(self.store.context, ls, status) for status, ls in by.items()]
+
+    def settle_pending(self) -> None:
+        """Settle the leases of the last round served (one round trip; nothing when none)."""
+        calls = self._settle_calls()
+        if calls:
+            with self.store_time():
+                self.store.run(gather(calls))
 
     def _generate(
         self, req: TurnRequest, prep: Request | Exception, lease: Lease, temperature: float
@@ -139,21 +185,6 @@ class LocalModel:
         )
         return _Answer(response, Reply(content, stopped, lease.version), time.perf_counter() - t0)
 
-    def _settle(
-        self, reqs: Sequence[TurnRequest], leases: Sequence[Lease], outcome: dict[int, Outcome]
-    ) -> None:
-        """Settle every lease with its turn's outcome: one round trip (a pipeline per outcome)."""
-        by: dict[str, list[Lease]] = {}
-        for i, lease in enumerate(leases):
-            o = outcome[i]
-            status = "completed" if isinstance(o, Reply) else o.status
-            by.setdefault(status, []).append(lease)
-            if not isinstance(o, Reply):
-                self.recorder.forget(reqs[i].sid)
-        ctx = self.store.context
-        with self.store_time():
-            self.store.run(gather([settle_many(ctx, ls, status) for status, ls in by.items()]))
-
 
 @dataclass(frozen=True)
 class WorkerStats:
@@ -161,10 +192,13 @@ class WorkerStats:
 
     holder: HolderStats
     turn_s: list[float]
+    #: Time in tracestore calls, the holder's puts of routed experts included.
     store_s: float
     busy_s: float
     invalid: int
     aborted_requests: int
+    #: Of ``store_s``: the holder's puts (``RefHolder.put``: a ``ray.put`` each).
+    holder_s: float = 0.0
 
 
 class RolloutWorker:
@@ -208,7 +242,10 @@ class RolloutWorker:
         """
         model = functools.partial(self.model.turns, temperature=temperature)
         with self.busy():
-            return drive_many([play(s, self.cfg.max_calls) for s in samples], model)
+            try:
+                return drive_many([play(s, self.cfg.max_calls) for s in samples], model)
+            finally:
+                self.model.settle_pending()
 
     def abort_requests(self) -> None:
         """Abort generation in flight (before a weight update); cleared by :meth:`set_weights`.
@@ -243,6 +280,7 @@ class RolloutWorker:
             busy_s=self.busy.seconds,
             invalid=rec.invalid,
             aborted_requests=self.model.aborted_requests + (self.engine.aborted if self.engine else 0),
+            holder_s=rec.holder_s,
         )
 
     def close(self) -> None:
