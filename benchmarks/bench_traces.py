@@ -201,6 +201,7 @@ def _run_side_by_side(
                 rt = getattr(system, "rt", None)
                 if rt is not None:
                     rt.n = 0
+                gc.collect()  # the garbage of the block before is not this block's time
                 before, usec = _net(r), _server_usec(r)
                 start = time.perf_counter()
                 for sid, turns in sessions.items():
@@ -336,8 +337,11 @@ def run(quick: bool) -> dict[str, Any]:
                 _Baseline("in_process_trie", SessionServerClient(TextTrieStore())),
             ]
             blocks[context] = (systems, sessions)
+        gc.collect()
+        gc.freeze()  # the prepared sessions are never garbage: keep them out of every collection
         print("   every context and system side by side, turn by turn", flush=True)
         timed = _run_side_by_side(blocks, stores[CONTEXTS[0]].redis)
+        gc.unfreeze()
         ray.kill(actor)
         for context, (_, sessions) in blocks.items():
             store = stores[context]
