@@ -18,8 +18,9 @@ Figures (side by side, one run, dedicated embedded standalone server; the
 three contexts and the systems take turns block by block, so the ratios
 between contexts are side by side too):
 
-* turns/s over turns 2..8 (context ~C) and over whole sessions; server CPU
-  per turn (INFO commandstats);
+* turns/s over turns 2..8 (context ~C) and over whole sessions; server time
+  per turn: script time (INFO commandstats) and process CPU (INFO cpu, with
+  the network I/O);
 * bytes on the wire per turn, from the server's ``total_net_input_bytes`` +
   ``total_net_output_bytes`` (minus the INFO calls' own bytes), and round
   trips per turn counted at the client; for the actor, the pickled size of
@@ -171,11 +172,18 @@ class _Baseline:
         return len(self.client.export(sid, key)["input_ids"])
 
 
-def _server_usec(r: Any) -> int:
-    """Server CPU spent in commands so far (INFO commandstats), without INFO's own."""
-    return sum(
-        int(v["usec"]) for k, v in r.info("commandstats").items() if k != "cmdstat_info"
-    )
+def _server_usec(r: Any) -> tuple[int, float]:
+    """``(script usec, process CPU usec)`` of the server so far.
+
+    Script time is the ``usec`` of EVALSHA/EVAL in INFO commandstats (the
+    commands a script calls are counted inside it and again on their own
+    lines, so only the script lines are summed; a steady turn sends nothing
+    else); process CPU (INFO cpu, user + sys) adds the network I/O.
+    """
+    stats = r.info("commandstats")
+    scripts = sum(int(stats.get(f"cmdstat_{c}", {}).get("usec", 0)) for c in ("evalsha", "eval"))
+    cpu = r.info("cpu")
+    return scripts, 1e6 * (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
 
 
 def _run_side_by_side(
@@ -189,7 +197,7 @@ def _run_side_by_side(
     info_cost = [x - y for x, y in zip(_net(r), a0, strict=True)]  # bytes one INFO call adds
     acc: dict[int, dict[str, dict[str, list[float]]]] = {
         ctx: {
-            s.name: {p: [0.0, 0, 0, 0, 0] for p in ("first_turn", "steady_turns", "export")}
+            s.name: {p: [0.0, 0, 0, 0, 0, 0] for p in ("first_turn", "steady_turns", "export")}
             for s in systems
         }
         for ctx, (systems, _) in blocks.items()
@@ -212,7 +220,7 @@ def _run_side_by_side(
                         n = system.export(sid, last.prompt + last.response)
                         assert n == sum(len(t.delta) + len(t.out) for t in turns)
                 took = time.perf_counter() - start
-                usec = _server_usec(r) - usec
+                usec_after = _server_usec(r)
                 now = _net(r)
                 wire = (now[0] - before[0] - info_cost[0]) + (now[1] - before[1] - info_cost[1])
                 a = acc[ctx][system.name][phase]
@@ -220,14 +228,15 @@ def _run_side_by_side(
                 a[1] += len(sessions)
                 a[2] += wire
                 a[3] += rt.n if rt is not None else 0
-                a[4] += usec
+                a[4] += usec_after[0] - usec[0]
+                a[5] += usec_after[1] - usec[1]
     out: dict[int, dict[str, dict[str, Any]]] = {}
     for ctx, by_system in acc.items():
         out[ctx] = {}
         n_sessions = len(blocks[ctx][1])
         for name, phases in by_system.items():
             res: dict[str, Any] = {}
-            for phase, (took, n, wire, rts, usec) in phases.items():
+            for phase, (took, n, wire, rts, usec, cpu) in phases.items():
                 res[phase] = {
                     "calls" if phase == "export" else "turns": int(n),
                     "per_s": round(n / took, 1),
@@ -236,6 +245,7 @@ def _run_side_by_side(
                     res[phase]["wire_bytes"] = round(wire / n, 1)
                     res[phase]["round_trips"] = round(rts / n, 2)
                     res[phase]["server_us"] = round(usec / n, 1)
+                    res[phase]["server_cpu_us"] = round(cpu / n, 1)
             turn_s = phases["first_turn"][0] + phases["steady_turns"][0]
             res["session_turns_per_s"] = round(n_sessions * TURNS / turn_s, 1)
             out[ctx][name] = res

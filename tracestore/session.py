@@ -123,9 +123,12 @@ class RecorderMethods(Generic[St]):
     experts (``put(sid, value) -> expert_key``), or None to record no experts.
     The recorder remembers the last prepared request of each session so that
     ``after_response`` does not look the prefix up again when the prompt is
-    unchanged (otherwise it looks up again). Not thread-safe per session.
+    unchanged (otherwise it looks up again), and the store keeps each
+    session's continuation, so a turn's client work does not grow with the
+    context (docs/traces.md). Not thread-safe per session.
     Costs: ``before_request`` one lookup (1 round trip warm), ``after_response``
-    one ``record_turn`` (1 round trip).
+    one ``record_turn`` (1 round trip); ``prepare_many`` and
+    ``after_response_many`` the same for many sessions in one round trip each.
     """
 
     def __init__(
