@@ -59,6 +59,7 @@ CONTEXTS = (1024, 8192, 32768)
 SESSIONS_FULL = {1024: 400, 8192: 160, 32768: 64}
 SESSIONS_QUICK = {1024: 8, 8192: 8, 32768: 8}
 MEMORY_SESSIONS = 24  # sessions written again without text, for B/token
+BLOCK = 64  # sessions per timed block (the contexts' blocks alternate)
 
 
 def _piece(t: int) -> str:
@@ -189,12 +190,16 @@ def _server_usec(r: Any) -> tuple[int, float]:
 def _run_side_by_side(
     blocks: dict[int, tuple[list[Any], dict[str, list[_Turn]]]], r: Any
 ) -> dict[int, dict[str, dict[str, Any]]]:
-    """Turn-major over the sessions of every context at once: turn i of every session of
-    each context, each system in turn, then turn i+1. Contexts and systems alternate block
-    by block, so load from other processes falls on all of them alike and the ratios
-    between contexts are side by side too."""
-    a0 = _net(r)
-    info_cost = [x - y for x, y in zip(_net(r), a0, strict=True)]  # bytes one INFO call adds
+    """Turn-major over the sessions of every context at once: turn i of a block of (at most
+    BLOCK) sessions of each context, each system in turn, the next blocks, then turn i+1.
+    Contexts and systems alternate block by block, so load from other processes falls on
+    all of them alike and the ratios between contexts are side by side too."""
+    def probe() -> tuple[tuple[int, int], tuple[int, float]]:
+        return _net(r), _server_usec(r)
+
+    a0, _ = probe()
+    a1, _ = probe()
+    info_cost = [x - y for x, y in zip(a1, a0, strict=True)]  # bytes one probe's INFO calls add
     acc: dict[int, dict[str, dict[str, list[float]]]] = {
         ctx: {
             s.name: {p: [0.0, 0, 0, 0, 0, 0] for p in ("first_turn", "steady_turns", "export")}
@@ -202,34 +207,41 @@ def _run_side_by_side(
         }
         for ctx, (systems, _) in blocks.items()
     }
+    # blocks of at most BLOCK sessions, so that no context's figure depends on its block size
+    chunks = {
+        ctx: [list(sessions.items())[j : j + BLOCK] for j in range(0, len(sessions), BLOCK)]
+        for ctx, (_, sessions) in blocks.items()
+    }
     for i in range(TURNS + 1):
         phase = "first_turn" if i == 0 else "steady_turns" if i < TURNS else "export"
-        for ctx, (systems, sessions) in blocks.items():
-            for system in systems:
-                rt = getattr(system, "rt", None)
-                if rt is not None:
-                    rt.n = 0
-                gc.collect()  # the garbage of the block before is not this block's time
-                before, usec = _net(r), _server_usec(r)
-                start = time.perf_counter()
-                for sid, turns in sessions.items():
-                    if i < TURNS:
-                        system.turn(sid, turns[i], i)
-                    else:
-                        last = turns[-1]
-                        n = system.export(sid, last.prompt + last.response)
-                        assert n == sum(len(t.delta) + len(t.out) for t in turns)
-                took = time.perf_counter() - start
-                usec_after = _server_usec(r)
-                now = _net(r)
-                wire = (now[0] - before[0] - info_cost[0]) + (now[1] - before[1] - info_cost[1])
-                a = acc[ctx][system.name][phase]
-                a[0] += took
-                a[1] += len(sessions)
-                a[2] += wire
-                a[3] += rt.n if rt is not None else 0
-                a[4] += usec_after[0] - usec[0]
-                a[5] += usec_after[1] - usec[1]
+        for j in range(max(map(len, chunks.values()))):
+            for ctx, (systems, _) in blocks.items():
+                if j >= len(chunks[ctx]):
+                    continue
+                for system in systems:
+                    rt = getattr(system, "rt", None)
+                    if rt is not None:
+                        rt.n = 0
+                    gc.collect()  # the garbage of the block before is not this block's time
+                    before, usec = probe()
+                    start = time.perf_counter()
+                    for sid, turns in chunks[ctx][j]:
+                        if i < TURNS:
+                            system.turn(sid, turns[i], i)
+                        else:
+                            last = turns[-1]
+                            n = system.export(sid, last.prompt + last.response)
+                            assert n == sum(len(t.delta) + len(t.out) for t in turns)
+                    took = time.perf_counter() - start
+                    now, usec_after = probe()
+                    wire = (now[0] - before[0] - info_cost[0]) + (now[1] - before[1] - info_cost[1])
+                    a = acc[ctx][system.name][phase]
+                    a[0] += took
+                    a[1] += len(chunks[ctx][j])
+                    a[2] += wire
+                    a[3] += rt.n if rt is not None else 0
+                    a[4] += usec_after[0] - usec[0]
+                    a[5] += usec_after[1] - usec[1]
     out: dict[int, dict[str, dict[str, Any]]] = {}
     for ctx, by_system in acc.items():
         out[ctx] = {}
