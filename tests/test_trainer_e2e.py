@@ -18,20 +18,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import ray
+from click.testing import CliRunner
 
-pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
-
-from click.testing import CliRunner  # noqa: E402
-
-from tracestore import TraceStore  # noqa: E402
-from tracestore.cli import main as cli  # noqa: E402
-from tracestore.servers import EmbeddedServer  # noqa: E402
-from tracestore.trainer.checkpoint import load_state  # noqa: E402
-from tracestore.trainer.config import TrainConfig  # noqa: E402
-from tracestore.trainer.housekeeping import store_counts  # noqa: E402
-from tracestore.trainer.loop import SimulatedCrash, run  # noqa: E402
-from tracestore.trainer.report import Report  # noqa: E402
+from tracestore import TraceStore
+from tracestore.cli import main as cli
+from tracestore.servers import EmbeddedServer
+from tracestore.trainer.checkpoint import load_state
+from tracestore.trainer.config import TrainConfig
+from tracestore.trainer.housekeeping import store_counts
+from tracestore.trainer.loop import SimulatedCrash, run
+from tracestore.trainer.report import Report
 
 pytestmark = pytest.mark.ray
 
@@ -49,6 +46,7 @@ FAST: dict[str, Any] = {
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_runtime() -> Iterator[None]:
+    # address="local": always a private Ray, never a cluster some earlier `ray start` left recorded
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("torch")
-
-from tracestore import TraceStore  # noqa: E402
-from tracestore.trainer.housekeeping import StoreCounts, reclaim_dead_owners, store_counts  # noqa: E402
+from tracestore import TraceStore
+from tracestore.trainer.housekeeping import StoreCounts, reclaim_dead_owners, store_counts
 
 
 def test_reclaim_releases_dead_owners_resolves_their_leases_and_reopens_the_gate(
