@@ -23,10 +23,12 @@ import redis
 
 from tests._netcut import CutProxy
 from tests.conftest import _selected, connect_async
+from tests.test_gate import dump_run
 from tracestore import InvalidId, SessionReleased, TraceStore
 from tracestore._io import SyncIO
 from tracestore.errors import OwnerLost
 from tracestore.replies import text
+from tracestore.scripts import script
 from tracestore.store import AsyncTraceStore
 
 HERE = Path(__file__).resolve().parent
@@ -159,6 +161,60 @@ def test_released_id_cannot_be_reopened_and_data_writes_fail(store: TraceStore) 
         write_turn(store, "s")
     assert store.release(["s"], "train:1") == []
     assert len(events(store)) == 1
+
+
+def test_open_sessions_with_a_released_id_opens_none_of_the_batch(store: TraceStore) -> None:
+    """The batch form refuses a released id like ``open_session`` does, and writes nothing.
+
+    Guard: the released check of lua/open_sessions.lua (issue 18 item 1: without it a
+    released id was reopened and no test noticed).
+    """
+    store.open_sessions(["r1", "r2"], "train:1")
+    write_turn(store, "r1")
+    assert store.release(["r1", "r2"], "train:1", "consumed") == ["r1", "r2"]
+    store.open_session("live", "rollout:0")
+    before = dump_run(store)
+
+    for batch in (["n1", "r1", "n2"], ["r2"], ["n1", "n2", "n3", "r2"], ["r1", "r2"]):
+        with pytest.raises(SessionReleased) as exc:
+            store.open_sessions(batch, "rollout:0")
+        assert exc.value.sid == next(s for s in batch if s.startswith("r"))
+        assert dump_run(store) == before  # nothing opened, nothing else written
+    assert store.session_states(["n1", "n2", "n3", "r1", "r2"]) == {
+        "n1": None,
+        "n2": None,
+        "n3": None,
+        "r1": ("train:1", "released"),
+        "r2": ("train:1", "released"),
+    }
+    assert store.sessions("rollout:0") == ["live"]
+    with pytest.raises(SessionReleased):
+        write_turn(store, "r1")  # still released: the refused open did not revive its data
+    assert [e["sid"] for e in events(store)] == ["r1", "r2"]
+
+    # Nothing half-written: the same batch without the released id opens in full.
+    assert store.open_sessions(["n1", "n2"], "rollout:0") == 2
+    assert store.sessions("rollout:0") == ["live", "n1", "n2"]
+
+
+def test_open_sessions_is_all_or_nothing_per_chunk_of_4000(store: TraceStore) -> None:
+    """The documented limit of the batch form: each chunk of 4,000 ids is one atomic script.
+
+    A released id in the second chunk refuses that whole chunk (SessionReleased) while the
+    first chunk, a separate script, is opened.
+    """
+    chunk = script("open_sessions").chunk
+    assert chunk == 4000
+    store.open_session("gone", "train:1")
+    store.release(["gone"], "train:1")
+    first = [f"c1-{i:04d}" for i in range(chunk)]
+    second = [f"c2-{i:04d}" for i in range(10)]
+    with pytest.raises(SessionReleased) as exc:
+        store.open_sessions([*first, *second[:5], "gone", *second[5:]], "rollout:0")
+    assert exc.value.sid == "gone"
+    assert store.sessions("rollout:0") == first
+    states = store.session_states(second)
+    assert all(states[s] is None for s in second)
 
 
 # -- scenario 3: concurrent duplicate releases -------------------------------------------
