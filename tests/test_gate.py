@@ -529,6 +529,51 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(store: TraceStore) ->
     assert g.status().version == 2
 
 
+# -- install guards, one test each (issue 18 item 2) ----------------------------------------------
+
+
+def test_install_is_refused_while_any_lease_is_live(store_factory: Any) -> None:
+    """Guard: gate_install.lua's live-lease check (invariant 1: no request in flight sees
+    its weights change). Every refusal changes nothing; the settle of the last lease
+    makes the same install succeed."""
+    a, b = store_factory(), store_factory()
+    leases = [a.gate.admit(f"s{i}", f"w{i}", 30) for i in range(3)]
+    a.gate.seal()
+    for left in (3, 2, 1):
+        before = dump_run(a)
+        for installer in (a, b):  # any client, same answer
+            with pytest.raises(NotDrained) as nd:
+                installer.gate.install(1)
+            assert (nd.value.state, nd.value.live) == ("sealed", left)
+        assert dump_run(a) == before
+        st = b.gate.status()
+        assert (st.version, st.live, st.installable) == (0, left, False)
+        a.gate.settle(leases[3 - left], "completed")
+    assert b.gate.install(1) == 0
+    assert a.gate.status().version == 1
+    assert [r.version for r in a.gate.lease_records([x.id for x in leases])] == [0, 0, 0]  # type: ignore[union-attr]
+
+
+def test_install_is_refused_on_an_open_gate(store: TraceStore) -> None:
+    """Guard: gate_install.lua's sealed check. With no lease live and nothing poisoned, only
+    the open state stands between a caller and a weight change under new admissions."""
+    g = store.gate
+    g.settle(g.admit("s0", "w", 30), "completed")
+    for _ in range(2):  # a gate never sealed, then one sealed and reopened
+        st = g.status()
+        assert (st.state, st.live, st.poisoned, st.installable) == ("open", 0, 0, False)
+        before = dump_run(store)
+        with pytest.raises(NotDrained) as nd:
+            g.install(1)
+        assert (nd.value.state, nd.value.live) == ("open", 0)
+        assert dump_run(store) == before
+        g.seal()
+        g.reopen()
+    g.seal()
+    assert g.install(1) == 0
+    assert g.status().version == 1
+
+
 # -- drain wakes on the last settle ----------------------------------------------------------------
 
 

@@ -17,7 +17,9 @@ from click.testing import CliRunner
 
 from tests.test_ownership import _race, data_intact, data_purged, events, write_turn
 from tracestore import InvalidInput, SessionReleased, TraceStore
+from tracestore import gc as gcmod
 from tracestore.cli import main
+from tracestore.scripts import Batch, Eval
 
 
 def test_gc_purges_data_left_by_a_crash_between_release_and_purge(store: TraceStore) -> None:
@@ -135,6 +137,59 @@ def test_gc_removes_groups_of_gone_holders_then_trims_by_retention(store: TraceS
     assert store.gc().events_trimmed == 0  # no group: keep a day of events
     assert store.gc(event_retention_s=0).events_trimmed == 3
     assert store.redis.xlen(k) == 0
+
+
+def test_gc_owner_lost_script_never_declares_a_fresh_owner_lost(store: TraceStore) -> None:
+    """Guard: gc_owner_lost.lua's own heartbeat-deadline check (server clock).
+
+    Called directly, the script leaves an owner alone whose deadline is in the future or
+    who never heart-beat. And in a real gc pass that selected an owner as expired, an
+    owner that heart-beats between that selection and the script is not declared lost
+    (the client's view is stale; only the server-side check sees the new deadline).
+    """
+    store.heartbeat("rollout:fresh", 60)
+    store.open_sessions(["f0", "f1"], "rollout:fresh")
+    store.open_sessions(["n0"], "rollout:never-beat")
+    write_turn(store, "f0")
+    for owner in ("rollout:fresh", "rollout:never-beat"):
+        gen = gcmod.release_lost_owner(store._ctx, owner)
+        members = store._io.execute(next(gen))
+        batch = gen.send(members)
+        replies = store._io.execute(batch)
+        assert [int(r[0]) for r in replies] == [0]  # the script itself says: not lost
+        with pytest.raises(StopIteration) as stop:
+            gen.send(replies)
+        assert stop.value.value == (False, [])
+    assert store.redis.zcard(store.keys.owners_lost) == 0
+    assert store.sessions("rollout:fresh") == ["f0", "f1"] and data_intact(store, "f0")
+    assert store.sessions("rollout:never-beat") == ["n0"]
+    store.heartbeat("rollout:fresh", 60)  # not lost: its heartbeat is still accepted
+
+    # gc selects an expired owner, the owner heart-beats, then gc's script runs.
+    store.heartbeat("rollout:late", 0.05)
+    store.open_sessions(["l0", "l1"], "rollout:late")
+    write_turn(store, "l0")
+    time.sleep(0.1)
+    gen2 = gcmod.gc(store._ctx, scan_data=False)
+    req = next(gen2)
+    scripts_seen: list[str] = []
+    try:
+        while True:
+            if isinstance(req, Batch) and any(
+                isinstance(r, Eval) and r.script.name == "gc_owner_lost" for r in req.requests
+            ):
+                if not scripts_seen:
+                    assert [r.args[0] for r in req.requests] == ["rollout:late"]  # selected as expired
+                    store.heartbeat("rollout:late", 60)  # ... and alive again before the script runs
+                scripts_seen.append("gc_owner_lost")
+            req = gen2.send(store._io.execute(req))
+    except StopIteration as stop2:
+        report = stop2.value
+    assert scripts_seen, "gc never called gc_owner_lost"
+    assert report.owners_lost == () and report.sessions_released == ()
+    assert store.redis.zscore(store.keys.owners_lost, "rollout:late") is None
+    assert store.sessions("rollout:late") == ["l0", "l1"] and data_intact(store, "l0")
+    assert events(store) == []
 
 
 def test_gc_rejects_bad_arguments_before_io(store: TraceStore) -> None:

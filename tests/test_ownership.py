@@ -603,6 +603,37 @@ def test_owner_loss_gc_releases_and_late_heartbeat_does_not_resurrect(store: Tra
     assert info["rollout:alive"].lost_ms is None and info["rollout:alive"].sessions == 2
 
 
+def test_transfer_to_a_lost_owner_is_refused_and_moves_nothing(store: TraceStore, arun: Any) -> None:
+    """Guard: transfer.lua's lost-owner check. A session moved to an owner gc declared lost
+    would belong to a tag that can never heartbeat or release again (it would leak until
+    some later gc pass); the transfer is refused, sync and async, and nothing moves."""
+    store.heartbeat("rollout:dead", 0.05)
+    store.open_session("d0", "rollout:dead")
+    time.sleep(0.1)
+    assert store.gc(scan_data=False).owners_lost == ("rollout:dead",)
+    sids = [f"t{i}" for i in range(5)]
+    store.open_sessions(sids, "rollout:src")
+    write_turn(store, sids[0])
+    before = dump_run(store)
+    with pytest.raises(OwnerLost) as exc:
+        store.transfer(sids, "rollout:src", "rollout:dead")
+    assert exc.value.owner == "rollout:dead" and exc.value.lost_ms > 0
+
+    async def via_async() -> None:
+        st = await connect_async(store.url, store.run)
+        try:
+            with pytest.raises(OwnerLost):
+                await st.transfer(sids[:2], "rollout:src", "rollout:dead")
+        finally:
+            await st.close()
+
+    arun(via_async())
+    assert dump_run(store) == before
+    assert store.sessions("rollout:src") == sids and store.sessions("rollout:dead") == []
+    assert data_intact(store, sids[0])
+    assert store.transfer(sids, "rollout:src", "replay") == sids  # a live owner still receives
+
+
 def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
     store.heartbeat("rollout:w", 0.4)
     store.open_sessions(["s0", "s1"], "rollout:w")

@@ -24,8 +24,10 @@ from tracestore import (
     Segment,
     SessionReleased,
     TraceStore,
+    traces,
 )
 from tracestore.nodecache import node_cache
+from tracestore.scripts import Eval
 from tracestore.traces import node_id
 
 SYS = "<|system|>You are a calculator.<|end|>"
@@ -547,6 +549,35 @@ def test_refused_insert_leaves_every_key_byte_identical(store: TraceStore) -> No
 
 
 # -- cache safety ------------------------------------------------------------------------------
+
+
+def test_insert_on_a_stale_index_is_refused_then_placed_under_the_new_parent(
+    store_factory: Callable[..., TraceStore],
+) -> None:
+    """Guard: insert_node.lua's stale-index check (the write is conditional on the index
+    version the client chose its parent from). Deterministic: another client's insert
+    lands between this client's cached read and its write, and makes a longer prefix."""
+    a, b = store_factory(), store_factory()
+    sid = "stale-ins"
+    a.insert(sid, "he", Segment([1]))  # a's cache now holds the index
+    gen = traces.insert(a._ctx, sid, "hello world", Segment([3]))
+    req = next(gen)
+    assert isinstance(req, Eval) and req.script.name == "insert_node"  # warm: straight to the write
+    hello = b.insert(sid, "hello", Segment([2]))  # meanwhile: the longest prefix changes
+    before = _session_dump(a, sid)
+    reply = a._io.execute(req)
+    assert int(reply[0]) == 1, "a write chosen from a stale index was not refused"
+    assert _session_dump(a, sid) == before  # refused: nothing written
+    try:
+        while True:  # the client re-reads the index, chooses the parent again, writes
+            req = gen.send(a._io.execute(req))
+    except StopIteration as stop:
+        node = stop.value
+    assert node.parent == hello.id
+    for st in (a, b):
+        m = st.search(sid, "hello world")
+        assert [seg.text for seg in m.segments] == ["he", "llo", " world"]
+        assert st.export_training_trace(sid, "hello world").input_ids == [1, 2, 3]
 
 
 def test_two_clients_warm_cache_never_stale(store_factory: Callable[..., TraceStore]) -> None:
