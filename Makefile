@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install train demo test lint bench clean
+.PHONY: install train demo test test-model-long lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check tracestore trainer tests benchmarks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+## The trace model test's long random profile (not part of `make test`, which runs its
+## fixed-seed profile): 3,000 random programs per backend, up to an hour; a failure prints
+## how to replay it (PYTEST_ARGS=--hypothesis-seed=N replays a seed).
+test-model-long: $(STAMP)
+	TRACESTORE_MODEL_PROFILE=long $(VENV)/bin/pytest tests/test_traces_model.py --timeout=7200 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tracestore trainer tests benchmarks

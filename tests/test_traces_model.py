@@ -16,12 +16,21 @@ node under the looked-up prefix and the response under the delta, as
 XTuner's session server intends. Differences that are tracestore's contract
 rather than XTuner's: an existing key is never overwritten (equal rewrite =
 no-op, else NodeConflict) and reads never create a session.
+
+Two hypothesis profiles (``TRACESTORE_MODEL_PROFILE``):
+
+* ``ci`` (default, what ``make test`` runs): derandomized, so every run explores
+  the same 100 programs and the test passes or fails the same way each time;
+* ``long`` (``make test-model-long``): a random seed and 3,000 programs of up to
+  50 steps, for hunting; a failure prints its steps and a ``@reproduce_failure``
+  blob, and ``PYTEST_ARGS=--hypothesis-seed=N`` replays a seed.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +47,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.conftest import _selected
 from tracestore import InvalidInput, NodeConflict, PromptMismatch, Segment, TraceStore
 from tracestore.traces import node_id
 
@@ -378,9 +388,30 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
     return TraceModel
 
 
+_COMMON: dict[str, Any] = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    "database": None,
+}
+PROFILES = {
+    "ci": settings(max_examples=100, stateful_step_count=30, derandomize=True, **_COMMON),
+    "long": settings(
+        max_examples=3000, stateful_step_count=50, derandomize=False, print_blob=True, **_COMMON
+    ),
+}
+
+
+def _profile() -> settings:
+    name = os.environ.get("TRACESTORE_MODEL_PROFILE", "ci")
+    if name not in PROFILES:
+        raise pytest.UsageError(f"TRACESTORE_MODEL_PROFILE={name!r}: choose from {sorted(PROFILES)}")
+    return PROFILES[name]
+
+
+# Standalone and cluster only (one node and slot routing); on redis7 and the container,
+# both single-node Redis 7, the data plane's scripts run in test_traces.py.
+@pytest.mark.parametrize("backend", [b for b in _selected() if b in ("valkey", "cluster")])
 def test_traces_match_the_reference_trie(url: str, run_id: str, backend: str) -> None:
-    if backend not in ("valkey", "cluster"):
-        pytest.skip("the model test runs on standalone and cluster (the others share the engine)")
     clients = [
         TraceStore.connect(url, run=run_id),
         TraceStore.connect(url, run=run_id, cache_bytes=2048, store_text=True),
@@ -388,16 +419,7 @@ def test_traces_match_the_reference_trie(url: str, run_id: str, backend: str) ->
     ]
     try:
         machine = make_machine(clients)
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=100,
-                stateful_step_count=30,
-                deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-                database=None,
-            ),
-        )
+        run_state_machine_as_test(machine, settings=_profile())
     finally:
         for c in clients:
             c.close()
