@@ -20,15 +20,17 @@ no-op, else NodeConflict) and reads never create a session.
 Two hypothesis profiles (``TRACESTORE_MODEL_PROFILE``):
 
 * ``ci`` (default, what ``make test`` runs): derandomized, so every run explores
-  the same 100 programs and the test passes or fails the same way each time;
+  the same 100 programs and the test passes or fails the same way each time; a
+  failure prints the failing program as found (not shrunk);
+* ``ci-shrink``: the same programs, and a failure shrunk to a minimal program
+  (minutes against real servers: run it with ``--timeout=0``);
 * ``long`` (``make test-model-long``): a random seed and 3,000 programs of up to
-  50 steps, for hunting; a failure prints its steps and a ``@reproduce_failure``
-  blob, and ``PYTEST_ARGS=--hypothesis-seed=N`` replays a seed.
+  50 steps, for hunting; a failure is shrunk and printed with a
+  ``@reproduce_failure`` blob, and ``PYTEST_ARGS=--hypothesis-seed=N`` replays a seed.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import struct
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -49,10 +51,11 @@ from hypothesis.stateful import (
 
 from tests.conftest import _selected
 from tracestore import InvalidInput, NodeConflict, PromptMismatch, Segment, TraceStore
+from tracestore.nodecache import node_cache
 from tracestore.traces import node_id
 
 IGNORE = -100
-_sids = itertools.count()
+SID = "model"
 
 
 def f32(x: float) -> float:
@@ -142,11 +145,24 @@ logprob_st = st.one_of(st.floats(-20.0, 0.0, allow_nan=False), st.just(-math.inf
 versions = st.integers(0, 3)
 
 
+def _reset(clients: list[TraceStore], sid: str) -> None:
+    """Delete the session's data keys (tombstone included) and empty every client's cache."""
+    k = clients[0].keys
+    clients[0].redis.delete(*k.data_keys(sid), k.dead(sid))
+    for c in clients:
+        node_cache(c._ctx).clear()
+
+
 def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
     class TraceModel(RuleBasedStateMachine):
         @initialize(experts=st.sampled_from(["none", "all", "mixed"]))
         def start(self, experts: str) -> None:
-            self.sid = f"m{next(_sids)}"
+            # Every example, and every replay of one while hypothesis shrinks a failure,
+            # starts from the same state: one session id, no data, empty client caches.
+            # (Fresh ids per example left the caches' LRU order to earlier examples, so a
+            # failure did not replay: FlakyStrategyDefinition, and no minimal example.)
+            _reset(clients, SID)
+            self.sid = SID
             self.ref = RefTrie()
             self.experts = experts
             self.prompts: list[str] = []  # keys written as delta (prompt) nodes, or seen prompts
@@ -383,7 +399,7 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
                 cold = clients[-1]
                 for key in self._keys():
                     self._check_export(cold, key)
-                clients[0].drop_session_data(self.sid)
+                _reset(clients, self.sid)
 
     return TraceModel
 
@@ -393,8 +409,18 @@ _COMMON: dict[str, Any] = {
     "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     "database": None,
 }
+_CI: dict[str, Any] = {"max_examples": 100, "stateful_step_count": 30, "derandomize": True}
 PROFILES = {
-    "ci": settings(max_examples=100, stateful_step_count=30, derandomize=True, **_COMMON),
+    # No shrinking in make test: against real servers it takes minutes and would meet the
+    # per-test timeout; the failing program is printed as found, first bug only.
+    "ci": settings(
+        **_CI,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+        report_multiple_bugs=False,
+        **_COMMON,
+    ),
+    # The same programs as ci, shrunk to a minimal failing one (run with --timeout=0).
+    "ci-shrink": settings(**_CI, **_COMMON),
     "long": settings(
         max_examples=3000, stateful_step_count=50, derandomize=False, print_blob=True, **_COMMON
     ),
