@@ -136,6 +136,10 @@ class TlsFiles:
         return cls(d / "cert.pem", d / "key.pem", d / "cert.pem")
 
 
+class _PortTaken(ServerError):
+    """The free port chosen was taken by another process before the server bound it."""
+
+
 class EmbeddedServer:
     """One standalone (or cluster-enabled) server process.
 
@@ -228,17 +232,32 @@ class EmbeddedServer:
         return self.dir / "server.log" if self.dir else None
 
     def start(self) -> EmbeddedServer:
-        """Start the process and wait until it answers PING."""
+        """Start the process and wait until it answers PING.
+
+        A port found free can be taken by another process before the server
+        binds it; with no port requested, start tries again on a new free port
+        (up to 5 times). Raises ServerError.
+        """
         if self.proc is not None:
             raise ServerError(f"server on {self.where} is already running")
         if not self.tcp:
             self.port = 0
-        elif self.requested_port:
+            return self._launch()
+        if self.requested_port:
             if not port_is_free(self.requested_port, self.host):
                 raise ServerError(f"port {self.requested_port} on {self.host} is already in use")
             self.port = self.requested_port
-        else:
+            return self._launch()
+        for attempt in range(5):
             self.port = free_port(self.host)
+            try:
+                return self._launch()
+            except _PortTaken:
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _launch(self) -> EmbeddedServer:
         if self._own_dir:
             self.dir = Path(tempfile.mkdtemp(prefix=f"tracestore-{self.port}-"))
         assert self.dir is not None
@@ -299,12 +318,19 @@ class EmbeddedServer:
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise ServerError(
+                    tail = self._log_tail()
+                    error = _PortTaken if "in use" in tail else ServerError
+                    raise error(
                         f"{Path(self.binary).name} on {self.where} exited with code "
-                        f"{self.proc.returncode}: {self._log_tail()}"
+                        f"{self.proc.returncode}: {tail}"
                     )
                 try:
                     if client.ping():
+                        pid = int(client.info("server").get("process_id", -1))
+                        if pid != self.proc.pid:  # another process took the port first
+                            raise _PortTaken(
+                                f"port {self.port} answered from process {pid}, not ours ({self.proc.pid})"
+                            )
                         if self.aof:
                             # AOF loading answers PING with LOADING; wait for it.
                             info = client.info("persistence")
