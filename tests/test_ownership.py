@@ -558,7 +558,10 @@ def test_without_retries_the_cut_surfaces_and_a_new_call_is_safe(
 
 
 def test_owner_loss_gc_releases_and_late_heartbeat_does_not_resurrect(store: TraceStore) -> None:
-    store.heartbeat("rollout:dead", 0.2)
+    # Both alive for a minute while the workload is set up and the first gc runs (no race
+    # with the clock however slow the machine), then rollout:dead's last heartbeat asks for
+    # only 50 ms (a heartbeat sets the deadline to now + ttl, shorter too) and it stops.
+    store.heartbeat("rollout:dead", 60)
     store.heartbeat("rollout:alive", 60)
     dead = [f"d{i}" for i in range(12)]
     store.open_sessions(dead, "rollout:dead")
@@ -570,7 +573,8 @@ def test_owner_loss_gc_releases_and_late_heartbeat_does_not_resurrect(store: Tra
     first = store.gc()
     assert first.owners_lost == () and first.sessions_released == ()
 
-    time.sleep(0.3)
+    store.heartbeat("rollout:dead", 0.05)
+    time.sleep(0.1)
     report = store.gc()
     assert report.owners_lost == ("rollout:dead",)
     assert sorted(report.sessions_released) == sorted(dead)
@@ -635,12 +639,16 @@ def test_transfer_to_a_lost_owner_is_refused_and_moves_nothing(store: TraceStore
 
 
 def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
-    store.heartbeat("rollout:w", 0.4)
+    # ttl 1 s, a heartbeat every 0.3 s: 0.7 s of slack for the gc between two beats, and
+    # 1.2 s in all, longer than one ttl (without the beats the owner would be lost).
+    t0 = time.monotonic()
+    store.heartbeat("rollout:w", 1.0)
     store.open_sessions(["s0", "s1"], "rollout:w")
     for _ in range(4):
-        time.sleep(0.15)
-        store.heartbeat("rollout:w", 0.4)
-        assert store.gc().sessions_released == ()
+        time.sleep(0.3)
+        store.heartbeat("rollout:w", 1.0)
+        assert store.gc(scan_data=False).sessions_released == ()
+    assert time.monotonic() - t0 > 1.0
     assert store.sessions("rollout:w") == ["s0", "s1"]
 
 

@@ -164,7 +164,8 @@ def test_periodic_reconcile_catches_a_missed_release(store: TraceStore) -> None:
     # x is released before the holder exists (its event never reaches it), and
     # a producer still puts a value for x afterwards.
     store.release(["x"], "train:4", purge=False)
-    with RefHolder(store, reconcile_s=0.5) as holder:
+    # grace 2 s: "never-opened" below is surely still held 0.2 s after its put
+    with RefHolder(store, reconcile_s=0.5, grace_s=2.0) as holder:
         holder.put("x", array(3))
         holder.put("y", array(4))
         assert holder.held_sessions() == ["x", "y"]
