@@ -172,7 +172,7 @@ def run(quick: bool) -> dict[str, Any]:
     sizes = (1_000, 2_000) if quick else (1_000, 10_000)
     server = EmbeddedServer().start()  # dedicated: INFO commandstats sees only this benchmark
     url = server.url
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         from ray import cloudpickle
 
