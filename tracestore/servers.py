@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .errors import ServerError
 from .replies import text
@@ -314,7 +316,11 @@ class EmbeddedServer:
     def _wait_ready(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout_s
-        client = self.client(socket_timeout=1.0)
+        # One try per probe: redis-py's default retries (10, with backoff) would keep a
+        # probe of a port someone else holds going past the deadline.
+        client = self.client(
+            socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+        )
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -339,7 +345,7 @@ class EmbeddedServer:
                         return
                 except redis.exceptions.RedisError:
                     pass
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and self.proc.poll() is None:
                     raise ServerError(
                         f"server on {self.where} not ready after "
                         f"{self.startup_timeout_s}s: {self._log_tail()}"
