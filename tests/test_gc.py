@@ -156,10 +156,10 @@ def test_gc_owner_lost_script_never_declares_a_fresh_owner_lost(store: TraceStor
     store.open_sessions(["n0"], "rollout:never-beat")
     write_turn(store, "f0")
     for owner in ("rollout:fresh", "rollout:never-beat"):
-        gen = gcmod.release_lost_owner(store._ctx, owner)
-        members = store._io.execute(next(gen))
+        gen = gcmod.release_lost_owner(store.context, owner)
+        members = store.execute(next(gen))
         batch = gen.send(members)
-        replies = store._io.execute(batch)
+        replies = store.execute(batch)
         assert [int(r[0]) for r in replies] == [0]  # the script itself says: not lost
         with pytest.raises(StopIteration) as stop:
             gen.send(replies)
@@ -174,7 +174,7 @@ def test_gc_owner_lost_script_never_declares_a_fresh_owner_lost(store: TraceStor
     store.open_sessions(["l0", "l1"], "rollout:late")
     write_turn(store, "l0")
     time.sleep(0.1)
-    gen2 = gcmod.gc(store._ctx, scan_data=False)
+    gen2 = gcmod.gc(store.context, scan_data=False)
     req = next(gen2)
     scripts_seen: list[str] = []
     try:
@@ -186,7 +186,7 @@ def test_gc_owner_lost_script_never_declares_a_fresh_owner_lost(store: TraceStor
                     assert [r.args[0] for r in req.requests] == ["rollout:late"]  # selected as expired
                     store.heartbeat("rollout:late", 60)  # ... and alive again before the script runs
                 scripts_seen.append("gc_owner_lost")
-            req = gen2.send(store._io.execute(req))
+            req = gen2.send(store.execute(req))
     except StopIteration as stop2:
         report = stop2.value
     assert scripts_seen, "gc never called gc_owner_lost"

@@ -624,7 +624,7 @@ def test_transfer_to_a_lost_owner_is_refused_and_moves_nothing(store: TraceStore
     assert exc.value.owner == "rollout:dead" and exc.value.lost_ms > 0
 
     async def via_async() -> None:
-        st = await connect_async(store.url, store.run)
+        st = await connect_async(store.url, store.run_id)
         try:
             with pytest.raises(OwnerLost):
                 await st.transfer(sids[:2], "rollout:src", "rollout:dead")

@@ -560,17 +560,17 @@ def test_insert_on_a_stale_index_is_refused_then_placed_under_the_new_parent(
     a, b = store_factory(), store_factory()
     sid = "stale-ins"
     a.insert(sid, "he", Segment([1]))  # a's cache now holds the index
-    gen = traces.insert(a._ctx, sid, "hello world", Segment([3]))
+    gen = traces.insert(a.context, sid, "hello world", Segment([3]))
     req = next(gen)
     assert isinstance(req, Eval) and req.script.name == "insert_node"  # warm: straight to the write
     hello = b.insert(sid, "hello", Segment([2]))  # meanwhile: the longest prefix changes
     before = _session_dump(a, sid)
-    reply = a._io.execute(req)
+    reply = a.execute(req)
     assert int(reply[0]) == 1, "a write chosen from a stale index was not refused"
     assert _session_dump(a, sid) == before  # refused: nothing written
     try:
         while True:  # the client re-reads the index, chooses the parent again, writes
-            req = gen.send(a._io.execute(req))
+            req = gen.send(a.execute(req))
     except StopIteration as stop:
         node = stop.value
     assert node.parent == hello.id

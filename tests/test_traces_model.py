@@ -150,7 +150,7 @@ def _reset(clients: list[TraceStore], sid: str) -> None:
     k = clients[0].keys
     clients[0].redis.delete(*k.data_keys(sid), k.dead(sid))
     for c in clients:
-        node_cache(c._ctx).clear()
+        node_cache(c.context).clear()
 
 
 def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
