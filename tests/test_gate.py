@@ -70,8 +70,15 @@ def test_admit_settle_receipts_and_versions(store: TraceStore) -> None:
     again = g.settle(lease.id, "failed")
     assert again == first and again.replayed and again.outcome == "completed"
     assert g.status().live == 0
-    rec = g.lease_records([lease.id])[0]
-    assert rec is not None and (rec.sid, rec.holder, rec.outcome) == ("s1", "worker-1", "completed")
+    live = g.admit("s2", "worker-2", 30)
+    rec, live_rec = g.lease_records([lease.id, live.id])
+    assert live_rec is not None and (live_rec.sid, live_rec.holder, live_rec.outcome) == ("s2", "worker-2", None)
+    # a settled lease keeps only its receipt (what a retried settle returns), until op_ttl_s
+    assert rec is not None and (rec.outcome, rec.version, rec.settled_ms) == ("completed", 0, first.settled_ms)
+    assert (rec.sid, rec.holder) == ("", "")
+    assert sorted(store.redis.hkeys(store.keys.gate_lease(lease.id))) == [b"outcome", b"settled_ms", b"version"]
+    assert 0 < store.redis.pttl(store.keys.gate_lease(lease.id)) <= store.config.op_ttl_s * 1000
+    g.settle(live, "completed")
 
     with g.weight_update(version=7, drain_timeout_s=1) as res:
         assert res.drained and res.ok

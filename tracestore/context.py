@@ -23,14 +23,17 @@ class StoreConfig:
     ``redis-cli``, PromptMismatch windows); off saves memory.
     ``max_payload_bytes``: refuse a single node payload above this size.
     ``cache_bytes``: bound of the client-side cache of immutable nodes.
-    ``op_ttl_s``: how long the reply of a mutating script is kept for retries.
+    ``op_ttl_s``: how long the reply of a mutating script (and a settled
+    lease's receipt) is kept for retries: 60 s covers redis-py's retries
+    (3, backoff up to 0.5 s, 10 s socket timeout) and a caller's retry after
+    a failover, and bounds what a run leaves behind (docs/capacity.md).
     ``replay_payload_bytes``: refuse a replay group whose payload JSON is larger.
     """
 
     store_text: bool = True
     max_payload_bytes: int = 32 * 1024 * 1024
     cache_bytes: int = 64 * 1024 * 1024
-    op_ttl_s: int = 600
+    op_ttl_s: int = 60
     replay_payload_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
