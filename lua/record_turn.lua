@@ -1,12 +1,15 @@
 -- script: record_turn
 -- Write one turn of a session atomically: the delta node (key = prompt, when
 -- the turn added prompt tokens) and the response node (key = prompt +
--- response). Nothing is written when any check fails.
--- KEYS: 4
+-- response). Nothing is written when any check fails. A turn whose response
+-- node is new is counted in the run's turn counter shard of this slot (a
+-- replayed or duplicate turn writes nothing and is not counted).
+-- KEYS: 5
 -- KEYS[1] = ts:{R/sid}:idx   hash digest -> "parent,end,ntok,flags,version,expert_key"; '#e' epoch, '#v' index version
 -- KEYS[2] = ts:{R/sid}:tok   hash digest -> packed payload (int32 ids, float32 logprobs[, int32 labels])
 -- KEYS[3] = ts:{R/sid}:txt   hash digest -> node text (segment text)
 -- KEYS[4] = ts:{R/sid}:dead  tombstone (string)
+-- KEYS[5] = ts:{R|<tag>}:turns  the run's turn counter shard of this hash slot (string, int)
 -- ARGV[1] = session id (for error fields)
 -- ARGV[2] = store text (1|0)
 -- ARGV[3] = number of nodes n (1 or 2, parents first)
@@ -23,6 +26,7 @@ end
 local fresh, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
 if err then return err end
 local epoch, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, fresh, ARGV[2] == '1')
+if fresh[#nodes] then redis.call('INCR', KEYS[5]) end
 local out = {0, epoch, before, after}
 for i = 1, #nodes do out[#out + 1] = fresh[i] and 1 or 0 end
 return out

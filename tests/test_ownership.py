@@ -184,8 +184,8 @@ def test_open_sessions_with_a_released_id_opens_none_of_the_batch(store: TraceSt
         "n1": None,
         "n2": None,
         "n3": None,
-        "r1": ("train:1", "released"),
-        "r2": ("train:1", "released"),
+        "r1": ("", "released"),
+        "r2": ("", "released"),
     }
     assert store.sessions("rollout:0") == ["live"]
     with pytest.raises(SessionReleased):
@@ -215,6 +215,52 @@ def test_open_sessions_is_all_or_nothing_per_chunk_of_4000(store: TraceStore) ->
     assert store.sessions("rollout:0") == first
     states = store.session_states(second)
     assert all(states[s] is None for s in second)
+
+
+def test_a_released_session_keeps_only_its_tombstone(store: TraceStore, store_factory: Any) -> None:
+    """Issue 17: the session hash goes with the release (its fields travel in the event);
+    the tombstone alone keeps every invariant: released once, one event, no reopen, no
+    admission, SessionReleased for writes once purged, nothing resurrected by a late write."""
+    r, k = store.redis, store.keys
+    store.open_session("s", "rollout:0", version=3, group="g-9")
+    opened_ms = int(r.hget(k.session("s"), "opened_ms"))
+    write_turn(store, "s")
+    m = store.lookup("s", prompt_of("s") + response_of("s") + "<user>more</user>")  # a turn in flight
+    store.transfer(["s"], "rollout:0", "train:1")
+    assert store.release(["s"], "train:1", "consumed") == ["s"]
+
+    # control plane: no hash, no owner-set member; the tombstone and one event with the hash's fields
+    assert not r.exists(k.session("s")) and not r.sismember(k.owner("train:1"), "s")
+    assert r.zscore(k.released, "s") is not None
+    ((_, ev),) = r.xrange(k.events)
+    assert {text(a): text(b) for a, b in ev.items()} == {
+        "sid": "s", "owner": "train:1", "reason": "consumed", "ms": text(ev[b"ms"]),
+        "born": "3", "opened_ms": str(opened_ms), "group": "g-9",
+    }
+    assert store.session_states(["s"]) == {"s": ("", "released")}
+    # data plane: purged, only the data tombstone is left
+    assert [key for key in (k.idx("s"), k.tok("s"), k.txt("s"), k.dead("s")) if r.exists(key)] == [k.dead("s")]
+
+    # every invariant still holds, from this client and another one
+    other = store_factory()
+    for st in (store, other):
+        assert st.release(["s"], "train:1") == [] and st.release_owner("train:1") == []
+        with pytest.raises(SessionReleased):
+            st.open_session("s", "train:1")
+        with pytest.raises(SessionReleased):
+            st.open_sessions(["new", "s"], "train:1")
+        with pytest.raises(SessionReleased):
+            st.gate.admit("s", "w", 5)
+        with pytest.raises(SessionReleased):  # the late write of the turn that was in flight
+            st.record_turn(
+                "s", prompt_of("s") + response_of("s") + "<user>more</user>", "<assistant>late</assistant>",
+                prefix=m, delta_token_ids=[8], response_token_ids=[9], response_logprobs=[-1.0], version=1,
+            )
+        with pytest.raises(SessionReleased):
+            write_turn(st, "s")
+    assert not r.exists(k.idx("s")) and not r.exists(k.session("s"))
+    assert r.xlen(k.events) == 1 and store.stats().sessions_released == 1
+    assert store.sessions() == [] and store.owners() == []  # an empty owner set is no key
 
 
 # -- scenario 3: concurrent duplicate releases -------------------------------------------

@@ -38,13 +38,15 @@ from .context import SCHEMA_VERSION, Context
 from .errors import InvalidInput, RunNotEmpty
 from .replay import STORED_STATUSES
 from .replies import pairs, text
-from .run import server_ms
+from .run import server_ms, stats
 from .scripts import Batch, Blocking, Cmd, Op, ScanAll, chunks
 
 #: Identifies a tracestore checkpoint file (first line, ``format``).
 FORMAT = "tracestore-checkpoint"
-#: Version of the file format (``docs/checkpoint.md``); restore refuses others.
-FORMAT_VERSION = 1
+#: Version of the file format (``docs/checkpoint.md``) that checkpoint writes.
+FORMAT_VERSION = 2
+#: Versions restore reads (1 has no ``turns`` record: the turn count starts at 0).
+READ_VERSIONS = (1, 2)
 #: Prefix given to the expert key of every restored node that had one.
 LOST_PREFIX = "lost:"
 #: Sessions read (or commands written) per pipelined round trip.
@@ -198,6 +200,7 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
     )
     try:
         nkeys, sids, tasks = yield from _write_control(ctx, w, keys)
+        w.line({"k": "turns", "recorded": (yield from stats(ctx)).turns_recorded})
         ngroups = yield from _write_groups(ctx, w, tasks)
         nnodes = yield from _write_traces(ctx, w, sids)
         counts = {"keys": nkeys, "groups": ngroups, "sessions": len(sids), "nodes": nnodes}
@@ -213,6 +216,9 @@ def _write_control(ctx: Context, w: _Writer, keys: list[str]) -> Op[tuple[int, l
     """The control plane, BATCH keys per round trip (TYPE, then value and TTL).
 
     Returns (keys written, the run's session ids, the replay buffer's tasks).
+    The session ids are those of the live sessions' hashes and of the release
+    tombstones (a released session has no hash; its data tombstone is written
+    with its trace record).
     """
     k = ctx.keys
     sids: list[str] = []
@@ -235,10 +241,12 @@ def _write_control(ctx: Context, w: _Writer, keys: list[str]) -> Op[tuple[int, l
             nkeys += 1
             if t == "hash" and (sid := k.sid_of_session_key(key)):
                 sids.append(sid)
+            if key == k.released:
+                sids += [text(m) for m, _ in pairs(value)]
             if key == k.rb_tasks:
                 tasks = sorted(text(m) for m in value)
         yield w.flush()
-    return nkeys, sids, tasks
+    return nkeys, list(dict.fromkeys(sids)), tasks
 
 
 def _write_groups(ctx: Context, w: _Writer, tasks: list[str]) -> Op[int]:
@@ -305,9 +313,9 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
         head = None
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise InvalidInput("checkpoint", f"{path} is not a tracestore checkpoint file")
-    if head.get("version") != FORMAT_VERSION:
+    if head.get("version") not in READ_VERSIONS:
         raise InvalidInput(
-            "checkpoint", f"{path} has format version {head.get('version')!r}; this tracestore reads {FORMAT_VERSION}"
+            "checkpoint", f"{path} has format version {head.get('version')!r}; this tracestore reads {READ_VERSIONS}"
         )
     if head.get("schema") != SCHEMA_VERSION:
         raise InvalidInput("checkpoint", f"{path} has schema {head.get('schema')!r}, expected {SCHEMA_VERSION}")
@@ -357,6 +365,13 @@ def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
         if ttl > 0:
             cmds.append(Cmd(("PEXPIRE", key, ttl), key=key))
         return cmds, 0
+    if kind == "turns":
+        recorded = int(rec["recorded"])
+        if recorded < 0:
+            raise InvalidInput("checkpoint", f"negative turn count {recorded}")
+        # the count goes into one shard: the run's figure is the sum of its shards
+        shard = k.turn_shard_of_slot(k.control_slot)
+        return ([Cmd(("INCRBY", shard, recorded), key=shard)] if recorded else []), 0
     if kind == "group":
         key = k.rb_group(rec["gid"])
         flat = [dec(x) for pair in rec["fields"] for x in pair]
@@ -443,13 +458,15 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     others = sorted(key for key in found if key != k.meta)
     if not others:
         others = (yield ScanAll(k.data_pattern, count=1000))[:5]
+    if not others and (yield from stats(ctx)).turns_recorded:
+        others = [k.turn_shard_pattern]
     if others:
         raise RunNotEmpty(k.run, others[:5])
     meta_suffix = k.control_suffix(k.meta)
     phases: list[Callable[[dict[str, Any]], bool]] = [
         lambda r: r["k"] == "trace",
         lambda r: r["k"] == "group",
-        lambda r: r["k"] == "key" and r["key"] != meta_suffix,
+        lambda r: (r["k"] == "key" and r["key"] != meta_suffix) or r["k"] == "turns",
         lambda r: r["k"] == "key" and r["key"] == meta_suffix,
     ]
     lost = 0

@@ -97,7 +97,7 @@ def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
         evals = ctx.op_evals(
             "gc_owner_lost",
             sids,
-            lambda op_key, part: (*fixed, op_key, *(k.session(s) for s in part)),
+            lambda op_key, part: (*fixed, op_key, k.stats, *(k.session(s) for s in part)),
             lambda part: (owner, OWNER_LOST, ctx.op_ttl_ms, *part),
             at_least_one=True,  # the deadline check runs even when the owner has no session
         )

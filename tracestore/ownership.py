@@ -50,7 +50,7 @@ def open_session(
     op_id, op_key = ctx.new_op()
     reply = yield Eval(
         script("open_session"),
-        (k.session(sid), k.owner(owner), k.released, op_key, k.owners_lost),
+        (k.session(sid), k.owner(owner), k.released, op_key, k.owners_lost, k.stats),
         (sid, owner, version, group or "", ctx.op_ttl_ms),
         op_id=op_id,
     )
@@ -80,7 +80,7 @@ def open_sessions(
     evals = ctx.op_evals(
         "open_sessions",
         sids,
-        lambda op_key, part: (okey, k.released, k.owners_lost, op_key, *(k.session(s) for s in part)),
+        lambda op_key, part: (okey, k.released, k.owners_lost, op_key, k.stats, *(k.session(s) for s in part)),
         lambda part: (owner, version, group or "", ctx.op_ttl_ms, *part),
     )
     yield Batch(tuple(evals))
@@ -129,7 +129,7 @@ def release_evals(ctx: Context, sids: Sequence[str], owner: str, reason: str) ->
     return ctx.op_evals(
         "release",
         sids,
-        lambda op_key, part: (okey, k.released, k.events, op_key, *(k.session(s) for s in part)),
+        lambda op_key, part: (okey, k.released, k.events, op_key, k.stats, *(k.session(s) for s in part)),
         lambda part: (owner, reason, ctx.op_ttl_ms, *part),
     )
 

@@ -310,6 +310,7 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
         k.released,
         k.events,
         op_key,
+        k.stats,
         *(k.session(s) for s in sids),
     )
     args = (
@@ -382,6 +383,7 @@ def take(
         k.rb_bytes,
         op_key,
         k.owners_lost,
+        k.stats,
     )
     args = (task, n, cutoff, policy, owner, REPLAY_OWNER, ctx.op_ttl_ms, window, MAX_STALE_IN_TAKE)
     expired: list[str] = []
@@ -434,6 +436,7 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
         k.rb_bytes,
         op_key,
         k.owners_lost,
+        k.stats,
     )
     window = min(2 * n + 8, 2 * MAX_TAKE)
     args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms, window)
@@ -486,6 +489,7 @@ def expire(
                 k.rb_sids,
                 k.rb_bytes,
                 op_key,
+                k.stats,
             )
             args = (t, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms)
             r = Reply((yield from _with_keys(ctx, "rb_expire", fixed, args, op_id)), "rb_expire")

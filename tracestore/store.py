@@ -90,6 +90,7 @@ class StoreMethods:
     run_ids = op(runs_ops.run_ids)
     list_runs = op(runs_ops.list_runs)
     delete_run = op(runs_ops.delete_run)
+    stats = op(run_ops.stats)
 
     # -- data plane (traces, purge.py) ----------------------------------------------
     lookup = op(trace_ops.lookup)

@@ -15,6 +15,9 @@
 --   oreplay     KEYS: ts:{R}:o:<replay>     replay   ARGV: the buffer's owner tag
 --   to, oto     the taker's owner tag and its owner set (rb_hand_over)
 --   qc, vc, qe, ve, released, events, now, rel_s   (rb_expire_group)
+--   st          the script's counters (lua/_lib/stats.lua): the script flushes
+--               them into ts:{R}:stats at its end (rb_expire_group counts
+--               groups_expired and, through session_release, the releases)
 
 local RB_TWO32 = 4294967296
 
@@ -109,6 +112,7 @@ end
 -- released sids to rb.rel_s. Returns true if kept.
 local function rb_expire_group(rb, gid, keep_override)
   local gk = rb.gmap[gid]
+  stats_add(rb.st, 'groups_expired', 1)
   local f = redis.call('HMGET', gk, 'task', 'seq', 'retryable', 'bytes', 'sids')
   local task, seq, bytes = f[1], f[2], tonumber(f[4]) or 0
   local vs = redis.call('ZSCORE', rb.vc, gid)
@@ -124,10 +128,10 @@ local function rb_expire_group(rb, gid, keep_override)
     rb_bytes_add(rb.bkey, 'expired', task, bytes)
     return true
   end
-  local rel = {owner = rb.replay, okey = rb.oreplay, released = rb.released, events = rb.events,
-    reason = 'expired', now = rb.now}
+  rb.rel = rb.rel or {owner = rb.replay, okey = rb.oreplay, released = rb.released,
+    events = rb.events, reason = 'expired', now = rb.now, st = rb.st}
   for _, sid in ipairs(cjson.decode(f[5])) do
-    if session_release(rb.smap[sid], sid, rel) then
+    if session_release(rb.smap[sid], sid, rb.rel) then
       rb.rel_s[#rb.rel_s + 1] = sid
     end
   end

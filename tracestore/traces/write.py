@@ -253,7 +253,9 @@ def record_turn(
     for x in new:
         args.extend(x.args(ctx.config.store_text))
     reply = yield Eval(
-        script("record_turn"), (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid)), tuple(args)
+        script("record_turn"),
+        (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid), k.turn_shard(sid)),
+        tuple(args),
     )
     r = Reply(reply, "record_turn")
     epoch, before, after = r.text(), r.int(), r.int()
