@@ -698,6 +698,52 @@ def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
     assert store.sessions("rollout:w") == ["s0", "s1"]
 
 
+# -- clean shutdown (issue 12 item 4) ----------------------------------------------------
+
+
+def test_a_closed_client_deregisters_its_owner_tags(url: str, run_id: str) -> None:
+    """gc does not call the owners of a cleanly closed client lost; an owner that still holds
+    sessions keeps its heartbeat, so gc releases them if its process never comes back."""
+    a = TraceStore.connect(url, run=run_id)
+    a.heartbeat("rollout:0", 0.2)  # owns nothing
+    a.heartbeat("rollout:1", 0.2)
+    a.open_session("held", "rollout:1")  # still owned at close
+    a.heartbeat("rollout:2", 0.2)
+    a.open_session("done", "rollout:2")
+    a.release(["done"], "rollout:2")  # owned one, released it: done at close
+    a.close()
+    b = TraceStore.connect(url, run=run_id)
+    try:
+        assert {o.owner for o in b.owners() if o.deadline_ms is not None} == {"rollout:1"}
+        time.sleep(0.3)
+        report = b.gc()
+        assert report.owners_lost == ("rollout:1",) and report.sessions_released == ("held",)
+
+        # by hand: refused while the tag owns sessions, idempotent once done
+        b.heartbeat("rollout:3", 30)
+        b.open_session("y", "rollout:3")
+        assert b.deregister("rollout:3") is False
+        assert "rollout:3" in {o.owner for o in b.owners() if o.deadline_ms is not None}
+        b.release(["y"], "rollout:3")
+        assert b.deregister("rollout:3") is True and b.deregister("rollout:3") is True
+        assert b.redis.zscore(b.keys.owners, "rollout:3") is None
+        with pytest.raises(InvalidId):
+            b.deregister("bad tag")
+    finally:
+        b.close()
+
+
+def test_a_closed_async_client_deregisters_too(url: str, run_id: str, arun: Any) -> None:
+    async def main() -> None:
+        a = await connect_async(url, run_id)
+        await a.heartbeat("rollout:0", 30)
+        await a.close()
+
+    arun(main())
+    with TraceStore.connect(url, run=run_id) as st:
+        assert st.owners() == []
+
+
 def test_async_retry_after_cut_connection(backend: str, url: str, run_id: str, arun: Any) -> None:
     with _proxy_for(backend, url) as proxy:
 

@@ -270,4 +270,45 @@ def heartbeat(ctx: Context, owner: str, ttl_s: float) -> Op[Heartbeat]:
     validate_id("owner tag", owner)
     ttl_ms = duration_ms("ttl_s", ttl_s)
     reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, ttl_ms))
+    heartbeating(ctx).add(owner)
     return Heartbeat(owner, Reply(reply, "heartbeat").int())
+
+
+def heartbeating(ctx: Context) -> set[str]:
+    """The owner tags this client heart-beat for (deregistered when it closes)."""
+    tags: set[str] = ctx.caches.setdefault("heartbeats", set())
+    return tags
+
+
+def deregister(ctx: Context, owner: str) -> Op[bool]:
+    """Say that ``owner`` is done: drop its heartbeat, so gc never declares it lost.
+
+    Returns True when the owner has no heartbeat any more. Refused (False,
+    heartbeat kept) while the owner still owns sessions: if its process does
+    not come back, gc must release them when the deadline passes. A store
+    deregisters the tags it heart-beat for when it closes. Raises InvalidId
+    before I/O. Idempotent. One round trip.
+    """
+    k = ctx.keys
+    okey = k.owner(owner)
+    reply = yield Eval(script("owner_done"), (k.owners, okey), (owner,))
+    done = Reply(reply, "owner_done").flag()
+    if done:
+        heartbeating(ctx).discard(owner)
+    return done
+
+
+def deregister_all(ctx: Context) -> Op[list[str]]:
+    """Deregister every owner tag this client heart-beat for; returns those kept (they own sessions).
+
+    One pipelined round trip (none when the client never heart-beat).
+    """
+    k = ctx.keys
+    tags = sorted(heartbeating(ctx))
+    if not tags:
+        return []
+    sc = script("owner_done")
+    replies = yield Batch(tuple(Eval(sc, (k.owners, k.owner(t)), (t,)) for t in tags))
+    kept = [t for t, r in zip(tags, replies, strict=True) if not Reply(r, "owner_done").flag()]
+    heartbeating(ctx).intersection_update(kept)
+    return kept

@@ -26,6 +26,7 @@ from . import traces as trace_ops
 from ._io import AsyncIO, SyncIO
 from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
+from .errors import TracestoreError
 from .gate import AsyncGate, Gate
 from .keys import Keys
 from .replay import AsyncReplay, Replay
@@ -112,6 +113,7 @@ class StoreMethods:
     sessions = op(own_ops.sessions)
     owners = op(own_ops.owners)
     heartbeat = op(own_ops.heartbeat)
+    deregister = op(own_ops.deregister)
     gc = op(gc_ops.gc)
     # (end control plane)
 
@@ -198,7 +200,17 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
         return self._io.execute(request)
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Deregister the owner tags this store heart-beat for, then close the connection pool.
+
+        A tag that still owns sessions keeps its heartbeat (gc releases them
+        if its process does not come back); the others are dropped, so gc
+        never declares a cleanly closed client lost. A server that cannot be
+        reached at close is not an error here.
+        """
+        try:
+            self.run(own_ops.deregister_all(self._scope))
+        except TracestoreError:
+            pass
         self._io.close()
 
     def __enter__(self) -> TraceStore:
@@ -252,7 +264,11 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
         return await self._io.execute(request)
 
     async def close(self) -> None:
-        """Close the connection pool."""
+        """Async counterpart of :meth:`TraceStore.close` (deregisters, then closes)."""
+        try:
+            await self.run(own_ops.deregister_all(self._scope))
+        except TracestoreError:
+            pass
         await self._io.close()
 
     async def __aenter__(self) -> AsyncTraceStore:
