@@ -5,7 +5,7 @@
 -- the owner in the lost zset and drops its heartbeat: from then on the owner
 -- cannot heartbeat, open or receive sessions (no resurrection), and later
 -- calls release whatever is still in its set. Releases go through
--- session_release (one event each, reason ARGV[2]).
+-- sessions_release (one event each, reason ARGV[2]).
 -- Idempotent under client retry: the reply is recorded under the op key.
 -- KEYS: 7+
 -- CHUNK: 4000
@@ -43,11 +43,12 @@ end
 local out = {0, 1}
 local rel = {owner = owner, okey = okey, released = released, events = events, reason = reason, now = now,
   st = {}}
+local skeys, sids = {}, {}
 for i = 8, #KEYS do
-  local sid = ARGV[i - 4]
-  if session_release(KEYS[i], sid, rel) then
-    out[#out + 1] = sid
-  end
+  skeys[#skeys + 1] = KEYS[i]
+  sids[#sids + 1] = ARGV[i - 4]
 end
+sessions_release(rel, skeys, sids, out)
+sessions_release_flush(rel)
 stats_flush(KEYS[7], rel.st)
 return op_record(opkey, tonumber(ARGV[3]), out)

@@ -56,6 +56,7 @@ for _, gid in ipairs(stale) do
     rel_g[#rel_g + 1] = gid
   end
 end
+sessions_release_flush(rb.rel)
 stats_flush(KEYS[11], rb.st)
 local more = 0
 if #stale == limit and rb_count_stale(rb.vc, cutoff) > 0 then more = 1 end

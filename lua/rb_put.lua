@@ -63,12 +63,13 @@ if status == 'failed' or status == 'filtered' then
   local rel = {owner = owner, okey = oown, released = released, events = events, reason = status,
     now = now_ms(), st = {}}
   local out = {0, 0, 0}
+  local skeys, sids = {}, {}
   for i = 1, n do
-    local sid = ARGV[10 + i]
-    if session_release(KEYS[13 + i], sid, rel) then
-      out[#out + 1] = sid
-    end
+    skeys[i] = KEYS[13 + i]
+    sids[i] = ARGV[10 + i]
   end
+  sessions_release(rel, skeys, sids, out)
+  sessions_release_flush(rel)
   stats_flush(KEYS[13], rel.st)
   return op_record(opkey, tonumber(ARGV[10]), out)
 end

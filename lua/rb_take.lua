@@ -91,5 +91,6 @@ for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
 out[#out + 1] = n
 for i = 1, n do rb_hand_over(rb, cand[i], rb.qc, rb.vc, out) end
 stats_add(rb.st, 'groups_taken', n)
+sessions_release_flush(rb.rel)
 stats_flush(KEYS[13], rb.st)
 return op_record(opkey, tonumber(ARGV[7]), out)

@@ -1,7 +1,7 @@
 -- script: release
 -- Release each given session that `owner` owns (DESIGN section 5, invariants 1, 2, 6):
--- its hash goes, it leaves the owner index, gets its tombstone and exactly one
--- event, and is counted, atomically (lua/_lib/sessions.lua: session_release).
+-- exactly one event, its hash goes, it leaves the owner index, gets its
+-- tombstone and is counted, atomically (lua/_lib/sessions.lua: sessions_release).
 -- Sessions owned by someone else, unknown or already released are left
 -- untouched and not returned.
 -- Idempotent under client retry: the reply is recorded under the op key.
@@ -29,12 +29,13 @@ local cached = op_replay(opkey)
 if cached then return cached end
 local rel = {owner = owner, okey = okey, released = released, events = events, reason = reason,
   now = now_ms(), st = {}}
-local out = {0}
+local skeys, sids = {}, {}
 for i = 6, #KEYS do
-  local sid = ARGV[i - 2]
-  if session_release(KEYS[i], sid, rel) then
-    out[#out + 1] = sid
-  end
+  skeys[#skeys + 1] = KEYS[i]
+  sids[#sids + 1] = ARGV[i - 2]
 end
+local out = {0}
+sessions_release(rel, skeys, sids, out)
+sessions_release_flush(rel)
 stats_flush(stats, rel.st)
 return op_record(opkey, tonumber(ARGV[3]), out)

@@ -130,11 +130,10 @@ local function rb_expire_group(rb, gid, keep_override)
   end
   rb.rel = rb.rel or {owner = rb.replay, okey = rb.oreplay, released = rb.released,
     events = rb.events, reason = 'expired', now = rb.now, st = rb.st}
-  for _, sid in ipairs(cjson.decode(f[5])) do
-    if session_release(rb.smap[sid], sid, rb.rel) then
-      rb.rel_s[#rb.rel_s + 1] = sid
-    end
-  end
+  local sids = cjson.decode(f[5])
+  local skeys = {}
+  for i, sid in ipairs(sids) do skeys[i] = rb.smap[sid] end
+  sessions_release(rb.rel, skeys, sids, rb.rel_s)
   redis.call('DEL', gk)
   redis.call('HDEL', rb.sidskey, gid)
   return false
