@@ -13,7 +13,7 @@ shard of a session lands in the session's own slot (:func:`slot_tag`).
 from __future__ import annotations
 
 from binascii import crc_hqx
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
@@ -30,6 +30,8 @@ def key_slot(key: str | bytes) -> int:
 
 #: Hash slots of a Redis Cluster.
 SLOTS = 16384
+#: A session's data keys, by suffix (the tombstone ``dead`` aside).
+_DATA_PARTS = ("idx", "tok", "txt")
 
 
 @cache
@@ -95,6 +97,16 @@ def same_slot(keys: Iterable[str]) -> bool:
     first = next(it, None)
     if first is None:
         return True
+    start = first.find("{")
+    end = first.find("}", start + 1) if start > -1 else -1
+    if end > start + 1:
+        # Fast path (thousands of keys of one run on a hot path): a key that starts
+        # with the first key's text up to its tag's "}" has the same tag.
+        head = first[: end + 1]
+        rest = list(it)
+        if all(k.startswith(head) for k in rest):
+            return True
+        it = iter(rest)
     tag = hash_tag(first)
     slot: int | None = None
     for k in it:
@@ -129,6 +141,11 @@ class Keys:
     def meta(self) -> str:
         """``ts:{R}:meta`` hash: schema version, created, config."""
         return f"{self._c}:meta"
+
+    def session_keys(self, sids: Sequence[str]) -> list[str]:
+        """``ts:{R}:s:<sid>`` of each of ``sids`` (validated in one pass)."""
+        head = f"{self._c}:s:"
+        return [head + s for s in validate_ids("session id", sids)]
 
     def session(self, sid: str) -> str:
         """``ts:{R}:s:<sid>`` hash: owner, state, born, opened_ms, group."""
@@ -278,10 +295,20 @@ class Keys:
         """``ts:{R/sid}:dead`` tombstone written when the session's data is purged."""
         return f"{self._d(sid)}:dead"
 
+    def dead_keys(self, sids: Sequence[str]) -> list[str]:
+        """The data tombstone of each of ``sids`` (validated in one pass)."""
+        head = f"{self.prefix}:{{{self.run}/"
+        return [f"{head}{s}}}:dead" for s in validate_ids("session id", sids)]
+
+    def data_keys_of(self, sids: Sequence[str]) -> list[str]:
+        """:meth:`data_keys` of each of ``sids``, in one list (validated in one pass)."""
+        head = f"{self.prefix}:{{{self.run}/"
+        return [f"{head}{s}}}:{part}" for s in validate_ids("session id", sids) for part in _DATA_PARTS]
+
     def data_keys(self, sid: str) -> list[str]:
         """Every data-plane key of ``sid`` except the tombstone (all in one slot)."""
         d = self._d(sid)
-        return [f"{d}:idx", f"{d}:tok", f"{d}:txt"]
+        return [f"{d}:{part}" for part in _DATA_PARTS]
 
     # -- turn counter shards: slot of the session they count -------------------------
 

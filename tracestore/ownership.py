@@ -80,7 +80,7 @@ def open_sessions(
     evals = ctx.op_evals(
         "open_sessions",
         sids,
-        lambda op_key, part: (okey, k.released, k.owners_lost, op_key, k.stats, *(k.session(s) for s in part)),
+        lambda op_key, part: (okey, k.released, k.owners_lost, op_key, k.stats, *k.session_keys(part)),
         lambda part: (owner, version, group or "", ctx.op_ttl_ms, *part),
     )
     yield Batch(tuple(evals))
@@ -111,7 +111,7 @@ def transfer(ctx: Context, sids: Sequence[str], from_owner: str, to_owner: str) 
     evals = ctx.op_evals(
         "transfer",
         sids,
-        lambda op_key, part: (ofrom, oto, k.owners_lost, op_key, *(k.session(s) for s in part)),
+        lambda op_key, part: (ofrom, oto, k.owners_lost, op_key, *k.session_keys(part)),
         lambda part: (from_owner, to_owner, ctx.op_ttl_ms, *part),
     )
     replies = yield Batch(tuple(evals))
@@ -129,7 +129,7 @@ def release_evals(ctx: Context, sids: Sequence[str], owner: str, reason: str) ->
     return ctx.op_evals(
         "release",
         sids,
-        lambda op_key, part: (okey, k.released, k.events, op_key, k.stats, *(k.session(s) for s in part)),
+        lambda op_key, part: (okey, k.released, k.events, op_key, k.stats, *k.session_keys(part)),
         lambda part: (owner, reason, ctx.op_ttl_ms, *part),
     )
 

@@ -61,7 +61,7 @@ def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str
     """
     sids = validate_ids("session id", sids)
     k = ctx.keys
-    evals = variadic_evals("session_states", (k.released,), [k.session(s) for s in sids], (), sids)
+    evals = variadic_evals("session_states", (k.released,), k.session_keys(sids), (), sids)
     replies = yield Batch(tuple(evals))
     r = Reply([x for part in replies for x in part], "session_states")
     out: dict[str, tuple[str, str] | None] = {}

@@ -37,6 +37,8 @@ _RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}\Z")
 # Printable ASCII (0x21..0x7e) without braces: no whitespace, no hash-tag breakers.
 _ID_RE = re.compile(r"[\x21-\x7a\x7c\x7e]{1,200}\Z")
+# Many ids at once: joined by newlines (never part of an id), matched in one pass.
+_IDS_RE = re.compile(r"(?:[\x21-\x7a\x7c\x7e]{1,200}\n)*\Z")
 
 #: Largest weight version: the largest integer a Lua number (double) holds exactly.
 MAX_VERSION = 2**53 - 1
@@ -81,7 +83,15 @@ def validate_ids(kind: str, values: Iterable[str]) -> list[str]:
     """Validate every id of ``values`` (a str alone is refused, not iterated); raise InvalidId."""
     if isinstance(values, (str, bytes)):
         raise InvalidId(kind, values, f"expected a list of {kind}s, got a single string")
-    return [validate_id(kind, v) for v in values]
+    out = list(values)
+    try:  # the common case, all valid, in one regex pass (a release of 10k ids is on a hot path)
+        joined = "\n".join(out)
+        # an id holding a newline would pass as two: the count of separators rules it out
+        if joined.count("\n") == len(out) - 1 and _IDS_RE.match(joined + "\n" if out else ""):
+            return out
+    except TypeError:  # not all str: the loop below names the first bad one
+        pass
+    return [validate_id(kind, v) for v in out]
 
 
 def int_in(field: str, value: object, lo: int, hi: int) -> int:
