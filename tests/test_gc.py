@@ -58,7 +58,7 @@ def test_gc_trims_tombstones_past_retention_only(store: TraceStore) -> None:
     store.release(["old"], "train:1")
     time.sleep(0.5)  # "old" is now older than the 0.4 s retention below, for good
 
-    assert store.gc().tombstones_trimmed == 0  # default retention: 7 days
+    assert store.gc().tombstones_trimmed == 0  # default retention: 1 day
     with pytest.raises(SessionReleased):
         store.open_session("old", "rollout:0")
 
