@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -293,3 +294,24 @@ def test_aof_survives_sigkill(tmp_path: Path) -> None:
     finally:
         stop.set()
         srv.stop()
+
+
+def test_a_version_1_file_still_restores(store: TraceStore, url: str, tmp_path: Path) -> None:
+    """Format 1 had no turns record: it restores, with the turn count at 0 and the other counters kept."""
+    _build(store)
+    new = tmp_path / "v2.tsck"
+    store.checkpoint(new)
+    lines = new.read_bytes().splitlines(keepends=True)
+    old = tmp_path / "v1.tsck"
+    old.write_bytes(
+        lines[0].replace(b'"version":2', b'"version":1')
+        + b"".join(x for x in lines[1:] if orjson.loads(x)["k"] != "turns")
+    )
+    other = TraceStore.connect(url, run=f"t-{uuid.uuid4().hex[:12]}")
+    try:
+        other.restore(old)
+        want = store.stats()
+        assert want.turns_recorded > 0
+        assert other.stats() == dataclasses.replace(want, turns_recorded=0)
+    finally:
+        other.close()
