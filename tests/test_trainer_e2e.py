@@ -81,6 +81,13 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
         assert all(o.sessions == 0 for o in store.owners())
         assert store.replay.count() == 0
         assert store.gate.status().version == report.gate_cycles
+        # a clean end (issue 12 item 4): every role deregistered its heartbeats, so gc will not
+        # call any owner lost, and every lease receipt and retry record expires within a minute
+        assert store.redis.zcard(store.keys.owners) == 0
+        k, r = store.keys, store.redis
+        transient = [x for x in r.scan_iter(match=k.control_pattern, count=1000)
+                     if (k.control_suffix(x.decode()) or "").startswith(("gate:l:", "op:"))]
+        assert all(0 < r.pttl(x) <= 60_000 for x in transient)
 
 
 @pytest.mark.parametrize(
