@@ -52,6 +52,9 @@ class RunSummary:
     control_bytes: int
     #: The server clock when this was read (ms), to show ages.
     server_ms: int
+    #: The run's counters (``store.stats()``): sessions opened and released, ever.
+    sessions_opened: int = 0
+    sessions_released: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class RunDeleted:
     sessions: int
     #: Owners that held live sessions and were overridden with ``force=True``.
     forced_owners: tuple[str, ...] = ()
+    #: Turn counter shards removed (``ts:{R|<tag>}:turns``, one per slot that counted turns).
+    turn_shards: int = 0
 
 
 def run_ids(ctx: Context) -> Op[list[str]]:
@@ -94,13 +99,15 @@ def _summary(ctx: Context, run: str, now: int) -> Op[RunSummary]:
         Cmd(("XREVRANGE", k.events, "+", "-", "COUNT", 1), key=k.events),
         Cmd(("HMGET", k.gate, "sealed_ms", "installed_ms"), key=k.gate),
         Cmd(("ZRANGE", k.owners, 0, -1, "WITHSCORES"), key=k.owners),
+        Cmd(("HMGET", k.stats, "sessions_opened", "sessions_released"), key=k.stats),
     )
     sizes = tuple(Cmd(("SCARD", k.owner(t)), key=k.owner(t)) for t in tags)
     mem = tuple(Cmd(("MEMORY", "USAGE", key), key=key) for key in keys)
     replies = yield Batch(head + sizes + mem)
-    created, last_event, gate_ms, beats = replies[:4]
+    h = len(head)
+    created, last_event, gate_ms, beats, counts = replies[:h]
     held = sorted(
-        ((t, int(n)) for t, n in zip(tags, replies[4 : 4 + len(tags)], strict=True) if int(n)),
+        ((t, int(n)) for t, n in zip(tags, replies[h : h + len(tags)], strict=True) if int(n)),
         key=lambda x: (-x[1], x[0]),
     )
     deadlines = [int(float(beats[i + 1])) for i in range(0, len(beats), 2)]
@@ -117,8 +124,10 @@ def _summary(ctx: Context, run: str, now: int) -> Op[RunSummary]:
         heartbeating=sum(1 for d in deadlines if d > now),
         last_activity_ms=max(known) if known else None,
         control_keys=len(keys),
-        control_bytes=sum(int(x or 0) for x in replies[4 + len(tags) :]),
+        control_bytes=sum(int(x or 0) for x in replies[h + len(tags) :]),
         server_ms=now,
+        sessions_opened=_i(counts[0]) or 0,
+        sessions_released=_i(counts[1]) or 0,
     )
 
 
@@ -189,9 +198,10 @@ def delete_run(ctx: Context, *, force: bool = False) -> Op[RunDeleted]:
     data = [key for key in (yield ScanAll(k.data_pattern, count=1000)) if k.sid_of_data_key(key)]
     control = [key for key in (yield ScanAll(k.control_pattern, count=1000)) if k.control_suffix(key)]
     sessions = {k.sid_of_data_key(key) for key in data}
+    # the turn counter's shards by name (all 16,384: no SCAN, and no pattern to trust)
+    shards = _unlink_cmds(k.turn_shards(), ctx.cluster)
     cmds = _unlink_cmds(data, ctx.cluster) + _unlink_cmds([c for c in control if c != k.meta], ctx.cluster)
-    if cmds:
-        yield Batch(tuple(cmds))
+    replies = yield Batch(tuple(shards + cmds))
     if k.meta in control:
         yield Cmd(("UNLINK", k.meta), key=k.meta)
     return RunDeleted(
@@ -200,4 +210,5 @@ def delete_run(ctx: Context, *, force: bool = False) -> Op[RunDeleted]:
         data_keys=len(data),
         sessions=len(sessions),
         forced_owners=tuple(o.owner for o in live),
+        turn_shards=sum(int(r) for r in replies[: len(shards)]),
     )
