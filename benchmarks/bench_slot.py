@@ -40,7 +40,7 @@ from tracestore import gate as gate_ops
 from tracestore import ownership as own_ops
 from tracestore import replay as replay_ops
 from tracestore.router import acquire_route, retire, route_scope
-from tracestore.scripts import Batch, Cmd, Eval
+from tracestore.scripts import Batch, Cmd, Eval, registry
 from tracestore.servers import EmbeddedServer
 
 #: Operations sent together in one pipeline step.
@@ -123,69 +123,90 @@ def measure(
 
 
 def _fresh(url: str) -> TraceStore:
-    return TraceStore.connect(url, run=f"slot-{uuid.uuid4().hex[:8]}")
+    st = TraceStore.connect(url, run=f"slot-{uuid.uuid4().hex[:8]}")
+    for sc in registry().values():  # loaded up front: no NOSCRIPT round inside a measurement
+        st.redis.script_load(sc.source)
+    return st
+
+
+def _round(url: str, n: int, out: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """One measurement of every operation on fresh runs of the server at ``url``."""
+    ops: dict[str, dict[str, float]] = {}
+    with _fresh(url) as st:
+        info = st.redis.info("server")
+        out["server"] = f"valkey {info.get('valkey_version') or info.get('redis_version')} standalone"
+        ctx = st.context
+        print("   admit + settle ...", flush=True)
+        leases: list[Any] = []
+        ops["admit"] = measure(st, n, lambda i: _collect(leases, gate_ops.admit(ctx, f"s{i}", "w", 60)))
+        ops["settle"] = measure(st, n, lambda i: gate_ops.settle(ctx, leases[i], "completed"))
+        burst = 100
+        many: list[Any] = []
+        am = measure(
+            st, max(1, n // burst),
+            lambda i: _collect(many, gate_ops.admit_many(ctx, [(f"m{i}.{j}", "w") for j in range(burst)], 60)),
+        )
+        ops["admit_many_per_lease"] = _per(am, burst)
+        for b in range(0, len(many), 10):
+            st.gate.settle_many([x for part in many[b : b + 10] for x in part], "completed")
+        print("   open, release ...", flush=True)
+        ops["open_session"] = measure(st, n, lambda i: own_ops.open_session(ctx, f"o{i}", "rollout:0"))
+        ops["release"] = measure(
+            st, n, lambda i: own_ops.release(ctx, [f"o{i}"], "rollout:0", "done", purge=False)
+        )
+        batch = 100
+        nb = max(1, n // batch)
+        ob = measure(
+            st, nb,
+            lambda i: own_ops.open_sessions(ctx, [f"b{i}.{j}" for j in range(batch)], "rollout:0"),
+        )
+        ops["open_sessions_per_session"] = _per(ob, batch)
+        rb_ = measure(
+            st, nb,
+            lambda i: own_ops.release(ctx, [f"b{i}.{j}" for j in range(batch)], "rollout:0", purge=False),
+        )
+        ops["release_batched_per_session"] = _per(rb_, batch)
+    with _fresh(url) as st:
+        ctx = st.context
+        print("   put, take ...", flush=True)
+        ng = max(1, n // GROUP)
+        sids = [f"g{i}.{j}" for i in range(ng) for j in range(GROUP)]
+        for b in range(0, len(sids), 4000):
+            st.open_sessions(sids[b : b + 4000], "rollout:0")
+        ops["put"] = measure(
+            st, ng,
+            lambda i: replay_ops.put(
+                ctx, Group(f"g{i}", "calc", tuple(sids[i * GROUP : (i + 1) * GROUP])), "rollout:0"
+            ),
+        )
+        # a learner takes a batch of groups per step, one take at a time (concurrent takers
+        # of one task contend for the head of the queue: see the replay benchmark)
+        per_take = 16
+        tk = measure(
+            st, ng // per_take,
+            lambda i: replay_ops.take(ctx, "calc", per_take, owner=f"train:{i}", current_version=0),
+            pipeline=1,
+        )
+        ops["take_per_group"] = _per(tk, per_take)
+    with _fresh(url) as st:
+        ctx = st.context
+        print("   routes ...", flush=True)
+        scope = route_scope(ctx, ["ep-a", "ep-b", "ep-c", "ep-d"])
+        ops["route_new"] = measure(st, n, lambda i: acquire_route(scope, f"r{i}"))
+        ops["route_sticky"] = measure(st, n, lambda i: acquire_route(scope, f"r{i}"))
+        ops["route_retire"] = measure(st, n, lambda i: retire(scope, [f"r{i}"]))
+    return ops
 
 
 def run(quick: bool) -> dict[str, Any]:
     n = 2_000 if quick else 20_000
+    rounds = 1 if quick else 3
     server = EmbeddedServer().start()
-    out: dict[str, Any] = {"quick": quick, "pipeline": PIPELINE}
+    out: dict[str, Any] = {"quick": quick, "pipeline": PIPELINE, "rounds": rounds}
     try:
-        ops: dict[str, dict[str, float]] = {}
-        with _fresh(server.url) as st:
-            info = st.redis.info("server")
-            out["server"] = f"valkey {info.get('valkey_version') or info.get('redis_version')} standalone"
-            ctx = st.context
-            print("   admit + settle ...", flush=True)
-            leases: list[Any] = []
-            ops["admit"] = measure(st, n, lambda i: _collect(leases, gate_ops.admit(ctx, f"s{i}", "w", 60)))
-            ops["settle"] = measure(st, n, lambda i: gate_ops.settle(ctx, leases[i], "completed"))
-            print("   open, release ...", flush=True)
-            ops["open_session"] = measure(st, n, lambda i: own_ops.open_session(ctx, f"o{i}", "rollout:0"))
-            ops["release"] = measure(
-                st, n, lambda i: own_ops.release(ctx, [f"o{i}"], "rollout:0", "done", purge=False)
-            )
-            batch = 100
-            nb = max(1, n // batch)
-            ob = measure(
-                st, nb,
-                lambda i: own_ops.open_sessions(ctx, [f"b{i}.{j}" for j in range(batch)], "rollout:0"),
-            )
-            ops["open_sessions_per_session"] = _per(ob, batch)
-            rb_ = measure(
-                st, nb,
-                lambda i: own_ops.release(ctx, [f"b{i}.{j}" for j in range(batch)], "rollout:0", purge=False),
-            )
-            ops["release_batched_per_session"] = _per(rb_, batch)
-        with _fresh(server.url) as st:
-            ctx = st.context
-            print("   put, take ...", flush=True)
-            ng = max(1, n // GROUP)
-            sids = [f"g{i}.{j}" for i in range(ng) for j in range(GROUP)]
-            for b in range(0, len(sids), 4000):
-                st.open_sessions(sids[b : b + 4000], "rollout:0")
-            ops["put"] = measure(
-                st, ng,
-                lambda i: replay_ops.put(
-                    ctx, Group(f"g{i}", "calc", tuple(sids[i * GROUP : (i + 1) * GROUP])), "rollout:0"
-                ),
-            )
-            # a learner takes a batch of groups per step, one take at a time (concurrent takers
-            # of one task contend for the head of the queue: see the replay benchmark)
-            per_take = 16
-            tk = measure(
-                st, ng // per_take,
-                lambda i: replay_ops.take(ctx, "calc", per_take, owner=f"train:{i}", current_version=0),
-                pipeline=1,
-            )
-            ops["take_per_group"] = _per(tk, per_take)
-        with _fresh(server.url) as st:
-            ctx = st.context
-            print("   routes ...", flush=True)
-            scope = route_scope(ctx, ["ep-a", "ep-b", "ep-c", "ep-d"])
-            ops["route_new"] = measure(st, n, lambda i: acquire_route(scope, f"r{i}"))
-            ops["route_sticky"] = measure(st, n, lambda i: acquire_route(scope, f"r{i}"))
-            ops["route_retire"] = measure(st, n, lambda i: retire(scope, [f"r{i}"]))
+        # the machine is shared: each operation's figure is the round with the least CPU per op
+        every = [_round(server.url, n, out) for _ in range(rounds)]
+        ops = {name: min((r[name] for r in every), key=lambda x: x["server_cpu_us_per_op"]) for name in every[0]}
         out["ops"] = ops
 
         def us(name: str) -> float:
