@@ -46,13 +46,19 @@ def reclaim_dead_owners(
     resuming trainer knows those holders are dead, so it waits for the
     deadlines and clears the poison (a weight update is refused until then),
     and reopens a gate that a learner killed inside a weight update left sealed.
+    The dead tags' heartbeats are dropped (``deregister``) once they hold
+    nothing, so a later gc does not report them lost a second time.
     Returns sessions released per owner tag, plus ``poisoned leases cleared``
     and ``gate reopened`` when it did those.
     """
     out: dict[str, int] = {}
     for o in store.owners():
-        if o.owner not in keep and o.sessions:
+        if o.owner in keep:
+            continue
+        if o.sessions:
             out[o.owner] = len(store.release_owner(o.owner, "owner-lost"))
+        if o.deadline_ms is not None:  # its process is dead: gc must not find a heartbeat to judge later
+            store.deregister(o.owner)
     deadline = time.monotonic() + lease_ttl_s + 5.0
     st = store.gate.status()
     while st.live and time.monotonic() < deadline:
