@@ -4,7 +4,7 @@
 -- returns the first receipt unchanged. Outcome `unknown` poisons the lease;
 -- a definite outcome resolves a poison entry left by an expired deadline
 -- (a late settle). The settle that empties the live set signals drainers.
--- A definite settlement keeps only the receipt (version, outcome,
+-- A definite settlement keeps only the receipt (sid, version, outcome,
 -- settled_ms, late when 1) and expires after the retention; a poisoned lease
 -- keeps its whole record, without expiry, until someone resolves it.
 -- KEYS: 4
@@ -21,7 +21,7 @@
 -- include: gate
 local leases, poison, signal, lkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, outcome = ARGV[1], ARGV[2]
-local l = redis.call('HMGET', lkey, 'version', 'deadline_ms', 'outcome', 'settled_ms', 'late', 'rpoisoned')
+local l = redis.call('HMGET', lkey, 'version', 'deadline_ms', 'outcome', 'settled_ms', 'late', 'rpoisoned', 'sid')
 if not l[1] then
   return {1, 'UNKNOWN_LEASE', id}
 end
@@ -42,9 +42,10 @@ end
 if poisoned == 1 then
   redis.call('HSET', lkey, 'outcome', outcome, 'settled_ms', now, 'late', late, 'rpoisoned', 1)
 else
-  -- the live fields (sid, holder, admitted_ms, ttl_ms, deadline_ms) are not needed any more
+  -- the live fields (holder, admitted_ms, ttl_ms, deadline_ms) are not needed any more; the
+  -- session id stays so that an operator can tell which session a settled lease served
   redis.call('DEL', lkey)
-  redis.call('HSET', lkey, 'version', l[1], 'outcome', outcome, 'settled_ms', now)
+  redis.call('HSET', lkey, 'sid', l[7] or '', 'version', l[1], 'outcome', outcome, 'settled_ms', now)
   if late == 1 then redis.call('HSET', lkey, 'late', 1) end
   redis.call('PEXPIRE', lkey, tonumber(ARGV[3]))
 end

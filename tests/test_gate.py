@@ -75,8 +75,8 @@ def test_admit_settle_receipts_and_versions(store: TraceStore) -> None:
     assert live_rec is not None and (live_rec.sid, live_rec.holder, live_rec.outcome) == ("s2", "worker-2", None)
     # a settled lease keeps only its receipt (what a retried settle returns), until op_ttl_s
     assert rec is not None and (rec.outcome, rec.version, rec.settled_ms) == ("completed", 0, first.settled_ms)
-    assert (rec.sid, rec.holder) == ("", "")
-    assert sorted(store.redis.hkeys(store.keys.gate_lease(lease.id))) == [b"outcome", b"settled_ms", b"version"]
+    assert (rec.sid, rec.holder) == ("s1", "")
+    assert sorted(store.redis.hkeys(store.keys.gate_lease(lease.id))) == [b"outcome", b"settled_ms", b"sid", b"version"]
     assert 0 < store.redis.pttl(store.keys.gate_lease(lease.id)) <= store.config.op_ttl_s * 1000
     g.settle(live, "completed")
 
