@@ -15,18 +15,36 @@ meet comes here. Both layers do the same four things, and nothing else:
 
 (and they call a :class:`~tracestore.scripts.Blocking` request's function:
 in place, or in a worker thread under asyncio).
+
+With a durability level other than ``"none"`` (:mod:`tracestore.durability`),
+a request holding a mutating script takes the *durable path*: per node, its
+requests and then ``WAIT``/``WAITAOF`` are written on one pooled connection
+of that node and read back in the same round trip; a mutating script whose
+wait fell short answers :class:`~tracestore.errors.DurabilityUnconfirmed`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
-from .errors import ScriptError, StorageError, TracestoreError, raise_for_code
+from .connection import ConnectionOptions
+from .durability import NONE, Durability
+from .errors import (
+    ConfigError,
+    DurabilityUnconfirmed,
+    ScriptError,
+    StorageError,
+    TracestoreError,
+    raise_for_code,
+)
 from .keys import key_slot
 from .replies import text
 from .scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
@@ -63,15 +81,136 @@ def _ms(time_reply: Any) -> int:
     return int(sec) * 1000 + int(usec) // 1000
 
 
+class _Durable:
+    """What the sync and async durable paths share: the waits, timeouts and retry budget."""
+
+    def __init__(self, durability: Durability, opts: ConnectionOptions | None) -> None:
+        opts = opts or ConnectionOptions()
+        self.durability = durability
+        self.waits: tuple[tuple[Any, ...], ...] = durability.commands()
+        self.read_timeout = opts.socket_timeout_s
+        # a wait blocks up to its own timeout on the server before it answers
+        self.wait_read_timeout = opts.socket_timeout_s + durability.timeout_s
+        self.attempts = 1 + opts.retries
+        self.backoff = ExponentialBackoff(cap=opts.backoff_cap_s, base=opts.backoff_base_s)
+
+    def commands(self, reqs: Sequence[Eval | Cmd], sha: Sequence[bool]) -> list[tuple[Any, ...]]:
+        """The commands of one node's exchange: the requests, then the waits if one of them writes."""
+        cmds = [_args(r, s) for r, s in zip(reqs, sha, strict=True)]
+        if any(_writes(r) for r in reqs):
+            cmds += self.waits
+        return cmds
+
+    def timeouts(self, cmds: Sequence[tuple[Any, ...]]) -> list[float]:
+        return [self.wait_read_timeout if c[0] in ("WAIT", "WAITAOF") else self.read_timeout for c in cmds]
+
+    def settle(self, reqs: Sequence[Eval | Cmd], replies: list[Any], node: str) -> list[Any]:
+        """The replies of the requests, with unconfirmed successful writes turned into errors."""
+        n = len(reqs)
+        main, waits = replies[:n], replies[n:]
+        if not waits:
+            return main
+        short = self.durability.shortfall(waits)
+        if short is None:
+            return main
+        out = []
+        for req, reply in zip(reqs, main, strict=True):
+            if _writes(req) and isinstance(reply, list) and reply and reply[0] == 0:
+                assert isinstance(req, Eval)
+                reply = DurabilityUnconfirmed(
+                    req.script.name, node, self.durability.level, short, op_id=req.op_id or ""
+                )
+            out.append(reply)
+        return out
+
+    def finish(self, req: Eval | Batch, replies: list[Any]) -> Any:
+        """Decode the replies of a request that took the durable path (as the ordinary path does)."""
+        if isinstance(req, Batch):
+            return _finish_batch(req, replies)
+        (reply,) = replies
+        if isinstance(reply, TracestoreError):
+            raise reply
+        if isinstance(reply, Exception):
+            raise wrap_error(reply, f"script {req.script.name}") from reply
+        return decode_script_reply(req, reply)
+
+
+def _check_level(d: Durability, node: str, info: Any, aof: Any) -> None:
+    """Raise ConfigError when ``node`` (a primary) cannot give ``d``: too few replicas, no AOF."""
+    if isinstance(info, BaseException):
+        raise ConfigError(f"cannot check durability={d.level!r} on {node}: {info}")
+    if d.needs_replicas:
+        have = int(info.get("connected_slaves", 0))
+        if have < d.replicas:
+            raise ConfigError(
+                f"durability={d.level!r} needs {d.replicas} replica(s) per primary, but {node} has "
+                f"{have} connected; add replicas, lower durability_replicas, or choose another level"
+            )
+    if d.needs_aof and isinstance(aof, BaseException):
+        if "unknown command" in str(aof).lower():
+            why = "the server has no WAITAOF (Redis or Valkey 7.2+ needed)"
+        else:
+            why = f"{node} answered: {aof} (set appendonly yes)"
+        raise ConfigError(f"durability={d.level!r} needs the append-only file on every primary: {why}")
+
+
+def _writes(r: Eval | Cmd) -> bool:
+    return isinstance(r, Eval) and not r.script.readonly
+
+
+def _mutates(req: Request) -> bool:
+    """True for a mutating script, or a batch holding one: the requests the durable path waits for."""
+    if isinstance(req, Eval):
+        return not req.script.readonly
+    return isinstance(req, Batch) and any(_writes(r) for r in req.requests)
+
+
+def _args(r: Eval | Cmd, use_sha: bool) -> tuple[Any, ...]:
+    if isinstance(r, Eval):
+        if use_sha:
+            return ("EVALSHA", r.script.sha, *_eval_args(r))
+        return ("EVAL", r.script.source, *_eval_args(r))
+    return r.args
+
+
+def _callback(callbacks: Any, args: tuple[Any, ...], reply: Any) -> Any:
+    """redis-py's response callback of a plain command (the ordinary path applies them too)."""
+    if isinstance(reply, BaseException) or args[0] in ("EVALSHA", "EVAL"):
+        return reply
+    cb = callbacks.get(str(args[0]).upper())
+    return cb(reply) if cb is not None else reply
+
+
+def _retryable(reply: Any) -> bool:
+    """A reply that says "run it again, elsewhere or later": lost connection, redirect, cluster down."""
+    from redis.exceptions import ClusterDownError
+
+    return isinstance(reply, RedisError) and (
+        _is_connection(reply) or _is_redirect(reply) or isinstance(reply, ClusterDownError)
+    )
+
+
 class SyncIO:
     """Executes requests with a redis-py ``Redis`` or ``RedisCluster`` client."""
 
-    def __init__(self, client: redis.Redis | RedisCluster, *, cluster: bool) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | RedisCluster,
+        *,
+        cluster: bool,
+        durability: Durability = NONE,
+        opts: ConnectionOptions | None = None,
+    ) -> None:
         self.client = client
         self.cluster = cluster
+        self.durability = durability
+        self._durable = _Durable(durability, opts) if durability.waits else None
 
     def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply."""
+        if self._durable is not None and _mutates(req):
+            assert isinstance(req, (Eval, Batch))
+            return self._durable.finish(req, self._durable_replies(req))
         if isinstance(req, Eval):
             return self._eval(req)
         if isinstance(req, Batch):
@@ -210,6 +349,136 @@ class SyncIO:
     def _time(self, req: ServerTime) -> int:
         return _ms(self._cmd(Cmd(("TIME",), key=req.key)))
 
+    def check_durability(self) -> None:
+        """Raise ConfigError unless every primary can give the durability level (no-op for ``"none"``).
+
+        Per primary, one round trip: ``INFO replication`` (enough connected
+        replicas) and ``WAITAOF 1 0 1`` (the AOF is on and the server knows
+        WAITAOF, Redis/Valkey 7.2+). StorageError when a primary cannot be reached.
+        """
+        if self._durable is None:
+            return
+        c: Any = self.client
+        if self.cluster:
+            try:
+                targets = [(n.name, c.get_redis_connection(n)) for n in c.get_primaries()]
+            except (RedisError, RedisClusterException) as exc:
+                raise StorageError(f"cluster nodes unavailable: {type(exc).__name__}: {exc}") from exc
+        else:
+            targets = [(self._node_groups((), [])[0][1], c)]
+        for name, node in targets:
+            pipe = node.pipeline(transaction=False)
+            pipe.info("replication")
+            pipe.execute_command("WAITAOF", 1, 0, 1)
+            try:
+                info, aof = pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                raise wrap_error(exc, f"durability check of {name}") from exc
+            _check_level(self.durability, name, info, aof)
+
+    # -- the durable path ----------------------------------------------------------------
+
+    def _durable_replies(self, req: Eval | Batch) -> list[Any]:
+        """Run ``req``'s requests node by node, each node's batch followed by its waits.
+
+        A node whose connection fails, or a request redirected (slot moved,
+        cluster down), is run again after a backoff, on the node that serves
+        it then (mutating scripts replay their reply by op id), within the
+        retry budget of the connection options.
+        """
+        d = self._durable
+        assert d is not None
+        reqs: tuple[Eval | Cmd, ...] = (req,) if isinstance(req, Eval) else req.requests
+        out: list[Any] = [None] * len(reqs)
+        pending = list(range(len(reqs)))
+        for attempt in range(d.attempts):
+            if attempt:
+                time.sleep(d.backoff.compute(attempt))
+                self._refresh_slots()
+            again = []
+            for target, name, idxs in self._node_groups(reqs, pending):
+                replies = self._node_exchange(target, name, [reqs[i] for i in idxs])
+                for i, reply in zip(idxs, replies, strict=True):
+                    out[i] = reply
+                    if _retryable(reply):
+                        again.append(i)
+            if not again:
+                break
+            pending = again
+        return out
+
+    def _node_groups(
+        self, reqs: Sequence[Eval | Cmd], idxs: list[int]
+    ) -> list[tuple[Any, str, list[int]]]:
+        """``(node client, node name, request indexes)`` per node serving the requests."""
+        c: Any = self.client
+        if not self.cluster:
+            conn = c.connection_pool.connection_kwargs
+            return [(c, f"{conn.get('host', conn.get('path', '?'))}:{conn.get('port', '')}", idxs)]
+        groups: dict[str, tuple[Any, str, list[int]]] = {}
+        try:
+            for i in idxs:
+                key = _route_key(reqs[i])
+                node = c.get_node_from_key(key) if key else c.get_random_node()
+                groups.setdefault(node.name, (c.get_redis_connection(node), node.name, []))[2].append(i)
+        except (RedisError, RedisClusterException) as exc:
+            raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
+        return list(groups.values())
+
+    def _refresh_slots(self) -> None:
+        if self.cluster:
+            c: Any = self.client
+            try:
+                c.nodes_manager.initialize()
+            except (RedisError, RedisClusterException):
+                pass  # no node answered; the next attempt fails again or the budget ends
+
+    def _node_exchange(self, target: Any, name: str, reqs: list[Eval | Cmd]) -> list[Any]:
+        """One round trip to one node: ``reqs`` then the waits; NOSCRIPT re-sent with EVAL."""
+        d = self._durable
+        assert d is not None
+        sha = [True] * len(reqs)
+        replies = self._exchange(target, d.commands(reqs, sha))
+        out = d.settle(reqs, replies, name)
+        missing = [j for j, r in enumerate(out) if isinstance(r, NoScriptError)]
+        if missing:  # the script cache emptied (restart, failover): EVAL reloads it
+            sub = [reqs[j] for j in missing]
+            again = d.settle(sub, self._exchange(target, d.commands(sub, [False] * len(sub))), name)
+            for j, r in zip(missing, again, strict=True):
+                out[j] = r
+        return out
+
+    def _exchange(self, target: Any, cmds: list[tuple[Any, ...]]) -> list[Any]:
+        """Write ``cmds`` on one pooled connection and read every reply (errors as values).
+
+        A lost connection makes every reply the connection error (the
+        outcome of each request is then unknown).
+        """
+        d = self._durable
+        assert d is not None
+        pool = target.connection_pool
+        try:
+            conn = pool.get_connection()
+        except RedisError as exc:
+            return [exc] * len(cmds)
+        try:
+            conn.send_packed_command(conn.pack_commands(cmds))
+            out: list[Any] = []
+            for args, timeout in zip(cmds, d.timeouts(cmds), strict=True):
+                try:
+                    out.append(_callback(target.response_callbacks, args, conn.read_response(timeout=timeout)))
+                except ResponseError as exc:
+                    out.append(exc)
+            return out
+        except RedisError as exc:
+            conn.disconnect()
+            return [exc] * len(cmds)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
     def close(self) -> None:
         """Close the client's connections."""
         self.client.close()
@@ -223,13 +492,25 @@ class AsyncIO:
     #: node's pool (ConnectionOptions.max_connections, 64) runs out.
     CLUSTER_INFLIGHT = 32
 
-    def __init__(self, client: redis.asyncio.Redis | AsyncRedisCluster, *, cluster: bool) -> None:
+    def __init__(
+        self,
+        client: redis.asyncio.Redis | AsyncRedisCluster,
+        *,
+        cluster: bool,
+        durability: Durability = NONE,
+        opts: ConnectionOptions | None = None,
+    ) -> None:
         self.client = client
         self.cluster = cluster
         self._inflight = asyncio.Semaphore(self.CLUSTER_INFLIGHT)
+        self.durability = durability
+        self._durable = _Durable(durability, opts) if durability.waits else None
 
     async def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply."""
+        if self._durable is not None and _mutates(req):
+            assert isinstance(req, (Eval, Batch))
+            return self._durable.finish(req, await self._durable_replies(req))
         if isinstance(req, Eval):
             return await self._eval(req)
         if isinstance(req, Batch):
@@ -374,6 +655,138 @@ class AsyncIO:
             raise wrap_error(exc, "SCAN") from exc
         return out
 
+    async def check_durability(self) -> None:
+        """The asyncio counterpart of :meth:`SyncIO.check_durability`."""
+        if self._durable is None:
+            return
+        c: Any = self.client
+        if self.cluster:
+            try:
+                await c.initialize()
+                nodes = c.get_primaries()
+            except (RedisError, RedisClusterException) as exc:
+                raise StorageError(f"cluster nodes unavailable: {type(exc).__name__}: {exc}") from exc
+            for node in nodes:
+                try:
+                    info = await c.execute_command("INFO", "replication", target_nodes=node)
+                    aof: Any = await c.execute_command("WAITAOF", 1, 0, 1, target_nodes=node)
+                except ResponseError as exc:
+                    aof = exc
+                except RedisError as exc:
+                    raise wrap_error(exc, f"durability check of {node.name}") from exc
+                _check_level(self.durability, node.name, info, aof)
+            return
+        name = (await self._node_groups((), []))[0][1]
+        pipe = c.pipeline(transaction=False)
+        pipe.info("replication")
+        pipe.execute_command("WAITAOF", 1, 0, 1)
+        try:
+            info, aof = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            raise wrap_error(exc, f"durability check of {name}") from exc
+        _check_level(self.durability, name, info, aof)
+
+    # -- the durable path (see SyncIO._durable_replies) -------------------------------------
+
+    async def _durable_replies(self, req: Eval | Batch) -> list[Any]:
+        d = self._durable
+        assert d is not None
+        reqs: tuple[Eval | Cmd, ...] = (req,) if isinstance(req, Eval) else req.requests
+        out: list[Any] = [None] * len(reqs)
+        pending = list(range(len(reqs)))
+        for attempt in range(d.attempts):
+            if attempt:
+                await asyncio.sleep(d.backoff.compute(attempt))
+                await self._refresh_slots()
+            groups = await self._node_groups(reqs, pending)
+            results = await asyncio.gather(
+                *(self._node_exchange(node, name, [reqs[i] for i in idxs]) for node, name, idxs in groups)
+            )
+            again = []
+            for (_, _, idxs), replies in zip(groups, results, strict=True):
+                for i, reply in zip(idxs, replies, strict=True):
+                    out[i] = reply
+                    if _retryable(reply):
+                        again.append(i)
+            if not again:
+                break
+            pending = again
+        return out
+
+    async def _node_groups(
+        self, reqs: Sequence[Eval | Cmd], idxs: list[int]
+    ) -> list[tuple[Any, str, list[int]]]:
+        c: Any = self.client
+        if not self.cluster:
+            conn = c.connection_pool.connection_kwargs
+            return [(None, f"{conn.get('host', conn.get('path', '?'))}:{conn.get('port', '')}", idxs)]
+        groups: dict[str, tuple[Any, str, list[int]]] = {}
+        try:
+            await c.initialize()  # the asyncio cluster client learns its slot map on first use
+            for i in idxs:
+                key = _route_key(reqs[i])
+                node = c.get_node_from_key(key) if key else c.get_random_node()
+                groups.setdefault(node.name, (node, node.name, []))[2].append(i)
+        except (RedisError, RedisClusterException) as exc:
+            raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
+        return list(groups.values())
+
+    async def _refresh_slots(self) -> None:
+        if self.cluster:
+            c: Any = self.client
+            try:
+                await c.nodes_manager.initialize()
+            except (RedisError, RedisClusterException):
+                pass
+
+    async def _node_exchange(self, node: Any, name: str, reqs: list[Eval | Cmd]) -> list[Any]:
+        d = self._durable
+        assert d is not None
+        replies = await self._exchange(node, d.commands(reqs, [True] * len(reqs)))
+        out = d.settle(reqs, replies, name)
+        missing = [j for j, r in enumerate(out) if isinstance(r, NoScriptError)]
+        if missing:
+            sub = [reqs[j] for j in missing]
+            again = d.settle(sub, await self._exchange(node, d.commands(sub, [False] * len(sub))), name)
+            for j, r in zip(missing, again, strict=True):
+                out[j] = r
+        return out
+
+    async def _exchange(self, node: Any, cmds: list[tuple[Any, ...]]) -> list[Any]:
+        """One round trip on a pooled connection (of ``node``, a ClusterNode; None: standalone)."""
+        d = self._durable
+        assert d is not None
+        c: Any = self.client
+        async with self._inflight:
+            try:
+                if node is None:
+                    conn = await c.connection_pool.get_connection()
+                else:
+                    conn = node.acquire_connection()
+            except RedisError as exc:
+                return [exc] * len(cmds)
+            callbacks = node.response_callbacks if node is not None else c.response_callbacks
+            try:
+                await conn.send_packed_command(conn.pack_commands(cmds))
+                out: list[Any] = []
+                for args, timeout in zip(cmds, d.timeouts(cmds), strict=True):
+                    try:
+                        out.append(_callback(callbacks, args, await conn.read_response(timeout=timeout)))
+                    except ResponseError as exc:
+                        out.append(exc)
+                return out
+            except RedisError as exc:
+                await conn.disconnect()
+                return [exc] * len(cmds)
+            except BaseException:
+                await conn.disconnect()
+                raise
+            finally:
+                if node is None:
+                    await c.connection_pool.release(conn)
+                else:
+                    node.release(conn)
+
     async def close(self) -> None:
         """Close the client's connections."""
         await self.client.aclose()
@@ -415,7 +828,8 @@ def _finish_batch(batch: Batch, replies: list[Any]) -> list[Any]:
         what = f"script {req.script.name}" if isinstance(req, Eval) else f"command {req.args[0]}"
         if isinstance(reply, Exception):
             err = wrap_error(reply, what)
-            err.__cause__ = reply
+            if err is not reply:  # a typed error (DurabilityUnconfirmed) is not its own cause
+                err.__cause__ = reply
             first = first or err
             out.append(None)
             continue

@@ -294,6 +294,58 @@ class OutcomeUnknown(StorageError):
         super().__init__(f"{message}; {hint}); call again with op_id={op_id!r} to learn the first reply")
 
 
+class DurabilityUnconfirmed(OutcomeUnknown):
+    """A mutating script ran, but its write was not confirmed at the store's durability level.
+
+    The primary executed the script and answered; the ``WAIT``/``WAITAOF``
+    that followed it in the same round trip did not confirm it within
+    ``durability_timeout_s`` (fewer replicas acknowledged it than
+    ``durability_replicas``, or the primary's AOF was not fsynced). The
+    write may be lost if the primary fails now, or may survive: the outcome
+    is unknown (see :class:`OutcomeUnknown` for how to learn it with
+    ``op_id``). ``script`` names the script, ``node`` the primary,
+    ``level`` the durability level, ``detail`` what was missing.
+    """
+
+    def __init__(
+        self, script: str, node: str, level: str, detail: str, *, op_id: str, lease_ids: Sequence[str] = ()
+    ) -> None:
+        self.script = script
+        self.node = node
+        self.level = level
+        self.detail = detail
+        super().__init__(
+            f"script {script!r} ran on {node} but durability={level!r} was not confirmed: {detail}",
+            op_id=op_id,
+            lease_ids=lease_ids,
+        )
+
+
+class StateRolledBack(TracestoreError):
+    """The run's state went backwards: a value that only grows is lower than one this client saw.
+
+    ``what`` names the value (the gate's weight version), ``seen`` the
+    highest value this store object observed, ``found`` the lower one just
+    read. It happens when the primary serving the run failed and a replica
+    that lacked its last writes was promoted, or when older data was
+    restored. The call did not act on the older state (an ``admit`` settles
+    the lease it was given as ``aborted`` first). Check the run (leases,
+    releases, replay groups of the lost writes), then call
+    ``store.gate.fence(found)`` to accept the older state, or install the
+    version the engines run.
+    """
+
+    def __init__(self, what: str, seen: int, found: int) -> None:
+        self.what = what
+        self.seen = seen
+        self.found = found
+        super().__init__(
+            f"{what} went back from {seen} to {found}: the run's state was rolled back "
+            "(failover to a lagging replica, or older data restored); not acting on it. "
+            f"Check the run, then store.gate.fence({found}) to accept it"
+        )
+
+
 class CorruptData(TracestoreError):
     """A value stored in Redis cannot be decoded (written by something other than tracestore?).
 
@@ -379,6 +431,8 @@ __all__ = [
     "RunInUse",
     "StorageError",
     "OutcomeUnknown",
+    "DurabilityUnconfirmed",
+    "StateRolledBack",
     "CorruptData",
     "ScriptError",
     "raise_for_code",
