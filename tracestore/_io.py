@@ -53,6 +53,10 @@ if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
     from redis.cluster import RedisCluster
 
+#: What redis-py raises: its errors, and the cluster client's own exception (not a RedisError).
+_REDIS_ERRORS = (RedisError, RedisClusterException)
+
+
 def decode_script_reply(ev: Eval, reply: Any) -> Any:
     """Strip the status word of a script reply; raise the typed error it encodes."""
     if not isinstance(reply, list) or not reply or not isinstance(reply[0], int):
@@ -67,9 +71,10 @@ def wrap_error(exc: Exception, what: str) -> TracestoreError:
     """Map a redis-py exception to StorageError/ScriptError (caller raises ``from exc``)."""
     if isinstance(exc, TracestoreError):
         return exc
+    detail = (str(exc).strip().splitlines() or [""])[0]  # one line (cluster errors span several)
     if isinstance(exc, ResponseError) and what.startswith("script "):
-        return ScriptError(what[len("script ") :], str(exc))
-    return StorageError(f"{what}: {type(exc).__name__}: {exc}")
+        return ScriptError(what[len("script ") :], detail)
+    return StorageError(f"{what}: {type(exc).__name__}: {detail}")
 
 
 def _eval_args(ev: Eval) -> tuple[Any, ...]:
@@ -232,7 +237,7 @@ class SyncIO:
                 reply = c.evalsha(ev.script.sha, *_eval_args(ev))
             except NoScriptError:
                 reply = c.eval(ev.script.source, *_eval_args(ev))
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
 
@@ -255,7 +260,7 @@ class SyncIO:
             _queue(pipe, r, use_sha)
         try:
             return list(pipe.execute(raise_on_error=False))
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, "pipeline") from exc
 
     def _cluster_pipeline(self, reqs: Any, *, use_sha: bool) -> list[Any]:
@@ -277,7 +282,7 @@ class SyncIO:
                 _queue(pipe, reqs[i], use_sha)
             try:
                 out = pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except _REDIS_ERRORS as exc:
                 out = [exc] * len(idxs)
             for i, reply in zip(idxs, out, strict=True):
                 # A redirect (slot moved) or a lost connection: re-run the request
@@ -297,7 +302,7 @@ class SyncIO:
                     return c.evalsha(r.script.sha, *_eval_args(r))
                 return c.eval(r.script.source, *_eval_args(r))
             return self._cmd(r)
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             return exc
 
     def _cmd(self, cmd: Cmd) -> Any:
@@ -308,7 +313,7 @@ class SyncIO:
             if self.cluster and cmd.key is not None:
                 return c.execute_command(*cmd.args, target_nodes=self._node_of(cmd.key))
             return c.execute_command(*cmd.args)
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, f"command {cmd.args[0]}") from exc
 
     def _node_of(self, key: str) -> Any:
@@ -342,7 +347,7 @@ class SyncIO:
                 client = c.get_redis_connection(node) if node is not None else c
                 for k in client.scan_iter(match=req.pattern, count=req.count, _type=req.type):
                     out.append(text(k))
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
 
@@ -362,7 +367,7 @@ class SyncIO:
         if self.cluster:
             try:
                 targets = [(n.name, c.get_redis_connection(n)) for n in c.get_primaries()]
-            except (RedisError, RedisClusterException) as exc:
+            except _REDIS_ERRORS as exc:
                 raise StorageError(f"cluster nodes unavailable: {type(exc).__name__}: {exc}") from exc
         else:
             targets = [(self._node_groups((), [])[0][1], c)]
@@ -372,7 +377,7 @@ class SyncIO:
             pipe.execute_command("WAITAOF", 1, 0, 1)
             try:
                 info, aof = pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except _REDIS_ERRORS as exc:
                 raise wrap_error(exc, f"durability check of {name}") from exc
             _check_level(self.durability, name, info, aof)
 
@@ -421,7 +426,7 @@ class SyncIO:
                 key = _route_key(reqs[i])
                 node = c.get_node_from_key(key) if key else c.get_random_node()
                 groups.setdefault(node.name, (c.get_redis_connection(node), node.name, []))[2].append(i)
-        except (RedisError, RedisClusterException) as exc:
+        except _REDIS_ERRORS as exc:
             raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
         return list(groups.values())
 
@@ -430,7 +435,7 @@ class SyncIO:
             c: Any = self.client
             try:
                 c.nodes_manager.initialize()
-            except (RedisError, RedisClusterException):
+            except _REDIS_ERRORS:
                 pass  # no node answered; the next attempt fails again or the budget ends
 
     def _node_exchange(self, target: Any, name: str, reqs: list[Eval | Cmd]) -> list[Any]:
@@ -459,7 +464,7 @@ class SyncIO:
         pool = target.connection_pool
         try:
             conn = pool.get_connection()
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             return [exc] * len(cmds)
         try:
             conn.send_packed_command(conn.pack_commands(cmds))
@@ -470,7 +475,7 @@ class SyncIO:
                 except ResponseError as exc:
                     out.append(exc)
             return out
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             conn.disconnect()
             return [exc] * len(cmds)
         except BaseException:
@@ -532,7 +537,7 @@ class AsyncIO:
                 reply = await c.evalsha(ev.script.sha, *_eval_args(ev))
             except NoScriptError:
                 reply = await c.eval(ev.script.source, *_eval_args(ev))
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
 
@@ -571,7 +576,7 @@ class AsyncIO:
             _queue(pipe, r, use_sha)
         try:
             return list(await pipe.execute(raise_on_error=False))
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, "pipeline") from exc
 
     async def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
@@ -582,7 +587,7 @@ class AsyncIO:
                     return await c.evalsha(r.script.sha, *_eval_args(r))
                 return await c.eval(r.script.source, *_eval_args(r))
             return await self._cmd(r)
-        except (RedisError, TracestoreError) as exc:
+        except (*_REDIS_ERRORS, TracestoreError) as exc:
             return exc
 
     async def _cmd(self, cmd: Cmd) -> Any:
@@ -594,7 +599,7 @@ class AsyncIO:
                 node = c.get_node_from_key(cmd.key)
                 return await c.execute_command(*cmd.args, target_nodes=node)
             return await c.execute_command(*cmd.args)
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, f"command {cmd.args[0]}") from exc
 
     async def _blocking(self, cmd: Cmd) -> Any:
@@ -651,7 +656,7 @@ class AsyncIO:
             else:
                 async for k in c.scan_iter(match=req.pattern, count=req.count, _type=req.type):
                     out.append(text(k))
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
 
@@ -664,7 +669,7 @@ class AsyncIO:
             try:
                 await c.initialize()
                 nodes = c.get_primaries()
-            except (RedisError, RedisClusterException) as exc:
+            except _REDIS_ERRORS as exc:
                 raise StorageError(f"cluster nodes unavailable: {type(exc).__name__}: {exc}") from exc
             for node in nodes:
                 try:
@@ -672,7 +677,7 @@ class AsyncIO:
                     aof: Any = await c.execute_command("WAITAOF", 1, 0, 1, target_nodes=node)
                 except ResponseError as exc:
                     aof = exc
-                except RedisError as exc:
+                except _REDIS_ERRORS as exc:
                     raise wrap_error(exc, f"durability check of {node.name}") from exc
                 _check_level(self.durability, node.name, info, aof)
             return
@@ -682,7 +687,7 @@ class AsyncIO:
         pipe.execute_command("WAITAOF", 1, 0, 1)
         try:
             info, aof = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise wrap_error(exc, f"durability check of {name}") from exc
         _check_level(self.durability, name, info, aof)
 
@@ -727,7 +732,7 @@ class AsyncIO:
                 key = _route_key(reqs[i])
                 node = c.get_node_from_key(key) if key else c.get_random_node()
                 groups.setdefault(node.name, (node, node.name, []))[2].append(i)
-        except (RedisError, RedisClusterException) as exc:
+        except _REDIS_ERRORS as exc:
             raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
         return list(groups.values())
 
@@ -736,7 +741,7 @@ class AsyncIO:
             c: Any = self.client
             try:
                 await c.nodes_manager.initialize()
-            except (RedisError, RedisClusterException):
+            except _REDIS_ERRORS:
                 pass
 
     async def _node_exchange(self, node: Any, name: str, reqs: list[Eval | Cmd]) -> list[Any]:
@@ -763,7 +768,7 @@ class AsyncIO:
                     conn = await c.connection_pool.get_connection()
                 else:
                     conn = node.acquire_connection()
-            except RedisError as exc:
+            except _REDIS_ERRORS as exc:
                 return [exc] * len(cmds)
             callbacks = node.response_callbacks if node is not None else c.response_callbacks
             try:
@@ -775,7 +780,7 @@ class AsyncIO:
                     except ResponseError as exc:
                         out.append(exc)
                 return out
-            except RedisError as exc:
+            except _REDIS_ERRORS as exc:
                 await conn.disconnect()
                 return [exc] * len(cmds)
             except BaseException:
