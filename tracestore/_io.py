@@ -140,16 +140,25 @@ class _Durable:
         return decode_script_reply(req, reply)
 
 
-def _check_level(d: Durability, node: str, info: Any, aof: Any) -> None:
-    """Raise ConfigError when ``node`` (a primary) cannot give ``d``: too few replicas, no AOF."""
+def _check_level(d: Durability, node: str, info: Any, aof: Any, cluster_nodes: Any = None) -> None:
+    """Raise ConfigError when ``node`` (a primary) cannot give ``d``: too few replicas, no AOF.
+
+    A cluster primary is judged by the replicas the cluster lists for it
+    (a replica that is down right now still counts: the writes then raise
+    DurabilityUnconfirmed until it is back); a standalone one by the
+    replicas connected to it.
+    """
     if isinstance(info, BaseException):
         raise ConfigError(f"cannot check durability={d.level!r} on {node}: {info}")
     if d.needs_replicas:
-        have = int(info.get("connected_slaves", 0))
+        if cluster_nodes is not None and not isinstance(cluster_nodes, BaseException):
+            have, how = _listed_replicas(text(cluster_nodes)), "listed in the cluster"
+        else:
+            have, how = int(info.get("connected_slaves", 0)), "connected"
         if have < d.replicas:
             raise ConfigError(
                 f"durability={d.level!r} needs {d.replicas} replica(s) per primary, but {node} has "
-                f"{have} connected; add replicas, lower durability_replicas, or choose another level"
+                f"{have} {how}; add replicas, lower durability_replicas, or choose another level"
             )
     if d.needs_aof and isinstance(aof, BaseException):
         if "unknown command" in str(aof).lower():
@@ -157,6 +166,13 @@ def _check_level(d: Durability, node: str, info: Any, aof: Any) -> None:
         else:
             why = f"{node} answered: {aof} (set appendonly yes)"
         raise ConfigError(f"durability={d.level!r} needs the append-only file on every primary: {why}")
+
+
+def _listed_replicas(cluster_nodes: str) -> int:
+    """How many replicas a ``CLUSTER NODES`` reply (asked of a primary) lists for that primary."""
+    rows = [line.split() for line in cluster_nodes.splitlines() if line.strip()]
+    me = next((r[0] for r in rows if len(r) > 2 and "myself" in r[2].split(",")), None)
+    return sum(1 for r in rows if len(r) > 3 and r[3] == me)
 
 
 def _writes(r: Eval | Cmd) -> bool:
@@ -375,11 +391,13 @@ class SyncIO:
             pipe = node.pipeline(transaction=False)
             pipe.info("replication")
             pipe.execute_command("WAITAOF", 1, 0, 1)
+            if self.cluster:
+                pipe.execute_command("CLUSTER", "NODES")
             try:
-                info, aof = pipe.execute(raise_on_error=False)
+                info, aof, *nodes = pipe.execute(raise_on_error=False)
             except _REDIS_ERRORS as exc:
                 raise wrap_error(exc, f"durability check of {name}") from exc
-            _check_level(self.durability, name, info, aof)
+            _check_level(self.durability, name, info, aof, *nodes)
 
     # -- the durable path ----------------------------------------------------------------
 
@@ -674,12 +692,13 @@ class AsyncIO:
             for node in nodes:
                 try:
                     info = await c.execute_command("INFO", "replication", target_nodes=node)
+                    known = await c.execute_command("CLUSTER", "NODES", target_nodes=node)
                     aof: Any = await c.execute_command("WAITAOF", 1, 0, 1, target_nodes=node)
                 except ResponseError as exc:
                     aof = exc
                 except _REDIS_ERRORS as exc:
                     raise wrap_error(exc, f"durability check of {node.name}") from exc
-                _check_level(self.durability, node.name, info, aof)
+                _check_level(self.durability, node.name, info, aof, known)
             return
         name = (await self._node_groups((), []))[0][1]
         pipe = c.pipeline(transaction=False)

@@ -596,6 +596,66 @@ class LocalCluster:
                 return reps
         return []
 
+    def cut_replica(self, primary: EmbeddedServer) -> EmbeddedServer:
+        """Freeze ``primary``'s replica and drop its link; returns the replica (paused).
+
+        First waits until the replica has every write the primary made so
+        far; then SIGSTOPs it and kills the replication connection on the
+        primary, so the primary's later writes reach no replica (a replica
+        lagging at the moment its primary dies, made deterministic). Resume
+        it with ``resume()``; :meth:`takeover` promotes it.
+        """
+        replicas = self.replicas_of(primary)
+        if not replicas:
+            raise ServerError(f"the primary on port {primary.port} has no replica")
+        replica = replicas[0]
+        pc, rc = primary.client(socket_timeout=2.0), replica.client(socket_timeout=2.0)
+        try:
+            def synced() -> bool:
+                want = int(pc.info("replication")["master_repl_offset"])
+                return int(rc.info("replication").get("slave_repl_offset", -1)) >= want
+
+            self._wait(synced, f"replica {replica.port} in sync with {primary.port}")
+            replica.pause()
+            pc.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        finally:
+            pc.close()
+            rc.close()
+        return replica
+
+    def takeover(self, replica: EmbeddedServer, timeout_s: float | None = None) -> None:
+        """Promote ``replica`` now (``CLUSTER FAILOVER TAKEOVER``: no vote, no agreement of its primary).
+
+        Returns when every running node sees it serving its slots. Whatever
+        its old primary wrote after the replica's last sync is lost: this is
+        the failover to a lagging replica that asynchronous replication allows.
+        """
+        c = replica.client(socket_timeout=2.0)
+        try:
+            c.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        except redis.exceptions.RedisError as exc:
+            raise ServerError(f"takeover by {replica.port} refused: {exc}") from exc
+        finally:
+            c.close()
+
+        def agreed() -> bool:
+            for s in self.servers:
+                if not s.running:
+                    continue
+                sc = s.client(socket_timeout=2.0)
+                try:
+                    rows = [r.split() for r in text(sc.execute_command("CLUSTER", "NODES")).splitlines()]
+                except redis.exceptions.RedisError:
+                    return False
+                finally:
+                    sc.close()
+                me = [r for r in rows if _node_port(r) == replica.port]
+                if not me or "master" not in me[0][2] or len(me[0]) < 9:
+                    return False
+            return True
+
+        self._wait(agreed, f"every node to see {replica.port} as a primary", timeout_s)
+
     def wait_replicas_online(self, timeout_s: float | None = None) -> None:
         """Wait until every primary has as many in-sync (``online``) replicas as CLUSTER SLOTS lists.
 

@@ -14,6 +14,7 @@ runs one request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from . import checkpoint as ckpt_ops
@@ -28,6 +29,7 @@ from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
 from .durability import OPTION_NAMES as DURABILITY_OPTIONS
 from .durability import Durability
+from .errors import DurabilityUnconfirmed
 from .gate import AsyncGate, Gate
 from .keys import Keys
 from .replay import AsyncReplay, Replay
@@ -194,7 +196,13 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
         store = cls(io, Context(keys, cluster, config), display)
         try:
             io.check_durability()
-            store.init_run() if create_run else store.ping()
+            if not create_run:
+                store.ping()
+            else:
+                with contextlib.suppress(DurabilityUnconfirmed):
+                    # A replica that is down must not stop a connect: the run's meta
+                    # record is written again, idempotently, by any later connect.
+                    store.init_run()
         except BaseException:
             store.close()
             raise
@@ -259,7 +267,11 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
         store = cls(io, Context(keys, cluster, config), display)
         try:
             await io.check_durability()
-            await (store.init_run() if create_run else store.ping())
+            if not create_run:
+                await store.ping()
+            else:
+                with contextlib.suppress(DurabilityUnconfirmed):  # (see TraceStore.connect)
+                    await store.init_run()
         except BaseException:
             await store.close()
             raise
