@@ -231,6 +231,11 @@ def test_unconfirmed_writes_raise_with_their_op_id(pair: tuple[EmbeddedServer, E
                 response_logprobs=[-1.0], version=0,
             )
         assert st.owner_of("d") == "prod"  # it ran on the primary: the outcome is unknown, not "failed"
+        ran = False
+        with pytest.raises(DurabilityUnconfirmed):  # the seal is not confirmed: the body never runs
+            with st.gate.weight_update(5, drain_timeout_s=0.5):
+                ran = True
+        assert not ran and st.gate.status().state == "open"  # and the seal was undone
         # a refusal is not an unconfirmed write: nothing was written
         with pytest.raises(Exception, match="already open"):
             st.open_session("b", "prod")

@@ -40,6 +40,7 @@ from .durability import NONE, Durability
 from .errors import (
     ConfigError,
     DurabilityUnconfirmed,
+    NotEnoughReplicas,
     ScriptError,
     StorageError,
     TracestoreError,
@@ -72,6 +73,11 @@ def wrap_error(exc: Exception, what: str) -> TracestoreError:
     if isinstance(exc, TracestoreError):
         return exc
     detail = (str(exc).strip().splitlines() or [""])[0]  # one line (cluster errors span several)
+    if isinstance(exc, ResponseError) and detail.startswith("NOREPLICAS"):  # the server's error code
+        return NotEnoughReplicas(
+            f"{what}: the primary refused the write, fewer replicas are in sync than its "
+            "min-replicas-to-write; nothing was written, retry when they are back"
+        )
     if isinstance(exc, ResponseError) and what.startswith("script "):
         return ScriptError(what[len("script ") :], detail)
     return StorageError(f"{what}: {type(exc).__name__}: {detail}")

@@ -321,6 +321,14 @@ class DurabilityUnconfirmed(OutcomeUnknown):
         )
 
 
+class NotEnoughReplicas(StorageError):
+    """The primary refused a write: fewer replicas are in sync than its ``min-replicas-to-write``.
+
+    Nothing was written (the outcome is known). Retry once the replicas are
+    back; ``node``-level settings are in docs/durability.md.
+    """
+
+
 class StateRolledBack(TracestoreError):
     """The run's state went backwards: a value that only grows is lower than one this client saw.
 
@@ -432,6 +440,7 @@ __all__ = [
     "StorageError",
     "OutcomeUnknown",
     "DurabilityUnconfirmed",
+    "NotEnoughReplicas",
     "StateRolledBack",
     "CorruptData",
     "ScriptError",

@@ -26,6 +26,7 @@ Use it through ``store.gate`` (:class:`Gate`, or :class:`AsyncGate` on an
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,15 @@ import orjson
 
 from . import validate
 from .context import Context
-from .errors import GatePoisoned, InvalidInput, NotDrained, StaleVersion, StateRolledBack
+from .errors import (
+    GatePoisoned,
+    InvalidInput,
+    NotDrained,
+    OutcomeUnknown,
+    StaleVersion,
+    StateRolledBack,
+    TracestoreError,
+)
 from .replies import Reply, field_map, text
 from .scripts import Batch, Cmd, Eval, Op, new_op_id, script
 from .twin import AsyncPart, Body, Scoped, SyncPart, op, scoped
@@ -577,7 +586,14 @@ def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[
     validate.version("version", version)
     duration_ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
     token = new_op_id()
-    mine = yield from _seal_as(ctx, token)
+    try:
+        mine = yield from _seal_as(ctx, token)
+    except OutcomeUnknown:
+        # The seal may have happened (an unconfirmed or lost reply): undo it, so
+        # that no admission waits for a weight update that is not running.
+        with contextlib.suppress(TracestoreError):
+            yield from _reopen_as(ctx, token)
+        raise
     try:
         res = yield from drain(ctx, drain_timeout_s)
         _check_drained(res, version)

@@ -29,7 +29,7 @@ from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
 from .durability import OPTION_NAMES as DURABILITY_OPTIONS
 from .durability import Durability
-from .errors import DurabilityUnconfirmed
+from .errors import DurabilityUnconfirmed, NotEnoughReplicas
 from .gate import AsyncGate, Gate
 from .keys import Keys
 from .replay import AsyncReplay, Replay
@@ -199,7 +199,7 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
             if not create_run:
                 store.ping()
             else:
-                with contextlib.suppress(DurabilityUnconfirmed):
+                with contextlib.suppress(DurabilityUnconfirmed, NotEnoughReplicas):
                     # A replica that is down must not stop a connect: the run's meta
                     # record is written again, idempotently, by any later connect.
                     store.init_run()
@@ -270,7 +270,7 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
             if not create_run:
                 await store.ping()
             else:
-                with contextlib.suppress(DurabilityUnconfirmed):  # (see TraceStore.connect)
+                with contextlib.suppress(DurabilityUnconfirmed, NotEnoughReplicas):  # see TraceStore.connect
                     await store.init_run()
         except BaseException:
             await store.close()
