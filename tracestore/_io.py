@@ -115,7 +115,7 @@ class _Durable:
     def timeouts(self, cmds: Sequence[tuple[Any, ...]]) -> list[float]:
         return [self.wait_read_timeout if c[0] in ("WAIT", "WAITAOF") else self.read_timeout for c in cmds]
 
-    def settle(self, reqs: Sequence[Eval | Cmd], replies: list[Any], node: str) -> list[Any]:
+    def confirm(self, reqs: Sequence[Eval | Cmd], replies: list[Any], node: str) -> list[Any]:
         """The replies of the requests, with unconfirmed successful writes turned into errors."""
         n = len(reqs)
         main, waits = replies[:n], replies[n:]
@@ -133,6 +133,44 @@ class _Durable:
                 )
             out.append(reply)
         return out
+
+    @staticmethod
+    def start(req: Eval | Batch) -> tuple[tuple[Eval | Cmd, ...], list[Any], list[int]]:
+        """``(requests, their replies so far, the indexes still to run)`` of a durable request."""
+        reqs: tuple[Eval | Cmd, ...] = (req,) if isinstance(req, Eval) else req.requests
+        return reqs, [None] * len(reqs), list(range(len(reqs)))
+
+    @staticmethod
+    def route(
+        client: Any, cluster: bool, reqs: Sequence[Eval | Cmd], idxs: list[int], target: Any
+    ) -> list[tuple[Any, str, list[int]]]:
+        """``(target(node), node name, request indexes)`` per node serving ``reqs[idxs]``.
+
+        ``target`` turns a cluster node into what the I/O layer writes to (None
+        on a standalone server: the client's own pool).
+        """
+        if not cluster:
+            return [(target(None), _server_name(client), idxs)]
+        groups: dict[str, tuple[Any, str, list[int]]] = {}
+        try:
+            for i in idxs:
+                key = _route_key(reqs[i])
+                node = client.get_node_from_key(key) if key else client.get_random_node()
+                groups.setdefault(node.name, (target(node), node.name, []))[2].append(i)
+        except _REDIS_ERRORS as exc:
+            raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
+        return list(groups.values())
+
+    @staticmethod
+    def collect(groups: list[tuple[Any, str, list[int]]], results: list[list[Any]], out: list[Any]) -> list[int]:
+        """Store each group's replies in ``out``; the indexes to run again (see :func:`_retryable`)."""
+        again = []
+        for (_, _, idxs), replies in zip(groups, results, strict=True):
+            for i, reply in zip(idxs, replies, strict=True):
+                out[i] = reply
+                if _retryable(reply):
+                    again.append(i)
+        return again
 
     def finish(self, req: Eval | Batch, replies: list[Any]) -> Any:
         """Decode the replies of a request that took the durable path (as the ordinary path does)."""
@@ -172,6 +210,12 @@ def _check_level(d: Durability, node: str, info: Any, aof: Any, cluster_nodes: A
         else:
             why = f"{node} answered: {aof} (set appendonly yes)"
         raise ConfigError(f"durability={d.level!r} needs the append-only file on every primary: {why}")
+
+
+def _server_name(client: Any) -> str:
+    """``host:port`` (or the socket path) of a standalone client, for messages."""
+    conn = client.connection_pool.connection_kwargs
+    return f"{conn.get('host', conn.get('path', '?'))}:{conn.get('port', '')}"
 
 
 def _listed_replicas(cluster_nodes: str) -> int:
@@ -379,9 +423,10 @@ class SyncIO:
     def check_durability(self) -> None:
         """Raise ConfigError unless every primary can give the durability level (no-op for ``"none"``).
 
-        Per primary, one round trip: ``INFO replication`` (enough connected
-        replicas) and ``WAITAOF 1 0 1`` (the AOF is on and the server knows
-        WAITAOF, Redis/Valkey 7.2+). StorageError when a primary cannot be reached.
+        Per primary, one round trip: ``INFO replication`` and, on a cluster,
+        ``CLUSTER NODES`` (enough replicas: see :func:`_check_level`), and
+        ``WAITAOF 1 0 1`` (the AOF is on and the server knows WAITAOF,
+        Redis/Valkey 7.2+). StorageError when a primary cannot be reached.
         """
         if self._durable is None:
             return
@@ -392,7 +437,7 @@ class SyncIO:
             except _REDIS_ERRORS as exc:
                 raise StorageError(f"cluster nodes unavailable: {type(exc).__name__}: {exc}") from exc
         else:
-            targets = [(self._node_groups((), [])[0][1], c)]
+            targets = [(_server_name(c), c)]
         for name, node in targets:
             pipe = node.pipeline(transaction=False)
             pipe.info("replication")
@@ -417,42 +462,23 @@ class SyncIO:
         """
         d = self._durable
         assert d is not None
-        reqs: tuple[Eval | Cmd, ...] = (req,) if isinstance(req, Eval) else req.requests
-        out: list[Any] = [None] * len(reqs)
-        pending = list(range(len(reqs)))
+        c: Any = self.client
+        reqs, out, pending = d.start(req)
         for attempt in range(d.attempts):
             if attempt:
                 time.sleep(d.backoff.compute(attempt))
                 self._refresh_slots()
-            again = []
-            for target, name, idxs in self._node_groups(reqs, pending):
-                replies = self._node_exchange(target, name, [reqs[i] for i in idxs])
-                for i, reply in zip(idxs, replies, strict=True):
-                    out[i] = reply
-                    if _retryable(reply):
-                        again.append(i)
-            if not again:
+            groups = d.route(c, self.cluster, reqs, pending, self._target)
+            results = [self._node_exchange(t, name, [reqs[i] for i in idxs]) for t, name, idxs in groups]
+            pending = d.collect(groups, results, out)
+            if not pending:
                 break
-            pending = again
         return out
 
-    def _node_groups(
-        self, reqs: Sequence[Eval | Cmd], idxs: list[int]
-    ) -> list[tuple[Any, str, list[int]]]:
-        """``(node client, node name, request indexes)`` per node serving the requests."""
+    def _target(self, node: Any) -> Any:
+        """Where a node's exchange is written: the node's own client (the client itself if standalone)."""
         c: Any = self.client
-        if not self.cluster:
-            conn = c.connection_pool.connection_kwargs
-            return [(c, f"{conn.get('host', conn.get('path', '?'))}:{conn.get('port', '')}", idxs)]
-        groups: dict[str, tuple[Any, str, list[int]]] = {}
-        try:
-            for i in idxs:
-                key = _route_key(reqs[i])
-                node = c.get_node_from_key(key) if key else c.get_random_node()
-                groups.setdefault(node.name, (c.get_redis_connection(node), node.name, []))[2].append(i)
-        except _REDIS_ERRORS as exc:
-            raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
-        return list(groups.values())
+        return c if node is None else c.get_redis_connection(node)
 
     def _refresh_slots(self) -> None:
         if self.cluster:
@@ -468,11 +494,11 @@ class SyncIO:
         assert d is not None
         sha = [True] * len(reqs)
         replies = self._exchange(target, d.commands(reqs, sha))
-        out = d.settle(reqs, replies, name)
+        out = d.confirm(reqs, replies, name)
         missing = [j for j, r in enumerate(out) if isinstance(r, NoScriptError)]
         if missing:  # the script cache emptied (restart, failover): EVAL reloads it
             sub = [reqs[j] for j in missing]
-            again = d.settle(sub, self._exchange(target, d.commands(sub, [False] * len(sub))), name)
+            again = d.confirm(sub, self._exchange(target, d.commands(sub, [False] * len(sub))), name)
             for j, r in zip(missing, again, strict=True):
                 out[j] = r
         return out
@@ -706,7 +732,7 @@ class AsyncIO:
                     raise wrap_error(exc, f"durability check of {node.name}") from exc
                 _check_level(self.durability, node.name, info, aof, known)
             return
-        name = (await self._node_groups((), []))[0][1]
+        name = _server_name(c)
         pipe = c.pipeline(transaction=False)
         pipe.info("replication")
         pipe.execute_command("WAITAOF", 1, 0, 1)
@@ -721,45 +747,30 @@ class AsyncIO:
     async def _durable_replies(self, req: Eval | Batch) -> list[Any]:
         d = self._durable
         assert d is not None
-        reqs: tuple[Eval | Cmd, ...] = (req,) if isinstance(req, Eval) else req.requests
-        out: list[Any] = [None] * len(reqs)
-        pending = list(range(len(reqs)))
+        c: Any = self.client
+        reqs, out, pending = d.start(req)
         for attempt in range(d.attempts):
             if attempt:
                 await asyncio.sleep(d.backoff.compute(attempt))
                 await self._refresh_slots()
-            groups = await self._node_groups(reqs, pending)
+            if self.cluster:
+                try:
+                    await c.initialize()  # the asyncio cluster client learns its slot map on first use
+                except _REDIS_ERRORS as exc:
+                    raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
+            groups = d.route(c, self.cluster, reqs, pending, self._target)
             results = await asyncio.gather(
                 *(self._node_exchange(node, name, [reqs[i] for i in idxs]) for node, name, idxs in groups)
             )
-            again = []
-            for (_, _, idxs), replies in zip(groups, results, strict=True):
-                for i, reply in zip(idxs, replies, strict=True):
-                    out[i] = reply
-                    if _retryable(reply):
-                        again.append(i)
-            if not again:
+            pending = d.collect(groups, results, out)
+            if not pending:
                 break
-            pending = again
         return out
 
-    async def _node_groups(
-        self, reqs: Sequence[Eval | Cmd], idxs: list[int]
-    ) -> list[tuple[Any, str, list[int]]]:
-        c: Any = self.client
-        if not self.cluster:
-            conn = c.connection_pool.connection_kwargs
-            return [(None, f"{conn.get('host', conn.get('path', '?'))}:{conn.get('port', '')}", idxs)]
-        groups: dict[str, tuple[Any, str, list[int]]] = {}
-        try:
-            await c.initialize()  # the asyncio cluster client learns its slot map on first use
-            for i in idxs:
-                key = _route_key(reqs[i])
-                node = c.get_node_from_key(key) if key else c.get_random_node()
-                groups.setdefault(node.name, (node, node.name, []))[2].append(i)
-        except _REDIS_ERRORS as exc:
-            raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
-        return list(groups.values())
+    @staticmethod
+    def _target(node: Any) -> Any:
+        """Where a node's exchange is written: the ClusterNode (None: the client's own pool)."""
+        return node
 
     async def _refresh_slots(self) -> None:
         if self.cluster:
@@ -773,11 +784,11 @@ class AsyncIO:
         d = self._durable
         assert d is not None
         replies = await self._exchange(node, d.commands(reqs, [True] * len(reqs)))
-        out = d.settle(reqs, replies, name)
+        out = d.confirm(reqs, replies, name)
         missing = [j for j, r in enumerate(out) if isinstance(r, NoScriptError)]
         if missing:
             sub = [reqs[j] for j in missing]
-            again = d.settle(sub, await self._exchange(node, d.commands(sub, [False] * len(sub))), name)
+            again = d.confirm(sub, await self._exchange(node, d.commands(sub, [False] * len(sub))), name)
             for j, r in zip(missing, again, strict=True):
                 out[j] = r
         return out
