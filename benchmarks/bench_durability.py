@@ -4,8 +4,9 @@ One local cluster of 3 primaries with 1 replica each, AOF on every node
 (``appendfsync everysec``, as compose.yaml documents), so every level can be
 given. One store per level, all connected at once; the levels are measured
 in turns, round after round (level A, B, C, D, then again), so that the
-load of this shared machine falls on all of them alike, and each figure is
-the median over the rounds of the mean time per call in that round.
+load of this shared machine falls on all of them alike. ``us_per_item``
+is the median over the rounds of the mean time per item in a round;
+``x_none`` the median over the rounds of that round's ratio to ``none``.
 
 Calls (the four the issue names), on fresh sessions of the run:
 
@@ -122,12 +123,18 @@ def _admit_only(calls: Calls, batch: int) -> float:
 
 
 def measure(calls: dict[str, Calls], rounds: int, per_round: dict[int, int]) -> dict[str, Any]:
-    """Per level, op and batch size: median over rounds of the mean seconds per item."""
+    """Per level, op and batch size: microseconds per item and the ratio to ``none`` (medians over rounds).
+
+    The levels take turns within a round, starting with another one each round.
+    """
     samples: dict[tuple[str, str, int], list[float]] = {}
-    for _ in range(rounds):
+    levels = list(calls)
+    for r in range(rounds):
+        order = levels[r % len(levels) :] + levels[: r % len(levels)]
         for op in ("release", "put", "record_turn", "admit"):
             for batch, n in per_round.items():
-                for lvl, c in calls.items():
+                for lvl in order:
+                    c = calls[lvl]
                     per_item: list[float] = []
                     for _ in range(n):
                         if op == "admit":
@@ -138,18 +145,17 @@ def measure(calls: dict[str, Calls], rounds: int, per_round: dict[int, int]) -> 
                     samples.setdefault((lvl, op, batch), []).append(statistics.fmean(per_item))
     out: dict[str, Any] = {}
     for (lvl, op, batch), xs in samples.items():
+        base = samples[("none", op, batch)]
         out.setdefault(lvl, {}).setdefault(op, {})[f"batch_{batch}"] = {
             "us_per_item": round(1e6 * statistics.median(xs), 1),
+            # the ratio of each round (the levels measured one after the other), then the median
+            "x_none": round(statistics.median(x / b for x, b in zip(xs, base, strict=True)), 3),
         }
-    for lvl in calls:
-        for op, by_batch in out[lvl].items():
-            for b, fig in by_batch.items():
-                fig["x_none"] = round(fig["us_per_item"] / out["none"][op][b]["us_per_item"], 3)
     return out
 
 
 def run(quick: bool) -> dict[str, Any]:
-    rounds = 3 if quick else 15
+    rounds = 3 if quick else 30
     per_round = {1: 10 if quick else 40, BATCH: 2 if quick else 6}
     cluster = LocalCluster(
         primaries=3, replicas=1, extra_args=["--appendonly", "yes", "--appendfsync", "everysec"]

@@ -469,7 +469,7 @@ class SyncIO:
                 time.sleep(d.backoff.compute(attempt))
                 self._refresh_slots()
             groups = d.route(c, self.cluster, reqs, pending, self._target)
-            results = [self._node_exchange(t, name, [reqs[i] for i in idxs]) for t, name, idxs in groups]
+            results = self._exchanges(groups, reqs)
             pending = d.collect(groups, results, out)
             if not pending:
                 break
@@ -488,36 +488,70 @@ class SyncIO:
             except _REDIS_ERRORS:
                 pass  # no node answered; the next attempt fails again or the budget ends
 
-    def _node_exchange(self, target: Any, name: str, reqs: list[Eval | Cmd]) -> list[Any]:
-        """One round trip to one node: ``reqs`` then the waits; NOSCRIPT re-sent with EVAL."""
+    def _exchanges(self, groups: list[tuple[Any, str, list[int]]], reqs: Sequence[Eval | Cmd]) -> list[list[Any]]:
+        """One round trip per node, overlapped: every node's commands are written, then read.
+
+        Each node gets its requests then the waits; a NOSCRIPT request is
+        sent again with EVAL (and the waits) on its node.
+        """
         d = self._durable
         assert d is not None
-        sha = [True] * len(reqs)
-        replies = self._exchange(target, d.commands(reqs, sha))
-        out = d.confirm(reqs, replies, name)
-        missing = [j for j, r in enumerate(out) if isinstance(r, NoScriptError)]
-        if missing:  # the script cache emptied (restart, failover): EVAL reloads it
-            sub = [reqs[j] for j in missing]
-            again = d.confirm(sub, self._exchange(target, d.commands(sub, [False] * len(sub))), name)
-            for j, r in zip(missing, again, strict=True):
-                out[j] = r
+        sent: list[tuple[Any, list[tuple[Any, ...]], Any]] = []
+        results: list[list[Any]] = []
+        read = 0
+        try:
+            for target, _, idxs in groups:
+                cmds = d.commands([reqs[i] for i in idxs], [True] * len(idxs))
+                sent.append((target, cmds, self._send(target, cmds)))
+            for target, cmds, handle in sent:
+                read += 1  # _receive releases its connection whatever happens
+                results.append(self._receive(target, cmds, handle))
+        except BaseException:
+            for target, _, handle in sent[read:]:  # written to, never read: unusable
+                if not isinstance(handle, BaseException):
+                    handle.disconnect()
+                    target.connection_pool.release(handle)
+            raise
+        out = []
+        for (target, name, idxs), replies in zip(groups, results, strict=True):
+            sub = [reqs[i] for i in idxs]
+            confirmed = d.confirm(sub, replies, name)
+            missing = [j for j, r in enumerate(confirmed) if isinstance(r, NoScriptError)]
+            if missing:  # the script cache emptied (restart, failover): EVAL reloads it
+                again = [sub[j] for j in missing]
+                cmds = d.commands(again, [False] * len(again))
+                redone = d.confirm(again, self._receive(target, cmds, self._send(target, cmds)), name)
+                for j, r in zip(missing, redone, strict=True):
+                    confirmed[j] = r
+            out.append(confirmed)
         return out
 
-    def _exchange(self, target: Any, cmds: list[tuple[Any, ...]]) -> list[Any]:
-        """Write ``cmds`` on one pooled connection and read every reply (errors as values).
+    def _send(self, target: Any, cmds: list[tuple[Any, ...]]) -> Any:
+        """Write ``cmds`` on a pooled connection of ``target``; the connection, or the error."""
+        pool = target.connection_pool
+        try:
+            conn = pool.get_connection()
+        except _REDIS_ERRORS as exc:
+            return exc
+        try:
+            conn.send_packed_command(conn.pack_commands(cmds))
+        except _REDIS_ERRORS as exc:
+            conn.disconnect()
+            pool.release(conn)
+            return exc
+        return conn
+
+    def _receive(self, target: Any, cmds: list[tuple[Any, ...]], conn: Any) -> list[Any]:
+        """Read every reply of ``cmds`` from ``conn`` (errors as values) and release it.
 
         A lost connection makes every reply the connection error (the
         outcome of each request is then unknown).
         """
         d = self._durable
         assert d is not None
-        pool = target.connection_pool
+        if isinstance(conn, BaseException):
+            return [conn] * len(cmds)
         try:
-            conn = pool.get_connection()
-        except _REDIS_ERRORS as exc:
-            return [exc] * len(cmds)
-        try:
-            conn.send_packed_command(conn.pack_commands(cmds))
             out: list[Any] = []
             for args, timeout in zip(cmds, d.timeouts(cmds), strict=True):
                 try:
@@ -532,7 +566,7 @@ class SyncIO:
             conn.disconnect()
             raise
         finally:
-            pool.release(conn)
+            target.connection_pool.release(conn)
 
     def close(self) -> None:
         """Close the client's connections."""
