@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
     from redis.cluster import RedisCluster
 
-#: What redis-py raises: its errors, and the cluster client's own exception (not a RedisError).
-_REDIS_ERRORS = (RedisError, RedisClusterException)
+#: What redis-py raises: its errors, and the cluster client's own (not a RedisError).
+REDIS_ERRORS = (RedisError, RedisClusterException)
 
 
 def decode_script_reply(ev: Eval, reply: Any) -> Any:
@@ -157,7 +157,7 @@ class _Durable:
                 key = _route_key(reqs[i])
                 node = client.get_node_from_key(key) if key else client.get_random_node()
                 groups.setdefault(node.name, (target(node), node.name, []))[2].append(i)
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
         return list(groups.values())
 
@@ -303,7 +303,7 @@ class SyncIO:
                 reply = c.evalsha(ev.script.sha, *_eval_args(ev))
             except NoScriptError:
                 reply = c.eval(ev.script.source, *_eval_args(ev))
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
 
@@ -326,7 +326,7 @@ class SyncIO:
             _queue(pipe, r, use_sha)
         try:
             return list(pipe.execute(raise_on_error=False))
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "pipeline") from exc
 
     def _cluster_pipeline(self, reqs: Any, *, use_sha: bool) -> list[Any]:
@@ -348,7 +348,7 @@ class SyncIO:
                 _queue(pipe, reqs[i], use_sha)
             try:
                 out = pipe.execute(raise_on_error=False)
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 out = [exc] * len(idxs)
             for i, reply in zip(idxs, out, strict=True):
                 # A redirect (slot moved) or a lost connection: re-run the request
@@ -368,7 +368,7 @@ class SyncIO:
                     return c.evalsha(r.script.sha, *_eval_args(r))
                 return c.eval(r.script.source, *_eval_args(r))
             return self._cmd(r)
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             return exc
 
     def _cmd(self, cmd: Cmd) -> Any:
@@ -379,7 +379,7 @@ class SyncIO:
             if self.cluster and cmd.key is not None:
                 return c.execute_command(*cmd.args, target_nodes=self._node_of(cmd.key))
             return c.execute_command(*cmd.args)
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"command {cmd.args[0]}") from exc
 
     def _node_of(self, key: str) -> Any:
@@ -413,7 +413,7 @@ class SyncIO:
                 client = c.get_redis_connection(node) if node is not None else c
                 for k in client.scan_iter(match=req.pattern, count=req.count, _type=req.type):
                     out.append(text(k))
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
 
@@ -434,7 +434,7 @@ class SyncIO:
         if self.cluster:
             try:
                 targets = [(n.name, c.get_redis_connection(n)) for n in c.get_primaries()]
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 raise StorageError(f"cluster nodes unavailable: {type(exc).__name__}: {exc}") from exc
         else:
             targets = [(_server_name(c), c)]
@@ -446,7 +446,7 @@ class SyncIO:
                 pipe.execute_command("CLUSTER", "NODES")
             try:
                 info, aof, *nodes = pipe.execute(raise_on_error=False)
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 raise wrap_error(exc, f"durability check of {name}") from exc
             _check_level(self.durability, name, info, aof, *nodes)
 
@@ -485,7 +485,7 @@ class SyncIO:
             c: Any = self.client
             try:
                 c.nodes_manager.initialize()
-            except _REDIS_ERRORS:
+            except REDIS_ERRORS:
                 pass  # no node answered; the next attempt fails again or the budget ends
 
     def _exchanges(self, groups: list[tuple[Any, str, list[int]]], reqs: Sequence[Eval | Cmd]) -> list[list[Any]]:
@@ -531,11 +531,11 @@ class SyncIO:
         pool = target.connection_pool
         try:
             conn = pool.get_connection()
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             return exc
         try:
             conn.send_packed_command(conn.pack_commands(cmds))
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             conn.disconnect()
             pool.release(conn)
             return exc
@@ -559,7 +559,7 @@ class SyncIO:
                 except ResponseError as exc:
                     out.append(exc)
             return out
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             conn.disconnect()
             return [exc] * len(cmds)
         except BaseException:
@@ -621,7 +621,7 @@ class AsyncIO:
                 reply = await c.evalsha(ev.script.sha, *_eval_args(ev))
             except NoScriptError:
                 reply = await c.eval(ev.script.source, *_eval_args(ev))
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
 
@@ -660,7 +660,7 @@ class AsyncIO:
             _queue(pipe, r, use_sha)
         try:
             return list(await pipe.execute(raise_on_error=False))
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "pipeline") from exc
 
     async def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
@@ -671,7 +671,7 @@ class AsyncIO:
                     return await c.evalsha(r.script.sha, *_eval_args(r))
                 return await c.eval(r.script.source, *_eval_args(r))
             return await self._cmd(r)
-        except (*_REDIS_ERRORS, TracestoreError) as exc:
+        except (*REDIS_ERRORS, TracestoreError) as exc:
             return exc
 
     async def _cmd(self, cmd: Cmd) -> Any:
@@ -683,7 +683,7 @@ class AsyncIO:
                 node = c.get_node_from_key(cmd.key)
                 return await c.execute_command(*cmd.args, target_nodes=node)
             return await c.execute_command(*cmd.args)
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"command {cmd.args[0]}") from exc
 
     async def _blocking(self, cmd: Cmd) -> Any:
@@ -740,7 +740,7 @@ class AsyncIO:
             else:
                 async for k in c.scan_iter(match=req.pattern, count=req.count, _type=req.type):
                     out.append(text(k))
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
 
@@ -753,7 +753,7 @@ class AsyncIO:
             try:
                 await c.initialize()
                 nodes = c.get_primaries()
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 raise StorageError(f"cluster nodes unavailable: {type(exc).__name__}: {exc}") from exc
             for node in nodes:
                 try:
@@ -762,7 +762,7 @@ class AsyncIO:
                     aof: Any = await c.execute_command("WAITAOF", 1, 0, 1, target_nodes=node)
                 except ResponseError as exc:
                     aof = exc
-                except _REDIS_ERRORS as exc:
+                except REDIS_ERRORS as exc:
                     raise wrap_error(exc, f"durability check of {node.name}") from exc
                 _check_level(self.durability, node.name, info, aof, known)
             return
@@ -772,7 +772,7 @@ class AsyncIO:
         pipe.execute_command("WAITAOF", 1, 0, 1)
         try:
             info, aof = await pipe.execute(raise_on_error=False)
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"durability check of {name}") from exc
         _check_level(self.durability, name, info, aof)
 
@@ -790,7 +790,7 @@ class AsyncIO:
             if self.cluster:
                 try:
                     await c.initialize()  # the asyncio cluster client learns its slot map on first use
-                except _REDIS_ERRORS as exc:
+                except REDIS_ERRORS as exc:
                     raise StorageError(f"cluster slot map unavailable: {type(exc).__name__}: {exc}") from exc
             groups = d.route(c, self.cluster, reqs, pending, self._target)
             results = await asyncio.gather(
@@ -811,7 +811,7 @@ class AsyncIO:
             c: Any = self.client
             try:
                 await c.nodes_manager.initialize()
-            except _REDIS_ERRORS:
+            except REDIS_ERRORS:
                 pass
 
     async def _node_exchange(self, node: Any, name: str, reqs: list[Eval | Cmd]) -> list[Any]:
@@ -838,7 +838,7 @@ class AsyncIO:
                     conn = await c.connection_pool.get_connection()
                 else:
                     conn = node.acquire_connection()
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 return [exc] * len(cmds)
             callbacks = node.response_callbacks if node is not None else c.response_callbacks
             try:
@@ -850,7 +850,7 @@ class AsyncIO:
                     except ResponseError as exc:
                         out.append(exc)
                 return out
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 await conn.disconnect()
                 return [exc] * len(cmds)
             except BaseException:
