@@ -113,3 +113,59 @@ def test_tls_url(tmp_path: Path) -> None:
         # a plain-text client cannot talk to the TLS port
         with pytest.raises(StorageError):
             TraceStore.connect(f"redis://127.0.0.1:{srv.port}", run="tls", retries=0, socket_timeout_s=1)
+
+
+def test_cluster_url_with_several_seeds_parses_and_checks_each() -> None:
+    p = parse_url("redis+cluster://u:secret@h1:7001,h2:7002,[::1]:7003/0")
+    assert p.cluster is True and p.url == "redis://u:secret@h1:7001/0"
+    assert p.seeds == (("h1", 7001), ("h2", 7002), ("::1", 7003))
+    assert "secret" not in p.display and "h2:7002" in p.display
+    assert parse_url("redis+cluster://h1:7001").seeds == ()
+    for bad, message in [
+        ("redis://h1:1,h2:2", "several hosts; only a cluster URL"),
+        ("rediss://h1:1,h2:2", "several hosts"),
+        ("redis+cluster://h1:1,,h2:2", "empty seed"),
+        ("redis+cluster://h1:1,h2:99999", "(?i)port"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_url(bad)
+
+
+def test_any_live_seed_is_enough_and_none_is_one_storage_error(cluster_url: str, arun: Any) -> None:
+    from tests.conftest import connect_async
+    from tracestore.servers import free_port
+
+    live = cluster_url.split("://", 1)[1]
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    url = f"redis+cluster://{dead[0]},{dead[1]},{live}"
+    with TraceStore.connect(url, run="seeds") as st:
+        st.open_session("s", "o")
+        assert st.cluster and st.owner_of("s") == "o"
+
+    async def main() -> None:
+        a = await connect_async(url, "seeds")
+        try:
+            assert await a.owner_of("s") == "o"
+        finally:
+            await a.close()
+        with pytest.raises(StorageError, match="cannot reach any seed of") as err:
+            await connect_async(f"redis+cluster://{dead[0]},{dead[1]}", "seeds")
+        assert "\n" not in str(err.value)
+
+    arun(main())
+    for bad in (f"redis+cluster://{dead[0]},{dead[1]}", f"redis+cluster://{dead[0]}"):
+        with pytest.raises(StorageError, match="cannot reach") as err:
+            TraceStore.connect(bad, run="seeds", retries=0)
+        assert "\n" not in str(err.value) and not isinstance(err.value.__cause__, StorageError)
+
+
+def test_short_default_timeouts(standalone_url: str) -> None:
+    """Short commands time out after 1 s (a hung node costs its failover plus about a second)."""
+    opts = ConnectionOptions()
+    assert (opts.socket_timeout_s, opts.connect_timeout_s) == (1.0, 2.0)
+    client, _, _ = sync_client(standalone_url)
+    try:
+        kwargs: Any = client.connection_pool.connection_kwargs  # type: ignore[union-attr]
+        assert kwargs["socket_timeout"] == 1.0 and kwargs["socket_keepalive"] is True
+    finally:
+        client.close()

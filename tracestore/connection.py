@@ -3,12 +3,24 @@
 Schemes: ``redis://``, ``rediss://`` (TLS), ``unix://`` and
 ``redis+cluster://`` / ``rediss+cluster://``. A ``redis://`` URL that points
 at a cluster node is detected with ``INFO cluster`` and connected as a
-cluster. User and password come from the URL (``redis://user:pass@host``).
+cluster. A cluster URL may name several seed nodes
+(``redis+cluster://h1:7001,h2:7002,h3:7003``): any one that answers is
+enough to learn the cluster. User and password come from the URL
+(``redis://user:pass@host``).
 
 The retry policy is explicit: ``retries`` attempts (default 3) with
 exponential backoff on connection errors and timeouts only. Every mutating
 script is idempotent under such a retry (DESIGN section 5, invariant 6).
 RESP2 is pinned so reply shapes do not change with the server's default.
+
+Timeouts are short (``socket_timeout_s`` 1 s): every command tracestore
+sends answers in milliseconds, so a node that does not answer within a
+second is treated as failed (retry, then a new slot map on a cluster) and a
+hung primary costs about its failover time plus a second. Commands that
+block on purpose read with their own timeout: ``drain``'s blocking pop
+(its block time + 5 s) and the durability wait (``socket_timeout_s +
+durability_timeout_s``). TCP keepalive is on, so a connection to a vanished
+host is noticed while idle.
 """
 
 from __future__ import annotations
@@ -22,10 +34,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -42,15 +55,16 @@ class ConnectionOptions:
     """Client options; every field has a safe default.
 
     ``retries``: attempts after the first on connection errors and timeouts.
-    ``socket_timeout_s``/``connect_timeout_s``: per command and per connect.
-    ``max_connections``: pool size per node.
+    ``socket_timeout_s``/``connect_timeout_s``: per command and per connect
+    (short on purpose: see the module docstring; raise ``socket_timeout_s``
+    for a server far away or overloaded). ``max_connections``: pool size per node.
     """
 
     retries: int = 3
     backoff_base_s: float = 0.02
     backoff_cap_s: float = 0.5
-    socket_timeout_s: float = 10.0
-    connect_timeout_s: float = 5.0
+    socket_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0
     max_connections: int = 64
     health_check_interval_s: int = 30
     client_name: str = "tracestore"
@@ -66,18 +80,49 @@ class ConnectionOptions:
 class ParsedUrl:
     """A validated connection URL."""
 
-    url: str  # the URL redis-py receives (cluster scheme rewritten)
+    url: str  # the URL redis-py receives (cluster scheme rewritten; the first seed)
     cluster: bool | None  # True: forced cluster; None: detect
     tls: bool
     display: str  # the URL with its password masked
+    #: every seed ``(host, port)`` of a cluster URL naming several; empty otherwise
+    seeds: tuple[tuple[str, int], ...] = ()
+
+
+def _split_seeds(url: str) -> tuple[str, list[str]]:
+    """``(url naming only its first host, every host[:port] of a comma-separated list)``."""
+    scheme, sep, rest = url.partition("://")
+    cut = [i for i in (rest.find(c) for c in "/?#") if i >= 0]
+    end = min(cut) if cut else len(rest)
+    userinfo, at, hosts = rest[:end].rpartition("@")
+    seeds = hosts.split(",")
+    if len(seeds) == 1:
+        return url, []
+    return f"{scheme}{sep}{userinfo}{at}{seeds[0]}{rest[end:]}", seeds
+
+
+def _seed(scheme: str, item: str, shown: str) -> tuple[str, int]:
+    try:
+        parts = urlsplit(f"{scheme}://{item}")
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"malformed seed {item!r} in {shown!r}: {exc}") from None
+    if not parts.hostname:
+        raise ConfigError(f"empty seed in {shown!r}; expected host:port,host:port,...")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"port out of range in seed {item!r} of {shown!r}")
+    return parts.hostname, port or 6379
 
 
 def parse_url(url: str) -> ParsedUrl:
-    """Validate ``url``; raise :class:`ConfigError` with a readable message."""
+    """Validate ``url``; raise :class:`ConfigError` with a readable message.
+
+    A cluster URL may list several seeds (``redis+cluster://h1:p1,h2:p2``).
+    """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError("empty connection URL; expected redis://host:port, rediss://, unix:// or redis+cluster://")
+    first, seed_items = _split_seeds(url.strip())
     try:
-        parts = urlsplit(url.strip())
+        parts = urlsplit(first)
         port = parts.port
     except ValueError as exc:
         raise ConfigError(f"malformed connection URL {mask_url(url)!r}: {exc}") from None
@@ -100,11 +145,19 @@ def parse_url(url: str) -> ParsedUrl:
         scheme = scheme.split("+", 1)[0]
     elif scheme == "unix":
         cluster = False
+    seeds: tuple[tuple[str, int], ...] = ()
+    if seed_items:
+        if not cluster or scheme == "unix":
+            raise ConfigError(
+                f"{mask_url(url)!r} names several hosts; only a cluster URL may "
+                f"(redis+cluster://h1:p1,h2:p2 or rediss+cluster://...)"
+            )
+        seeds = tuple(_seed(scheme, item, mask_url(url)) for item in seed_items)
     if scheme == "unix":
         rewritten = url.strip()  # urlunsplit would drop the '//' of an empty netloc
     else:
         rewritten = urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
-    return ParsedUrl(rewritten, cluster, scheme == "rediss", mask_url(url))
+    return ParsedUrl(rewritten, cluster, scheme == "rediss", mask_url(url), seeds)
 
 
 def mask_url(url: str) -> str:
@@ -176,7 +229,11 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def _unreachable(parsed: ParsedUrl, exc: BaseException) -> StorageError:
-    return StorageError(f"cannot reach {parsed.display}: {failure_reason(exc)}")
+    reason = (failure_reason(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if "reachable node: " in reason:  # redis-py's cluster client names the last seed it tried
+        reason = reason.split("reachable node: ", 1)[1]
+    what = "any seed of " if len(parsed.seeds) > 1 else ""
+    return StorageError(f"cannot reach {what}{parsed.display}: {reason}")
 
 
 def _check_tls(parsed: ParsedUrl, opts: ConnectionOptions) -> None:
@@ -209,6 +266,19 @@ def _cluster_enabled(parsed: ParsedUrl, info: Any) -> bool:
     return enabled
 
 
+def _seed_urls(parsed: ParsedUrl) -> list[str]:
+    """The URL of each seed of ``parsed`` (just ``parsed.url`` for a URL naming one host)."""
+    if len(parsed.seeds) < 2:
+        return [parsed.url]
+    parts = urlsplit(parsed.url)
+    user = parts.netloc.rpartition("@")[0]
+    out = []
+    for host, port in parsed.seeds:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        out.append(urlunsplit(parts._replace(netloc=f"{user}@{where}" if user else where)))
+    return out
+
+
 def _is_unix(parsed: ParsedUrl) -> bool:
     return urlsplit(parsed.url).scheme == "unix"
 
@@ -223,14 +293,17 @@ def detect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
     _check_tls(parsed, opts)
     if _is_unix(parsed):
         return False
-    probe = redis.Redis.from_url(parsed.url, **_common(replace(opts, retries=0)))
-    try:
-        info = probe.info("cluster")
-    except RedisError as exc:
-        raise _unreachable(parsed, exc) from exc
-    finally:
-        probe.close()
-    return _cluster_enabled(parsed, info)
+    failed: RedisError | None = None
+    for url in _seed_urls(parsed):  # any seed that answers will do
+        probe = redis.Redis.from_url(url, **_common(replace(opts, retries=0)))
+        try:
+            return _cluster_enabled(parsed, probe.info("cluster"))
+        except RedisError as exc:
+            failed = exc
+        finally:
+            probe.close()
+    assert failed is not None
+    raise _unreachable(parsed, failed) from failed
 
 
 async def _adetect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
@@ -241,14 +314,17 @@ async def _adetect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
         return False
     common = _common(replace(opts, retries=0))
     common["retry"] = _async_retry(replace(opts, retries=0))
-    probe = redis.asyncio.Redis.from_url(parsed.url, **common)
-    try:
-        info = await probe.info("cluster")
-    except RedisError as exc:
-        raise _unreachable(parsed, exc) from exc
-    finally:
-        await probe.aclose()
-    return _cluster_enabled(parsed, info)
+    failed: RedisError | None = None
+    for url in _seed_urls(parsed):
+        probe = redis.asyncio.Redis.from_url(url, **common)
+        try:
+            return _cluster_enabled(parsed, await probe.info("cluster"))
+        except RedisError as exc:
+            failed = exc
+        finally:
+            await probe.aclose()
+    assert failed is not None
+    raise _unreachable(parsed, failed) from failed
 
 
 def _async_retry(opts: ConnectionOptions) -> AsyncRetry:
@@ -274,14 +350,19 @@ def sync_client(
     parsed = parse_url(resolve_url(url))
     cluster = detect_cluster(parsed, opts)
     common = _common(opts)
+    if not parsed.url.startswith("unix:"):
+        common["socket_keepalive"] = True  # an idle connection to a vanished host is noticed
     if cluster:
         common.pop("retry_on_error")
         try:
             client: Any = RedisCluster.from_url(
-                parsed.url, **common, max_connections=opts.max_connections
+                parsed.url,
+                startup_nodes=[ClusterNode(h, p) for h, p in parsed.seeds[1:]],
+                **common,
+                max_connections=opts.max_connections,
             )
         except (RedisError, RedisClusterException) as exc:
-            raise StorageError(f"cannot reach cluster {parsed.display}: {failure_reason(exc)}") from exc
+            raise _unreachable(parsed, exc) from exc
     else:
         client = redis.Redis.from_url(
             parsed.url,
@@ -305,9 +386,22 @@ async def async_client(
     cluster = await _adetect_cluster(parsed, opts)
     common = _common(opts)
     common["retry"] = _async_retry(opts)
+    if not parsed.url.startswith("unix:"):
+        common["socket_keepalive"] = True
     if cluster:
         common.pop("retry_on_error")
-        client: Any = AsyncRedisCluster.from_url(parsed.url, **common, max_connections=opts.max_connections)
+        client: Any = AsyncRedisCluster.from_url(
+            parsed.url,
+            startup_nodes=[AsyncClusterNode(h, p) for h, p in parsed.seeds[1:]],
+            **common,
+            max_connections=opts.max_connections,
+            health_check_interval=opts.health_check_interval_s,
+        )
+        try:
+            await client.initialize()  # learn the slot map now: an unreachable cluster fails here
+        except (RedisError, RedisClusterException) as exc:
+            await client.aclose()
+            raise _unreachable(parsed, exc) from exc
     else:
         client = redis.asyncio.Redis.from_url(
             parsed.url,

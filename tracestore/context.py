@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from .errors import ConfigError
+from .errors import ConfigError, StateRolledBack
 from .keys import Keys
 from .scripts import Eval, chunks, new_op_id, script
 
@@ -51,6 +52,37 @@ class StoreConfig:
         return orjson.dumps(self.__dict__)
 
 
+class Fence:
+    """The highest gate version one store has seen: a lower one means the run was rolled back.
+
+    The gate's weight version only grows (DESIGN section 11). Every reply
+    that carries it passes through :meth:`observe`, which raises
+    StateRolledBack when it is lower than one seen before (a failover to a
+    replica that lacked the install, or older data restored). Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._seen = 0
+        self._lock = threading.Lock()
+
+    @property
+    def seen(self) -> int:
+        """The highest version observed (0 before any)."""
+        return self._seen
+
+    def observe(self, version: int) -> None:
+        """Record ``version``; raise StateRolledBack if it is below the highest one seen."""
+        with self._lock:
+            if version < self._seen:
+                raise StateRolledBack("gate version", self._seen, version)
+            self._seen = version
+
+    def reset(self, version: int) -> None:
+        """Make ``version`` the highest one seen, lower or not (accept a rolled-back state)."""
+        with self._lock:
+            self._seen = version
+
+
 @dataclass
 class Context:
     """Shared by the sync and async layers of one store; holds no connection."""
@@ -60,6 +92,8 @@ class Context:
     config: StoreConfig
     #: Client-side caches keyed by name (the data plane keeps its node cache here).
     caches: dict[str, Any] = field(default_factory=dict)
+    #: The highest gate version this store saw (rollback detection, :class:`Fence`).
+    fence: Fence = field(default_factory=Fence)
 
     def new_op(self) -> tuple[str, str]:
         """``(op_id, op key)`` of one mutating call: where every operation gets its op id.

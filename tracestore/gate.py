@@ -26,6 +26,7 @@ Use it through ``store.gate`` (:class:`Gate`, or :class:`AsyncGate` on an
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,15 @@ import orjson
 
 from . import validate
 from .context import Context
-from .errors import GatePoisoned, InvalidInput, NotDrained, StaleVersion
+from .errors import (
+    GatePoisoned,
+    InvalidInput,
+    NotDrained,
+    OutcomeUnknown,
+    StaleVersion,
+    StateRolledBack,
+    TracestoreError,
+)
 from .replies import Reply, field_map, text
 from .scripts import Batch, Cmd, Eval, Op, new_op_id, script
 from .twin import AsyncPart, Body, Scoped, SyncPart, op, scoped
@@ -190,7 +199,9 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float) -> Op[Lease]:
     ``ttl_s`` seconds from now (server clock); past it, the lease is poisoned
     unless renewed or settled. Raises GateSealed (with ``retry_after_ms``)
     while a weight update holds the gate, SessionReleased when ``sid`` was
-    released (a worker must not generate for it), InvalidId/InvalidInput
+    released (a worker must not generate for it), StateRolledBack when the
+    version is lower than one this store saw (the lease is settled
+    ``aborted`` first, one more round trip), InvalidId/InvalidInput
     before any I/O. Idempotent under client retry (the lease id is made once per call).
     One round trip.
     """
@@ -234,6 +245,13 @@ def _admit(ctx: Context, items: Sequence[tuple[str, str]], ttl_ms: int) -> Op[li
     )
     r = Reply(reply, "gate_admit_many")
     version, deadline = r.int(), r.int()
+    try:
+        ctx.fence.observe(version)
+    except StateRolledBack:
+        # The leases were admitted under a version older than one this client
+        # saw: abort them (no request runs under them) so none poisons the gate.
+        yield Batch(tuple(_settle_eval(ctx, lid, "aborted") for lid in lids))
+        raise
     return [Lease(lid, version, sid, deadline) for lid, (sid, _) in zip(lids, items, strict=True)]
 
 
@@ -343,11 +361,20 @@ def _decode_status(reply: list[Any]) -> GateStatus:
     )
 
 
+def _observed(ctx: Context, st: GateStatus) -> GateStatus:
+    """``st``, once its version passed the store's fence (StateRolledBack if it went back)."""
+    ctx.fence.observe(st.version)
+    return st
+
+
 def status(ctx: Context) -> Op[GateStatus]:
-    """Read the gate: state, version, live leases, poison set (first 100). One round trip."""
+    """Read the gate: state, version, live leases, poison set (first 100). One round trip.
+
+    Raises StateRolledBack when the version is lower than one this store saw.
+    """
     k = ctx.keys
     reply = yield Eval(script("gate_status"), (k.gate, k.gate_leases, k.gate_poison), (MAX_IDS,))
-    return _decode_status(reply)
+    return _observed(ctx, _decode_status(reply))
 
 
 def _seal_eval(ctx: Context, what: str, retry_after_ms: int, token: str = "") -> Eval:
@@ -365,22 +392,25 @@ def seal(ctx: Context, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS) -> Op[GateS
     ``retry_after_ms`` is the hint refused admissions carry. Sealing a
     sealed gate keeps its seal time and hint; a weight update in progress
     then leaves the gate sealed when it ends (an operator's seal is never
-    reopened by ``weight_update``). Returns the status right after sealing.
-    One round trip (the script answers with the status it leaves).
+    reopened by ``weight_update``). Returns the status right after sealing
+    (StateRolledBack when its version is lower than one this store saw; the
+    gate is sealed all the same). One round trip (the script answers with
+    the status it leaves).
     """
     int_in("retry_after_ms", retry_after_ms, 1, 3_600_000)
     reply = yield _seal_eval(ctx, "seal", retry_after_ms)
-    return _decode_status(reply)
+    return _observed(ctx, _decode_status(reply))
 
 
 def reopen(ctx: Context) -> Op[GateStatus]:
     """Reopen the gate (admissions resume, under the current version).
 
     Allowed in any state, whoever sealed; reopening an open gate changes
-    nothing. One round trip.
+    nothing. StateRolledBack (after reopening) when the version is lower
+    than one this store saw. One round trip.
     """
     reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS)
-    return _decode_status(reply)
+    return _observed(ctx, _decode_status(reply))
 
 
 def _seal_as(ctx: Context, token: str) -> Op[bool]:
@@ -404,7 +434,9 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
     poison set (each check is one atomic script that also clears stale
     wake-up tokens, so a wake-up can be neither lost nor stale). Usually
     called after :func:`seal`; on an open gate it returns at the first moment
-    nothing is live. Raises InvalidInput for a negative timeout. Round trips:
+    nothing is live. Raises InvalidInput for a negative timeout,
+    StateRolledBack when the gate's version is lower than one this store
+    saw. Round trips:
     one check, plus one blocking read and one check per wake-up.
     """
     timeout_ms = duration_ms("timeout_s", timeout_s, allow_zero=True)
@@ -422,6 +454,7 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
         poison_ids = tuple(r.rest_texts())
         waited = time.monotonic() - start
         remaining = timeout_ms / 1000 - waited
+        ctx.fence.observe(version)
         if live == 0 or remaining <= 0:
             return DrainResult(
                 drained=live == 0,
@@ -446,7 +479,10 @@ def install(ctx: Context, version: int) -> Op[int]:
     StaleVersion, NotDrained or GatePoisoned. Among concurrent installers of
     one version exactly one succeeds. Idempotent under client retry.
     InvalidInput before I/O for a negative or non-integer version.
-    One round trip.
+    StateRolledBack when the version it replaced is lower than one this
+    store saw: the install is done, over a rolled-back state
+    (:func:`weight_update` checks before its body, when nothing is
+    installed yet). One round trip.
     """
     validate.version("version", version)
     k = ctx.keys
@@ -458,8 +494,10 @@ def install(ctx: Context, version: int) -> Op[int]:
         op_id=op_id,
     )
     r = Reply(reply, "gate_install")
-    r.raw()  # the installed version
-    return r.int()
+    installed, previous = r.int(), r.int()
+    ctx.fence.observe(previous)
+    ctx.fence.observe(installed)
+    return previous
 
 
 def clear_poison(ctx: Context, lease_ids: Sequence[str], resolution: str) -> Op[list[str]]:
@@ -535,7 +573,8 @@ def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[
     (``async with`` on an async store). Before the body runs, the gate must
     drain within ``drain_timeout_s`` with nothing poisoned and ``version``
     must be larger than the current one; otherwise NotDrained, GatePoisoned
-    or StaleVersion is raised and the body does not run. If the body raises,
+    or StaleVersion is raised and the body does not run (StateRolledBack
+    too, when the gate's version is lower than one this store saw). If the body raises,
     the gate is reopened without installing and the error propagates. The
     gate is reopened in every case, unless an operator sealed it (``seal()``
     / ``tracestore gate seal``, before or during the update): that seal
@@ -547,7 +586,14 @@ def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[
     validate.version("version", version)
     duration_ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
     token = new_op_id()
-    mine = yield from _seal_as(ctx, token)
+    try:
+        mine = yield from _seal_as(ctx, token)
+    except OutcomeUnknown:
+        # The seal may have happened (an unconfirmed or lost reply): undo it, so
+        # that no admission waits for a weight update that is not running.
+        with contextlib.suppress(TracestoreError):
+            yield from _reopen_as(ctx, token)
+        raise
     try:
         res = yield from drain(ctx, drain_timeout_s)
         _check_drained(res, version)
@@ -578,6 +624,24 @@ class GateMethods:
     clear_poison = op(clear_poison)
     lease_records = op(lease_records)
     weight_update = scoped(weight_update)
+
+    _scope: Context
+
+    @property
+    def seen_version(self) -> int:
+        """The highest gate version this store has seen (0 before any); no I/O."""
+        return self._scope.fence.seen
+
+    def fence(self, version: int) -> None:
+        """Make ``version`` the highest gate version this store has seen; no I/O.
+
+        From then on a reply with a lower version raises StateRolledBack.
+        Lower it to accept a rolled-back state (``fence(err.found)`` after
+        StateRolledBack); raise it in a process that knows the version its
+        engines run (after a restart). InvalidInput for a negative or
+        non-integer version.
+        """
+        self._scope.fence.reset(validate.version("version", version))
 
 
 class Gate(GateMethods, SyncPart[Context]):
