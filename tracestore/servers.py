@@ -657,8 +657,13 @@ class LocalCluster:
         self._wait(agreed, f"every node to see {replica.port} as a primary", timeout_s)
 
     def wait_replicas_online(self, timeout_s: float | None = None) -> None:
-        """Wait until every primary has as many in-sync (``online``) replicas as CLUSTER SLOTS lists.
+        """Wait until every primary has its replicas in sync and acknowledging.
 
+        Each primary needs as many ``online`` replicas as the cluster was
+        built with (or as ``CLUSTER NODES`` lists, if more): right after a
+        restart the rejoining node is still marked ``fail`` there, so the
+        listing alone would let this return before it has synced. Each of
+        them must also have acknowledged the primary's offset (a ``WAIT``).
         Raises ServerError on timeout. A WAIT for replicas succeeds once this returns.
         """
 
@@ -666,16 +671,19 @@ class LocalCluster:
             for _, primary, reps in self.shards():
                 if not primary.running:
                     return False
+                want = max(len(reps), self.replicas)
                 c = primary.client(socket_timeout=2.0)
                 try:
                     info = c.info("replication")
+                    states = [v.get("state") for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                    if states.count("online") < want:
+                        return False
+                    if want and int(c.execute_command("WAIT", want, 200)) < want:
+                        return False
                 except redis.exceptions.RedisError:
                     return False
                 finally:
                     c.close()
-                states = [v.get("state") for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
-                if states.count("online") < len(reps):
-                    return False
             return True
 
         self._wait(online, "replicas in sync with their primaries", timeout_s)
