@@ -8,6 +8,7 @@ integration lives in :mod:`tracestore.ray` (extra ``tracestore[ray]``).
 from .checkpoint import CheckpointInfo, expert_key_lost
 from .errors import (
     ConfigError,
+    CorruptData,
     GatePoisoned,
     GateSealed,
     GroupExists,
@@ -16,6 +17,7 @@ from .errors import (
     NodeConflict,
     NotDrained,
     NotOwner,
+    OutcomeUnknown,
     OwnerLost,
     PromptMismatch,
     RunInUse,
@@ -56,6 +58,7 @@ __all__ = [
     "expert_key_lost",
     "AsyncTraceStore",
     "ConfigError",
+    "CorruptData",
     "GcReport",
     "GatePoisoned",
     "GateSealed",
@@ -66,6 +69,7 @@ __all__ = [
     "NodeConflict",
     "NotDrained",
     "NotOwner",
+    "OutcomeUnknown",
     "OwnerLost",
     "PrefixMatch",
     "PromptMismatch",

@@ -266,6 +266,50 @@ class StorageError(TracestoreError):
     """
 
 
+class OutcomeUnknown(StorageError):
+    """A mutating call failed after it may have reached the server: it may or may not have taken effect.
+
+    Raised (instead of a plain StorageError) when the connection broke or
+    timed out during a mutating call, or when a later step of a call failed
+    after its first write (the purge after a release, a take's second round),
+    so the caller does not know the call's reply. ``op_id`` is the
+    idempotency key the call used (the caller's ``op_id=``, or the one drawn
+    for it): calling the same method again with the same arguments and
+    ``op_id=err.op_id`` within ``op_ttl_s`` returns the first call's reply if
+    it took effect, never a second effect, and otherwise runs it now.
+    ``lease_ids`` are the lease ids an ``admit``/``admit_many`` chose before
+    the call (``lease_id``: the first; None for other calls): call ``admit``
+    again with ``op_id`` to learn the lease, or settle them (``aborted``) so
+    that no lease is left live. Subclasses name more specific causes.
+    """
+
+    def __init__(self, message: str, *, op_id: str, lease_ids: Sequence[str] = ()) -> None:
+        self.op_id = op_id
+        self.lease_ids = tuple(lease_ids)
+        self.lease_id = self.lease_ids[0] if self.lease_ids else None
+        hint = f"outcome unknown (op_id={op_id!r}"
+        if self.lease_ids:
+            more = f" (+{len(self.lease_ids) - 1} more)" if len(self.lease_ids) > 1 else ""
+            hint += f", lease id {self.lease_ids[0]!r}{more}"
+        super().__init__(f"{message}; {hint}); call again with op_id={op_id!r} to learn the first reply")
+
+
+class CorruptData(TracestoreError):
+    """A value stored in Redis cannot be decoded (written by something other than tracestore?).
+
+    ``key`` names the Redis key, ``field`` the hash field or part (may be
+    empty), ``detail`` what is wrong. Nothing was changed by the call that
+    raised it: inspect the key with ``redis-cli`` and delete or repair it.
+    """
+
+    def __init__(self, key: str, detail: str, field: str = "") -> None:
+        self.key = key
+        self.field = field
+        self.detail = detail
+        where = f"{key} field {field!r}" if field else key
+        super().__init__(f"corrupt data in {where}: {detail}")
+
+
 class ScriptError(StorageError):
     """A Lua script failed on the server; ``script`` names it."""
 
@@ -305,6 +349,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise UnknownLease(str(f[0]))
     if code == "GROUP_EXISTS":
         raise GroupExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
+    if code == "CORRUPT":
+        raise CorruptData(str(f[0]), str(f[2]) if len(f) > 2 else "undecodable", str(f[1]) if len(f) > 1 else "")
     if code == "INVALID_INPUT":
         raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
     raise ScriptError(script, f"unknown result code {code!r} {f!r}")
@@ -332,6 +378,8 @@ __all__ = [
     "RunNotEmpty",
     "RunInUse",
     "StorageError",
+    "OutcomeUnknown",
+    "CorruptData",
     "ScriptError",
     "raise_for_code",
 ]
