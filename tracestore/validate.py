@@ -10,7 +10,8 @@ The bounds, each in one place:
 * **ids** — run ids ``[A-Za-z0-9._-]{1,64}``; key prefixes
   ``[A-Za-z0-9._-]{1,32}``; session ids, owner tags, group ids, task names,
   lease ids, holders, entrypoints, reasons: 1..200 printable ASCII
-  characters without ``{``, ``}`` or whitespace (DESIGN section 3);
+  characters without ``{``, ``}`` or whitespace (DESIGN section 3); a
+  caller's op ids the same without ``#``, at most 128;
 * **weight versions** — integers in ``0..MAX_VERSION`` (``2**53 - 1``):
   versions travel to Lua as numbers (doubles), are stored in zset scores
   and compared there, and ``2**53 - 1`` is the largest integer a double
@@ -37,6 +38,8 @@ _RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}\Z")
 # Printable ASCII (0x21..0x7e) without braces: no whitespace, no hash-tag breakers.
 _ID_RE = re.compile(r"[\x21-\x7a\x7c\x7e]{1,200}\Z")
+# An op id: as an id, without '#' (which joins an op id to its parts' names), at most 128.
+_OP_ID_RE = re.compile(r"[\x21\x22\x24-\x7a\x7c\x7e]{1,128}\Z")
 
 #: Largest weight version: the largest integer a Lua number (double) holds exactly.
 MAX_VERSION = 2**53 - 1
@@ -73,6 +76,20 @@ def validate_id(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _ID_RE.match(value):
         raise InvalidId(
             kind, value, "must be 1..200 printable ASCII characters without '{', '}' or whitespace"
+        )
+    return value
+
+
+def validate_op_id(value: str) -> str:
+    """Validate a caller's idempotency key (``op_id=``); raise InvalidId.
+
+    Rule: 1..128 printable ASCII characters without ``{``, ``}``, ``#`` or
+    whitespace (``#`` is reserved: it names the parts of a chunked call).
+    A UUID, a ULID or ``"step-12/release"`` all qualify.
+    """
+    if not isinstance(value, str) or not _OP_ID_RE.match(value):
+        raise InvalidId(
+            "op id", value, "must be 1..128 printable ASCII characters without '{', '}', '#' or whitespace"
         )
     return value
 
@@ -136,6 +153,7 @@ __all__ = [
     "one_of",
     "validate_id",
     "validate_ids",
+    "validate_op_id",
     "validate_prefix",
     "validate_run",
     "version",
