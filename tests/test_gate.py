@@ -387,7 +387,7 @@ def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> N
     g.reopen()
     # sealer tokens: a retried seal still holds; another token cannot reopen it
     ctx = store.context
-    a, b = ctx.op("a" * 32), ctx.op("b" * 32)
+    a, b = ctx.op("a" * 32, "update"), ctx.op("b" * 32, "update")
     req = next(_seal_as(ctx, a, 6))
     assert store.execute(req)[-1] == store.execute(req)[-1] in ("a" * 32, b"a" * 32)
     assert store.run(_reopen_as(ctx, b)).state == "sealed"
@@ -395,7 +395,7 @@ def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> N
     with g.weight_update(6, drain_timeout_s=1):
         pass
     assert (g.status().state, g.status().version) == ("open", 6)
-    a2 = ctx.op("a2" * 16)
+    a2 = ctx.op("a2" * 16, "update")
     assert store.run(_seal_as(ctx, a2, 7))
     assert store.run(_reopen_as(ctx, a2)).state == "open"
 

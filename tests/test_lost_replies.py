@@ -219,3 +219,16 @@ def test_async_store_lost_release(backend: str, url: str, run_id: str, arun: Any
                 await st.close()
 
     arun(main())
+
+
+def test_an_op_id_names_one_kind_of_call(store: TraceStore) -> None:
+    from tracestore import InvalidId
+
+    assert store.open_session("k1", "w", op_id="same") > 0
+    # the same op id on another kind of call is another call: it runs, and replays its own reply
+    assert store.release(["k1"], "w", op_id="same") == ["k1"]
+    assert store.release(["k1"], "w", op_id="same") == ["k1"]
+    assert store.open_session("k1", "w", op_id="same") > 0  # open's own first reply
+    for bad in ("", "a#b", "has space", "{tag}", "x" * 129, 7, b"id"):
+        with pytest.raises(InvalidId):
+            store.release(["k1"], "w", op_id=bad)  # type: ignore[arg-type]

@@ -63,17 +63,19 @@ class Context:
     #: Client-side caches keyed by name (the data plane keeps its node cache here).
     caches: dict[str, Any] = field(default_factory=dict)
 
-    def op(self, op_id: str | None = None) -> OpId:
-        """The :class:`OpId` of one mutating call: the caller's ``op_id`` (validated), else a fresh one.
+    def op(self, op_id: str | None, kind: str) -> OpId:
+        """The :class:`OpId` of one ``kind`` of mutating call: the caller's ``op_id`` (validated), else a fresh one.
 
         The one place an operation gets its op id. Drawn once per call, before
         the first attempt, so a retry of the same request carries the same id
-        and the script replays its first reply. Raises InvalidId for a bad
-        ``op_id`` (before any I/O).
+        and the script replays its first reply. ``kind`` (``"release"``,
+        ``"take"``...) scopes the op keys, so an op id reused for another
+        kind of call never replays a reply of the wrong shape. Raises
+        InvalidId for a bad ``op_id`` (before any I/O).
         """
         if op_id is None:
-            return OpId(new_op_id(), self.keys, given=False)
-        return OpId(validate_op_id(op_id), self.keys, given=True)
+            return OpId(new_op_id(), self.keys, kind, given=False)
+        return OpId(validate_op_id(op_id), self.keys, kind, given=True)
 
     def op_evals(
         self,
@@ -116,7 +118,8 @@ class OpId:
     """The idempotency key of one mutating call, and the op keys of its parts.
 
     ``id`` is the caller's ``op_id=`` (``given``), or one drawn for the call;
-    it is what an :class:`~tracestore.errors.OutcomeUnknown` carries. A call
+    it is what an :class:`~tracestore.errors.OutcomeUnknown` carries. Op keys
+    are ``ts:{R}:op:<kind>:<id>``. A call
     made of several atomic script calls (the chunks of a variadic call, the
     rounds of an expiry) gives each part the id ``<id>#<part>``: calling
     again with the same ``op_id`` and arguments makes the same parts, and
@@ -126,6 +129,7 @@ class OpId:
 
     id: str
     keys: Keys
+    kind: str
     given: bool = True
 
     def part(self, *names: int | str) -> str:
@@ -134,18 +138,18 @@ class OpId:
 
     @property
     def key(self) -> str:
-        """``ts:{R}:op:<id>``: the op key of a call made of one script call."""
-        return self.keys.op(self.id)
+        """``ts:{R}:op:<kind>:<id>``: the op key of a call made of one script call."""
+        return self.keys.op(f"{self.kind}:{self.id}")
 
     def key_of(self, *names: int | str) -> str:
         """The op key of a part; chunk 0 of a chunked call uses the call's own key."""
         if names == (0,):
             return self.key
-        return self.keys.op(self.part(*names))
+        return self.keys.op(f"{self.kind}:{self.part(*names)}")
 
     def sub(self, *names: int | str) -> OpId:
         """The OpId of a nested call (its parts are named under this call's part)."""
-        return OpId(self.part(*names), self.keys, given=self.given)
+        return OpId(self.part(*names), self.keys, self.kind, given=self.given)
 
 
 def outcome_unknown(exc: StorageError, op_id: str, lease_ids: Sequence[str] = ()) -> OutcomeUnknown:

@@ -206,7 +206,7 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float, *, op_id: str | Non
     validate_id("session id", sid)
     validate_id("holder", holder)
     ttl_ms = duration_ms("ttl_s", ttl_s)
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "admit")
     (lease,) = yield from _admit(ctx, [(sid, holder)], ttl_ms, op, [op.id])
     return lease
 
@@ -231,7 +231,7 @@ def admit_many(
     items = _requests(requests, sc.chunk)
     if not items:
         return []
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "admit")
     return (yield from _admit(ctx, items, ttl_ms, op, [op.part(i) for i in range(len(items))]))
 
 
@@ -288,7 +288,7 @@ def renew(
     lid = _lease_id(lease)
     ttl_ms = 0 if ttl_s is None else duration_ms("ttl_s", ttl_s)
     k = ctx.keys
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "renew")
     reply = yield Eval(
         script("gate_renew"),
         (k.gate_leases, k.gate_poison, k.gate_lease(lid), op.key),
@@ -317,7 +317,7 @@ def settle(
     """
     lid = _lease_id(lease)
     one_of("outcome", outcome, OUTCOMES)
-    reply = yield _settle_eval(ctx, lid, outcome, ctx.op(op_id).id)
+    reply = yield _settle_eval(ctx, lid, outcome, ctx.op(op_id, "settle").id)
     return _receipt(reply)
 
 
@@ -339,7 +339,7 @@ def settle_many(
     lids = [_lease_id(x) for x in leases]
     if not lids:
         return []
-    oid = ctx.op(op_id).id
+    oid = ctx.op(op_id, "settle").id
     replies = yield Batch(tuple(_settle_eval(ctx, x, outcome, oid) for x in lids))
     return [_receipt(r) for r in replies]
 
@@ -433,7 +433,7 @@ def seal(
     round trip (the script answers with the status it leaves).
     """
     int_in("retry_after_ms", retry_after_ms, 1, 3_600_000)
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "seal")
     reply = yield _seal_eval(ctx, "seal", retry_after_ms, op, key=op.key)
     return _decode_status(reply)
 
@@ -446,7 +446,7 @@ def reopen(ctx: Context, *, op_id: str | None = None) -> Op[GateStatus]:
     nothing. OutcomeUnknown: call again with its ``op_id`` (the first
     reply; a seal made since is not reopened by the retry). One round trip.
     """
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "reopen")
     reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS, op, key=op.key)
     return _decode_status(reply)
 
@@ -526,7 +526,7 @@ def install(ctx: Context, version: int, *, op_id: str | None = None) -> Op[int]:
     One round trip.
     """
     validate.version("version", version)
-    return (yield from _install(ctx, version, ctx.op(op_id)))
+    return (yield from _install(ctx, version, ctx.op(op_id, "install")))
 
 
 def _install(ctx: Context, version: int, op: OpId) -> Op[int]:
@@ -565,7 +565,7 @@ def clear_poison(
         ids,
         lambda op_key, part: (k.gate_leases, k.gate_poison, op_key, *(k.gate_lease(x) for x in part)),
         lambda part: (ctx.op_ttl_ms, resolution, ctx.op_ttl_ms, *part),
-        op=ctx.op(op_id),
+        op=ctx.op(op_id, "clear"),
     )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]
@@ -636,7 +636,7 @@ def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[
     """
     validate.version("version", version)
     duration_ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
-    op = ctx.op()
+    op = ctx.op(None, "install")  # its install is the one install(op_id=...) replays
     mine = yield from _seal_as(ctx, op, version)
     try:
         res = yield from drain(ctx, drain_timeout_s)

@@ -99,7 +99,7 @@ def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
             sids,
             lambda op_key, part: (*fixed, op_key, *(k.session(s) for s in part)),
             lambda part: (owner, OWNER_LOST, ctx.op_ttl_ms, *part),
-            op=ctx.op(),
+            op=ctx.op(None, "gc"),
             at_least_one=True,  # the deadline check runs even when the owner has no session
         )
         replies = [Reply(r, "gc_owner_lost") for r in (yield Batch(tuple(evals)))]
@@ -168,7 +168,7 @@ def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
         # trimmed, an id may be reopened, released and purged again before we delete, and
         # that purge's tombstone must stay (gc_clear_dead deletes only the value read here).
         deads = yield Batch(tuple(Cmd(("GET", k.dead(s)), key=k.dead(s)) for s in sids))
-        op = ctx.op()
+        op = ctx.op(None, "gc")
         reply = yield Eval(
             sc, (k.released, op.key, *(k.session(s) for s in sids)), (cutoff, ctx.op_ttl_ms, *sids), op_id=op.id
         )

@@ -56,7 +56,7 @@ def open_session(
     validate.version("version", version)
     if group is not None:
         validate_id("group id", group)
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "open")
     reply = yield Eval(
         script("open_session"),
         (k.session(sid), k.owner(owner), k.released, op.key, k.owners_lost),
@@ -99,7 +99,7 @@ def open_sessions(
         sids,
         lambda op_key, part: (okey, k.released, k.owners_lost, op_key, *(k.session(s) for s in part)),
         lambda part: (owner, version, group or "", ctx.op_ttl_ms, *part),
-        op=ctx.op(op_id),
+        op=ctx.op(op_id, "open"),
     )
     yield Batch(tuple(evals))
     return len(sids)
@@ -135,7 +135,7 @@ def transfer(
         sids,
         lambda op_key, part: (ofrom, oto, k.owners_lost, op_key, *(k.session(s) for s in part)),
         lambda part: (from_owner, to_owner, ctx.op_ttl_ms, *part),
-        op=ctx.op(op_id),
+        op=ctx.op(op_id, "transfer"),
     )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]
@@ -204,7 +204,7 @@ def release(
     validate_id("reason", reason)
     if not sids:
         return []
-    return (yield from _release(ctx, sids, owner, reason, purge, ctx.op(op_id)))
+    return (yield from _release(ctx, sids, owner, reason, purge, ctx.op(op_id, "release")))
 
 
 def _release(
@@ -254,7 +254,7 @@ def release_owner(
     """
     okey = ctx.keys.owner(owner)
     validate_id("reason", reason)
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "release")
     members = yield Cmd(("SMEMBERS", okey), key=okey)
     sids = sorted(text(m) for m in members)
     if not sids and not op.given:
@@ -344,5 +344,6 @@ def heartbeat(ctx: Context, owner: str, ttl_s: float, *, op_id: str | None = Non
     k = ctx.keys
     validate_id("owner tag", owner)
     ttl_ms = duration_ms("ttl_s", ttl_s)
-    reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, ttl_ms), op_id=op_id)
+    op = ctx.op(op_id, "heartbeat")
+    reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, ttl_ms), op_id=op.id)
     return Heartbeat(owner, Reply(reply, "heartbeat").int())

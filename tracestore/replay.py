@@ -300,7 +300,7 @@ def put(ctx: Context, group: Group, owner: str, *, op_id: str | None = None) -> 
         raise InvalidInput("retryable", f"must be a bool, got {group.retryable!r}")
     payload = _payload(ctx, group.payload)
     validate_id("owner tag", owner)
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "put")
     keys = (
         k.rb_group(gid),
         k.rb_queue(task, status),
@@ -376,7 +376,7 @@ def take(
     one_of("policy", policy, ("fifo", "staleness"))
     cutoff = _cutoff(current_version, max_staleness)
     window = min(2 * n + 8, 2 * MAX_TAKE)
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "take")
     fixed = (
         k.rb_queue(task, "completed"),
         k.rb_versions(task, "completed"),
@@ -432,7 +432,7 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str, *, op_id: str | Non
     validate_id("task", task)
     validate_id("owner tag", owner)
     int_in("n", n, 1, MAX_TAKE)
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "claim")
     fixed = (
         k.rb_queue(task, "aborted"),
         k.rb_versions(task, "aborted"),
@@ -480,7 +480,7 @@ def expire(
     if retryable is not None and not isinstance(retryable, bool):
         raise InvalidInput("retryable", f"must be None or a bool, got {retryable!r}")
     tasks = yield from _tasks(ctx, task)
-    return (yield from _expire(ctx, cutoff, retryable, tasks, ctx.op(op_id)))
+    return (yield from _expire(ctx, cutoff, retryable, tasks, ctx.op(op_id, "expire")))
 
 
 def _expire(

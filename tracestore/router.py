@@ -108,7 +108,7 @@ def acquire_route(scope: RouteScope, sid: str, *, op_id: str | None = None) -> O
     """
     validate_id("session id", sid)
     ctx = scope.ctx
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "route")
     reply = yield Eval(
         script("route_acquire"),
         (*_keys(ctx), op.key),
@@ -149,7 +149,7 @@ def retire(scope: RouteScope, sids: Sequence[str], *, op_id: str | None = None) 
         ids,
         lambda op_key, part: (*_keys(ctx), op_key),
         lambda part: (scope.retention_ms, ctx.op_ttl_ms, *part),
-        op=ctx.op(op_id),
+        op=ctx.op(op_id, "retire"),
     )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]

@@ -289,7 +289,7 @@ def record_turn(
     for x in new:
         args.extend(x.args(ctx.config.store_text))
     keys: tuple[str, ...] = (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid))
-    op = ctx.op(op_id)
+    op = ctx.op(op_id, "turn")
     if op.given:  # a caller's op id: record the reply (without one, content replays suffice)
         keys += (k.data_op(sid, op.id),)
         args.append(ctx.op_ttl_ms)
