@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests._dump import dump_run
 from tests.conftest import connect_async
 from tracestore import TraceStore
 from tracestore.errors import (
@@ -24,25 +25,9 @@ from tracestore.errors import (
     UnknownLease,
 )
 from tracestore.gate import Lease, _reopen_as, _seal_as, admit, admit_many, drain, install, settle
-from tracestore.scripts import Batch, Cmd, ScanAll
+from tracestore.scripts import Batch, Cmd
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def dump_run(store: TraceStore) -> dict[str, tuple[Any, bool]]:
-    """Every key of the run with its serialised value and whether it has a TTL.
-
-    Two dumps compare equal only when no key of the run was created, deleted
-    or changed in between (refusals must leave the state untouched).
-    """
-    keys = sorted(store.execute(ScanAll(f"{store.keys.prefix}:{{{store.run_id}*")))
-    if not keys:
-        return {}
-    replies = store.execute(
-        Batch(tuple(Cmd(("DUMP", k), key=k) for k in keys) + tuple(Cmd(("PTTL", k), key=k) for k in keys))
-    )
-    n = len(keys)
-    return {k: (replies[i], int(replies[n + i]) >= 0) for i, k in enumerate(keys)}
 
 
 def live_and_poison(store: TraceStore) -> tuple[set[str], set[str]]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from .errors import ScriptError, StorageError, TracestoreError, raise_for_code
 from .keys import key_slot
@@ -34,6 +34,10 @@ from .scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
     from redis.cluster import RedisCluster
+
+#: What redis-py raises: its errors, and the cluster client's own (not a RedisError).
+REDIS_ERRORS = (RedisError, RedisClusterException)
+
 
 def decode_script_reply(ev: Eval, reply: Any) -> Any:
     """Strip the status word of a script reply; raise the typed error it encodes."""
@@ -45,7 +49,7 @@ def decode_script_reply(ev: Eval, reply: Any) -> Any:
     raise AssertionError("unreachable")
 
 
-def wrap_error(exc: Exception, what: str) -> TracestoreError:
+def wrap_error(exc: BaseException, what: str) -> TracestoreError:
     """Map a redis-py exception to StorageError/ScriptError (caller raises ``from exc``)."""
     if isinstance(exc, TracestoreError):
         return exc
@@ -71,7 +75,13 @@ class SyncIO:
         self.cluster = cluster
 
     def execute(self, req: Request) -> Any:
-        """Execute one request and return its decoded reply."""
+        """Execute one request and return its decoded reply (no redis-py exception escapes)."""
+        try:
+            return self._dispatch(req)
+        except REDIS_ERRORS as exc:  # one the steps below did not wrap (cluster routing...)
+            raise wrap_error(exc, _what(req)) from exc
+
+    def _dispatch(self, req: Request) -> Any:
         if isinstance(req, Eval):
             return self._eval(req)
         if isinstance(req, Batch):
@@ -93,7 +103,7 @@ class SyncIO:
                 reply = c.evalsha(ev.script.sha, *_eval_args(ev))
             except NoScriptError:
                 reply = c.eval(ev.script.source, *_eval_args(ev))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
 
@@ -116,7 +126,7 @@ class SyncIO:
             _queue(pipe, r, use_sha)
         try:
             return list(pipe.execute(raise_on_error=False))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "pipeline") from exc
 
     def _cluster_pipeline(self, reqs: Any, *, use_sha: bool) -> list[Any]:
@@ -138,7 +148,7 @@ class SyncIO:
                 _queue(pipe, reqs[i], use_sha)
             try:
                 out = pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except REDIS_ERRORS as exc:
                 out = [exc] * len(idxs)
             for i, reply in zip(idxs, out, strict=True):
                 # A redirect (slot moved) or a lost connection: re-run the request
@@ -158,7 +168,7 @@ class SyncIO:
                     return c.evalsha(r.script.sha, *_eval_args(r))
                 return c.eval(r.script.source, *_eval_args(r))
             return self._cmd(r)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             return exc
 
     def _cmd(self, cmd: Cmd) -> Any:
@@ -169,7 +179,7 @@ class SyncIO:
             if self.cluster and cmd.key is not None:
                 return c.execute_command(*cmd.args, target_nodes=self._node_of(cmd.key))
             return c.execute_command(*cmd.args)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"command {cmd.args[0]}") from exc
 
     def _node_of(self, key: str) -> Any:
@@ -203,7 +213,7 @@ class SyncIO:
                 client = c.get_redis_connection(node) if node is not None else c
                 for k in client.scan_iter(match=req.pattern, count=req.count, _type=req.type):
                     out.append(text(k))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
 
@@ -229,7 +239,13 @@ class AsyncIO:
         self._inflight = asyncio.Semaphore(self.CLUSTER_INFLIGHT)
 
     async def execute(self, req: Request) -> Any:
-        """Execute one request and return its decoded reply."""
+        """Execute one request and return its decoded reply (no redis-py exception escapes)."""
+        try:
+            return await self._dispatch(req)
+        except REDIS_ERRORS as exc:
+            raise wrap_error(exc, _what(req)) from exc
+
+    async def _dispatch(self, req: Request) -> Any:
         if isinstance(req, Eval):
             return await self._eval(req)
         if isinstance(req, Batch):
@@ -251,7 +267,7 @@ class AsyncIO:
                 reply = await c.evalsha(ev.script.sha, *_eval_args(ev))
             except NoScriptError:
                 reply = await c.eval(ev.script.source, *_eval_args(ev))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
 
@@ -290,7 +306,7 @@ class AsyncIO:
             _queue(pipe, r, use_sha)
         try:
             return list(await pipe.execute(raise_on_error=False))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "pipeline") from exc
 
     async def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
@@ -301,7 +317,7 @@ class AsyncIO:
                     return await c.evalsha(r.script.sha, *_eval_args(r))
                 return await c.eval(r.script.source, *_eval_args(r))
             return await self._cmd(r)
-        except (RedisError, TracestoreError) as exc:
+        except (*REDIS_ERRORS, TracestoreError) as exc:
             return exc
 
     async def _cmd(self, cmd: Cmd) -> Any:
@@ -313,7 +329,7 @@ class AsyncIO:
                 node = c.get_node_from_key(cmd.key)
                 return await c.execute_command(*cmd.args, target_nodes=node)
             return await c.execute_command(*cmd.args)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"command {cmd.args[0]}") from exc
 
     async def _blocking(self, cmd: Cmd) -> Any:
@@ -370,13 +386,22 @@ class AsyncIO:
             else:
                 async for k in c.scan_iter(match=req.pattern, count=req.count, _type=req.type):
                     out.append(text(k))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise wrap_error(exc, "SCAN") from exc
         return out
 
     async def close(self) -> None:
         """Close the client's connections."""
         await self.client.aclose()
+
+
+def _what(req: Request) -> str:
+    """How an error names the request: ``script <name>``, ``command <NAME>`` or its kind."""
+    if isinstance(req, Eval):
+        return f"script {req.script.name}"
+    if isinstance(req, Cmd):
+        return f"command {req.args[0]}"
+    return type(req).__name__
 
 
 def _route_key(r: Eval | Cmd) -> str | None:
@@ -415,7 +440,8 @@ def _finish_batch(batch: Batch, replies: list[Any]) -> list[Any]:
         what = f"script {req.script.name}" if isinstance(req, Eval) else f"command {req.args[0]}"
         if isinstance(reply, Exception):
             err = wrap_error(reply, what)
-            err.__cause__ = reply
+            if err is not reply:  # (an error that is typed already keeps its own cause)
+                err.__cause__ = reply
             first = first or err
             out.append(None)
             continue

@@ -39,18 +39,22 @@ class StoreConfig:
     replay_payload_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
-        if self.max_payload_bytes <= 0:
-            raise ConfigError("max_payload_bytes must be positive")
-        if self.cache_bytes < 0:
-            raise ConfigError("cache_bytes must be >= 0")
-        if self.replay_payload_bytes <= 0:
-            raise ConfigError("replay_payload_bytes must be positive")
-        if self.op_ttl_s <= 0:
-            raise ConfigError("op_ttl_s must be positive")
+        if not isinstance(self.store_text, bool):
+            raise ConfigError(f"store_text must be a bool, got {self.store_text!r:.80}")
+        _int_option("max_payload_bytes", self.max_payload_bytes, 1, 2**31 - 1)
+        _int_option("cache_bytes", self.cache_bytes, 0, 2**48)
+        _int_option("replay_payload_bytes", self.replay_payload_bytes, 1, 2**31 - 1)
+        _int_option("op_ttl_s", self.op_ttl_s, 1, 366 * 86400)
 
     def to_json(self) -> bytes:
         """The configuration as JSON (stored, informational, in ``ts:{R}:meta``)."""
         return orjson.dumps(self.__dict__)
+
+
+def _int_option(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ConfigError(f"{name} must be an integer in {lo}..{hi}, got {shown}")
 
 
 @dataclass

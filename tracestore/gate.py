@@ -36,7 +36,7 @@ import orjson
 from . import validate
 from .context import Context, OpId, guarded, mutating
 from .errors import GatePoisoned, InvalidInput, NotDrained, StaleVersion
-from .replies import Reply, field_map, text
+from .replies import Reply, field_map, stored, text
 from .scripts import Batch, Cmd, Eval, Op, script
 from .twin import AsyncPart, Body, Scoped, SyncPart, op, scoped
 from .validate import duration_ms, int_in, one_of, validate_id, validate_ids
@@ -580,24 +580,26 @@ def lease_records(ctx: Context, lease_ids: Sequence[str]) -> Op[list[LeaseRecord
     replies = yield Batch(tuple(Cmd(("HGETALL", k.gate_lease(x)), key=k.gate_lease(x)) for x in ids))
     out: list[LeaseRecord | None] = []
     for lid, raw in zip(ids, replies, strict=True):
-        h = {f: text(v) for f, v in field_map(raw).items()}
-        if not h:
-            out.append(None)
-            continue
-        out.append(
-            LeaseRecord(
-                lease_id=lid,
-                sid=h.get("sid", ""),
-                holder=h.get("holder", ""),
-                version=int(h.get("version", 0)),
-                admitted_ms=int(h.get("admitted_ms", 0)),
-                deadline_ms=int(h.get("deadline_ms", 0)),
-                outcome=h.get("outcome"),
-                settled_ms=int(h["settled_ms"]) if "settled_ms" in h else None,
-                resolution=h.get("resolution"),
-            )
-        )
+        with stored(k.gate_lease(lid)):
+            out.append(_lease_record(lid, {f: text(v) for f, v in field_map(raw).items()}))
     return out
+
+
+def _lease_record(lid: str, h: dict[str, str]) -> LeaseRecord | None:
+    """A lease hash (HGETALL, decoded) as its record; None when empty (ValueError when malformed)."""
+    if not h:
+        return None
+    return LeaseRecord(
+        lease_id=lid,
+        sid=h.get("sid", ""),
+        holder=h.get("holder", ""),
+        version=int(h.get("version", 0)),
+        admitted_ms=int(h.get("admitted_ms", 0)),
+        deadline_ms=int(h.get("deadline_ms", 0)),
+        outcome=h.get("outcome"),
+        settled_ms=int(h["settled_ms"]) if "settled_ms" in h else None,
+        resolution=h.get("resolution"),
+    )
 
 
 # -- the weight update protocol ---------------------------------------------------------------

@@ -22,7 +22,7 @@ from . import validate
 from .context import Context, OpId, mutating
 from .errors import InvalidInput
 from .purge import purge_sessions
-from .replies import Reply, pairs, text
+from .replies import Reply, pairs, stored, text
 from .run import session_states
 from .scripts import Batch, Cmd, Eval, Op, ScanAll, script
 from .validate import duration_ms, validate_id, validate_ids
@@ -308,8 +308,10 @@ def owners(ctx: Context) -> Op[list[OwnerInfo]]:
             Cmd(("ZRANGE", k.owners_lost, 0, -1, "WITHSCORES"), key=k.owners_lost),
         )
     )
-    deadlines = {text(m): int(float(sc)) for m, sc in pairs(hb)}
-    lost_at = {text(m): int(float(sc)) for m, sc in pairs(lost)}
+    with stored(k.owners):
+        deadlines = {text(m): int(float(sc)) for m, sc in pairs(hb)}
+    with stored(k.owners_lost):
+        lost_at = {text(m): int(float(sc)) for m, sc in pairs(lost)}
     names = sorted(tags | set(deadlines) | set(lost_at))
     if not names:
         return []

@@ -47,9 +47,9 @@ import orjson
 
 from . import validate
 from .context import Context, OpId, mutating
-from .errors import InvalidInput, ScriptError
+from .errors import CorruptData, InvalidInput, ScriptError
 from .purge import purge_sessions
-from .replies import Reply, field_map, pairs, text
+from .replies import Reply, field_map, pairs, stored, text
 from .scripts import Batch, Cmd, Eval, Op, script
 from .twin import AsyncPart, SyncPart, op
 from .validate import int_in, one_of, validate_id, validate_ids
@@ -197,39 +197,59 @@ def _cutoff(current_version: int | None, max_staleness: int | None) -> str:
     return str(current_version - max_staleness)
 
 
-def _decode_groups(task: str, r: Reply) -> list[Group]:
+def _decode_groups(ctx: Context, task: str, r: Reply) -> list[Group]:
     """A count ``m``, then ``m`` groups of 7 fields (gid, status, sids, min_version, seq, retryable, payload)."""
     out = []
     for _ in range(r.int()):
         gid, status, sids, minv, seq, retryable, payload = r.take(7)
-        out.append(
-            Group(
-                gid=text(gid),
-                task=task,
-                sids=tuple(orjson.loads(sids)),
-                status=text(status),
-                min_version=int(minv),
-                retryable=text(retryable) == "1",
-                payload=orjson.loads(payload),
-                seq=int(seq),
-            )
-        )
+        gid = text(gid)
+        out.append(_group(ctx.keys.rb_group(gid), gid, task, status, sids, minv, seq, retryable, payload))
     return out
 
 
-def group_from_hash(gid: str, h: Any) -> Group:
-    """Decode a ``ts:{R}:rb:g:<gid>`` hash (HGETALL reply: a dict or a flat list)."""
+def group_from_hash(key: str, gid: str, h: Any) -> Group:
+    """Decode the ``ts:{R}:rb:g:<gid>`` hash at ``key`` (HGETALL reply); CorruptData when malformed."""
     f = field_map(h)
-    return Group(
-        gid=gid,
-        task=text(f["task"]),
-        sids=tuple(orjson.loads(f["sids"])),
-        status=text(f["status"]),
-        min_version=int(f["min_version"]),
-        retryable=text(f.get("retryable", "0")) == "1",
-        payload=orjson.loads(f.get("payload", b"{}")),
-        seq=int(f["seq"]),
+    return _group(
+        key, gid, f.get("task"), f.get("status"), f.get("sids"), f.get("min_version"), f.get("seq"),
+        f.get("retryable", b"0"), f.get("payload", b"{}"),
     )
+
+
+def _present(value: Any) -> Any:
+    if value is None:
+        raise ValueError("missing")
+    return value
+
+
+def _group(key: str, gid: str, task: Any, status: Any, sids: Any, minv: Any, seq: Any, retryable: Any,
+           payload: Any) -> Group:
+    """A Group from its stored fields; CorruptData naming ``key`` and the field that is malformed."""
+    field_name = "task"
+    try:
+        task = text(_present(task))
+        field_name = "status"
+        status = text(_present(status))
+        if status not in STORED_STATUSES:
+            raise ValueError(f"{status!r:.40} is not a stored status")
+        field_name = "sids"
+        ids = orjson.loads(_present(sids))
+        if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids):
+            raise ValueError("not a JSON list of session ids")
+        field_name = "min_version"
+        v = int(_present(minv))
+        field_name = "seq"
+        n = int(_present(seq))
+        field_name = "payload"
+        body = orjson.loads(payload)
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        field_name = "retryable"
+        flag = text(retryable) == "1"
+    except (ValueError, TypeError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise CorruptData(key, f"{type(exc).__name__}: {exc}", field_name) from None
+    return Group(gid=gid, task=task, sids=tuple(ids), status=status, min_version=v, retryable=flag,
+                 payload=body, seq=n)
 
 
 # -- the NEED protocol ----------------------------------------------------------------------------
@@ -409,7 +429,7 @@ def take(
             raise ScriptError("rb_take", f"unexpected reply {r.items[:3]!r}")
         expired += r.counted()
         rel = r.counted()
-        groups = _decode_groups(task, r)
+        groups = _decode_groups(ctx, task, r)
         yield from purge_sessions(ctx, rel)
         released += rel
         return Taken(tuple(groups), tuple(expired), tuple(released))
@@ -449,7 +469,7 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str, *, op_id: str | Non
     args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms, window)
     r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op)), "rb_claim")
     r.raw()  # OK
-    return _decode_groups(task, r)
+    return _decode_groups(ctx, task, r)
 
 
 @mutating
@@ -561,7 +581,8 @@ def stats(ctx: Context, task: str | None = None) -> Op[list[StatusStats]]:
         cmds.append(Cmd(("ZRANGE", k.rb_versions(t, s), 0, 0, "WITHSCORES"), key=k.rb_versions(t, s)))
     cmds.append(Cmd(("HGETALL", k.rb_bytes), key=k.rb_bytes))
     replies = yield Batch(tuple(cmds))
-    nbytes = {f: int(v) for f, v in field_map(replies[-1]).items()}
+    with stored(k.rb_bytes):
+        nbytes = {f: int(v) for f, v in field_map(replies[-1]).items()}
     out = []
     for j, (t, s) in enumerate(cells):
         n = int(replies[2 * j])
@@ -585,7 +606,7 @@ def groups(ctx: Context, task: str, status: str = "completed") -> Op[list[Group]
     if not gids:
         return []
     hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in gids))
-    return [group_from_hash(g, h) for g, h in zip(gids, hashes, strict=True) if h]
+    return [group_from_hash(k.rb_group(g), g, h) for g, h in zip(gids, hashes, strict=True) if h]
 
 
 class ReplayMethods:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from .errors import InvalidId, InvalidInput
@@ -95,16 +95,22 @@ def validate_op_id(value: str) -> str:
 
 
 def validate_ids(kind: str, values: Iterable[str]) -> list[str]:
-    """Validate every id of ``values`` (a str alone is refused, not iterated); raise InvalidId."""
-    if isinstance(values, (str, bytes)):
+    """Validate every id of ``values`` (a list, tuple or other iterable of ids); raise InvalidId.
+
+    A str, bytes or mapping is refused, not iterated; so is anything that is
+    not iterable (``None``, a number).
+    """
+    if isinstance(values, (str, bytes, bytearray)):
         raise InvalidId(kind, values, f"expected a list of {kind}s, got a single string")
+    if isinstance(values, Mapping) or not isinstance(values, Iterable):
+        raise InvalidId(kind, values, f"expected a list of {kind}s, got {type(values).__name__}")
     return [validate_id(kind, v) for v in values]
 
 
 def int_in(field: str, value: object, lo: int, hi: int) -> int:
     """``value`` if it is an int (not a bool) in ``lo..hi``; else raise InvalidInput naming ``field``."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidInput(field, f"must be an integer in {lo}..{hi}, got {value!r}")
+        raise InvalidInput(field, f"must be an integer in {lo}..{hi}, got {_short(value)}")
     return value
 
 
@@ -112,7 +118,7 @@ def version(field: str, value: object) -> int:
     """A weight version: an int in ``0..MAX_VERSION`` (see the module docstring); else InvalidInput."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_VERSION:
         raise InvalidInput(
-            field, f"weight version must be an integer in 0..2**53-1, got {value!r}"
+            field, f"weight version must be an integer in 0..2**53-1, got {_short(value)}"
         )
     return value
 
@@ -124,23 +130,31 @@ def duration_ms(field: str, seconds: object, *, allow_zero: bool = False) -> int
     infinite, a bool, not a number, below 1 ms once rounded, above the bound).
     """
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise InvalidInput(field, f"must be a number of seconds, got {seconds!r}")
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise InvalidInput(field, f"must be a number of seconds, got {_short(seconds)}")
+    if (isinstance(seconds, float) and not math.isfinite(seconds)) or seconds < 0 or (
+        seconds == 0 and not allow_zero
+    ):
         raise InvalidInput(
-            field, f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {seconds!r}"
+            field, f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {_short(seconds)}"
         )
+    if seconds > MAX_DURATION_S:  # (before the product: an int too large for a float overflows)
+        raise InvalidInput(field, f"must be at most 366 days, got {_short(seconds)} s")
     ms = round(seconds * 1000)
     if ms < 1 and not allow_zero:
         raise InvalidInput(field, f"must be at least 1 ms, got {seconds!r} s")
-    if ms > MAX_DURATION_S * 1000:
-        raise InvalidInput(field, f"must be at most 366 days, got {seconds!r} s")
     return ms
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 40 characters (a 400-digit int stays readable)."""
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 def one_of(field: str, value: S, allowed: Sequence[str]) -> S:
     """``value`` if it is one of ``allowed``; else raise InvalidInput listing them."""
-    if value not in allowed:
-        raise InvalidInput(field, f"must be one of {', '.join(allowed)}; got {value!r}")
+    if not isinstance(value, str) or value not in allowed:
+        raise InvalidInput(field, f"must be one of {', '.join(allowed)}; got {_short(value)}")
     return value
 
 

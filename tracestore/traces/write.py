@@ -225,7 +225,7 @@ def _after_write(
         snap = snap.with_nodes(epoch, after, [x.node for x in new])
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif before == 0 and after > 0:  # we wrote the first nodes: we know the whole index
-        snap = SessionIndex(epoch, after, {x.node.id: x.node for x in new})
+        snap = SessionIndex(epoch, after, {x.node.id: x.node for x in new}, ctx.keys.idx(sid))
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif snap is not None and (snap.epoch != epoch or snap.version != after):
         cache.discard(idx_key(sid))
