@@ -24,9 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 
-from .errors import ScriptError, StorageError, TracestoreError, raise_for_code
+from .errors import PermissionDenied, ScriptError, StorageError, TracestoreError, raise_for_code
 from .keys import key_slot
 from .replies import text
 from .scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
@@ -50,9 +56,11 @@ def decode_script_reply(ev: Eval, reply: Any) -> Any:
 
 
 def wrap_error(exc: BaseException, what: str) -> TracestoreError:
-    """Map a redis-py exception to StorageError/ScriptError (caller raises ``from exc``)."""
+    """Map a redis-py exception to StorageError/ScriptError/PermissionDenied (caller raises ``from exc``)."""
     if isinstance(exc, TracestoreError):
         return exc
+    if isinstance(exc, NoPermissionError):
+        return PermissionDenied(what, str(exc))
     if isinstance(exc, ResponseError) and what.startswith("script "):
         return ScriptError(what[len("script ") :], str(exc))
     return StorageError(f"{what}: {type(exc).__name__}: {exc}")
@@ -97,15 +105,23 @@ class SyncIO:
         raise TypeError(f"unknown request {req!r}")
 
     def _eval(self, ev: Eval) -> Any:
-        c: Any = self.client
         try:
             try:
-                reply = c.evalsha(ev.script.sha, *_eval_args(ev))
+                reply = self._script(ev, use_sha=True)
             except NoScriptError:
-                reply = c.eval(ev.script.source, *_eval_args(ev))
+                reply = self._script(ev, use_sha=False)
         except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
+
+    def _script(self, ev: Eval, *, use_sha: bool) -> Any:
+        c: Any = self.client
+        if not ev.script.readonly:
+            return c.evalsha(ev.script.sha, *_eval_args(ev)) if use_sha else c.eval(ev.script.source, *_eval_args(ev))
+        if self.cluster:  # (the cluster client would ask the server for an _RO command's keys)
+            node = c.get_node_from_key(ev.keys[0]) if ev.keys else c.get_random_node()
+            return c.execute_command(*_script_args(ev, use_sha), target_nodes=node)
+        return c.execute_command(*_script_args(ev, use_sha))
 
     def _batch(self, batch: Batch) -> list[Any]:
         if not batch.requests:
@@ -161,12 +177,9 @@ class SyncIO:
         return replies
 
     def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
-        c: Any = self.client
         try:
             if isinstance(r, Eval):
-                if use_sha:
-                    return c.evalsha(r.script.sha, *_eval_args(r))
-                return c.eval(r.script.source, *_eval_args(r))
+                return self._script(r, use_sha=use_sha)
             return self._cmd(r)
         except REDIS_ERRORS as exc:
             return exc
@@ -261,15 +274,25 @@ class AsyncIO:
         raise TypeError(f"unknown request {req!r}")
 
     async def _eval(self, ev: Eval) -> Any:
-        c: Any = self.client
         try:
             try:
-                reply = await c.evalsha(ev.script.sha, *_eval_args(ev))
+                reply = await self._script(ev, use_sha=True)
             except NoScriptError:
-                reply = await c.eval(ev.script.source, *_eval_args(ev))
+                reply = await self._script(ev, use_sha=False)
         except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
+
+    async def _script(self, ev: Eval, *, use_sha: bool) -> Any:
+        c: Any = self.client
+        if not ev.script.readonly:
+            if use_sha:
+                return await c.evalsha(ev.script.sha, *_eval_args(ev))
+            return await c.eval(ev.script.source, *_eval_args(ev))
+        if self.cluster:
+            node = c.get_node_from_key(ev.keys[0]) if ev.keys else c.get_random_node()
+            return await c.execute_command(*_script_args(ev, use_sha), target_nodes=node)
+        return await c.execute_command(*_script_args(ev, use_sha))
 
     async def _batch(self, batch: Batch) -> list[Any]:
         if not batch.requests:
@@ -310,12 +333,9 @@ class AsyncIO:
             raise wrap_error(exc, "pipeline") from exc
 
     async def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
-        c: Any = self.client
         try:
             if isinstance(r, Eval):
-                if use_sha:
-                    return await c.evalsha(r.script.sha, *_eval_args(r))
-                return await c.eval(r.script.source, *_eval_args(r))
+                return await self._script(r, use_sha=use_sha)
             return await self._cmd(r)
         except (*REDIS_ERRORS, TracestoreError) as exc:
             return exc
@@ -424,13 +444,18 @@ def _is_redirect(exc: RedisError) -> bool:
 
 
 def _queue(pipe: Any, r: Eval | Cmd, use_sha: bool) -> None:
-    if isinstance(r, Eval):
-        if use_sha:
-            pipe.evalsha(r.script.sha, *_eval_args(r))
-        else:
-            pipe.eval(r.script.source, *_eval_args(r))
-    else:
-        pipe.execute_command(*r.args)
+    pipe.execute_command(*(_script_args(r, use_sha) if isinstance(r, Eval) else r.args))
+
+
+def _script_args(ev: Eval, use_sha: bool) -> tuple[Any, ...]:
+    """The command of a script call: EVALSHA/EVAL, or EVALSHA_RO/EVAL_RO for a ``no-writes`` script.
+
+    The ``_RO`` forms let a user whose keys are granted read-only (ACL
+    ``%R~``) run the read scripts (docs/security.md).
+    """
+    ro = "_RO" if ev.script.readonly else ""
+    head = ("EVALSHA" + ro, ev.script.sha) if use_sha else ("EVAL" + ro, ev.script.source)
+    return (*head, *_eval_args(ev))
 
 
 def _finish_batch(batch: Batch, replies: list[Any]) -> list[Any]:

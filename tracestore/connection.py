@@ -419,6 +419,11 @@ async def async_client(
     if cluster:
         common.pop("retry_on_error")
         client: Any = AsyncRedisCluster.from_url(parsed.url, **common, max_connections=opts.max_connections)
+        try:  # now, as the sync client does: a command routed by key needs the slot table
+            await client.initialize()
+        except (RedisError, RedisClusterException) as exc:
+            await client.aclose()
+            raise StorageError(f"cannot reach cluster {parsed.display}: {failure_reason(exc)}") from exc
     else:
         client = redis.asyncio.Redis.from_url(
             parsed.url,

@@ -299,6 +299,18 @@ class OutcomeUnknown(StorageError):
         return f"{self.reason}; {hint}); call again with this op_id to learn the first reply"
 
 
+class PermissionDenied(TracestoreError):
+    """The server's ACL refused a command to this connection's user (``NOPERM``); nothing ran.
+
+    ``what`` names the request. An observer (read-only) user gets it for
+    every write; docs/security.md lists the grants of each role.
+    """
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        super().__init__(f"{what}: permission denied by the server's ACL ({detail}); see docs/security.md")
+
+
 class CorruptData(TracestoreError):
     """A value stored in Redis cannot be decoded (written by something other than tracestore?).
 
@@ -384,6 +396,7 @@ __all__ = [
     "RunInUse",
     "StorageError",
     "OutcomeUnknown",
+    "PermissionDenied",
     "CorruptData",
     "ScriptError",
     "raise_for_code",
