@@ -147,3 +147,24 @@ def test_corrupt_control_records(store: TraceStore, url: str, run_id: str) -> No
     with pytest.raises(CorruptData) as ei:
         TraceStore.connect(url, run=run_id)
     assert ei.value.key == k.meta
+
+
+def test_async_cluster_batch_error_is_not_its_own_cause(cluster_url: str, run_id: str, arun: Any) -> None:
+    """A failing command in an async cluster batch: a StorageError caused by redis-py's error."""
+    import redis as redis_py
+
+    from tracestore import AsyncTraceStore, StorageError
+    from tracestore.scripts import Batch, Cmd
+
+    async def main() -> None:
+        st = await AsyncTraceStore.connect(cluster_url, run=run_id)
+        try:
+            key = st.keys.meta  # a hash: GET on it is a WRONGTYPE error
+            with pytest.raises(StorageError) as ei:
+                await st.execute(Batch((Cmd(("GET", key), key=key), Cmd(("PING",), key=key))))
+            err = ei.value
+            assert err.__cause__ is not err and isinstance(err.__cause__, redis_py.ResponseError)
+        finally:
+            await st.close()
+
+    arun(main())
