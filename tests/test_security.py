@@ -237,3 +237,16 @@ def test_permission_denied_is_not_an_unknown_outcome(url: str, admin: TraceStore
         obs.release(["s1"], "w", op_id="rel")
     assert "security.md" in str(ei.value)
     assert not isinstance(ei.value, redis.RedisError)
+
+
+def test_cli_prints_the_documented_grant() -> None:
+    from click.testing import CliRunner
+
+    from tracestore.cli import main
+
+    for role in acl.ROLES:
+        r = CliRunner().invoke(main, ["acl", RUN, "--role", role])
+        assert r.exit_code == 0, r.output
+        assert r.output.strip() == _doc_lines()[role]
+    r = CliRunner().invoke(main, ["acl", "bad run"])
+    assert r.exit_code == 1 and "invalid run id" in r.output
