@@ -40,7 +40,7 @@ test: $(STAMP)
 ## The long fuzz of the public API (make test runs a short fixed-seed one); counts in fuzz-report.json.
 fuzz: $(STAMP)
 	rm -f fuzz-report.json
-	TRACESTORE_FUZZ=long TRACESTORE_FUZZ_REPORT=fuzz-report.json $(VENV)/bin/pytest tests/test_fuzz.py -q
+	TRACESTORE_FUZZ=long TRACESTORE_FUZZ_REPORT=fuzz-report.json $(VENV)/bin/pytest tests/test_fuzz.py -q --timeout 0
 	cat fuzz-report.json
 
 lint: $(STAMP)
