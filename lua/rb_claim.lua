@@ -26,7 +26,8 @@
 -- ARGV[7] = g, ARGV[8..7+g] = gids, ARGV[8+g] = s, ARGV[9+g..] = sids
 -- returns: {0, 'NEED', g, gid..., sid...}   missing keys; nothing written
 --          {0, 'OK', m, m x (gid, status, sids, min_version, seq, retryable, payload)}
--- errors: OWNER_LOST (owner, lost_ms), INVALID_INPUT (field, message)
+-- errors: OWNER_LOST (owner, lost_ms), INVALID_INPUT (field, message),
+--         CORRUPT (key, field, detail): a group the client could not decode; nothing written
 -- include: op
 -- include: stats
 -- include: sessions
@@ -54,6 +55,8 @@ end
 local npicked = math.min(n, #cand)
 local need_reply = rb_need_window(rb, cand, npicked, {g = {}, s = {}})
 if need_reply then return need_reply end
+local corrupt = rb_check_groups(rb, cand, npicked)
+if corrupt then return corrupt end
 
 local out = {0, 'OK', npicked}
 for k = 1, npicked do

@@ -28,7 +28,7 @@
 -- ARGV[7] = g, ARGV[8..7+g] = gids, ARGV[8+g] = s, ARGV[9+g..] = sids
 -- returns: {0, 'NEED', g, gid..., sid...}   missing keys; nothing written
 --          {0, 'OK', more (0|1), k, kept gid..., r, released gid..., s, released sid...}
--- errors: INVALID_INPUT (field, message)
+-- errors: INVALID_INPUT (field, message), CORRUPT (key, field, detail): nothing written
 -- include: clock
 -- include: op
 -- include: stats
@@ -45,7 +45,10 @@ if early then return early end
 local stale = rb_stale(rb.vc, cutoff, limit)
 local need = {g = {}, s = {}}
 rb_missing(rb, stale, need)
+if need.corrupt then return need.corrupt end
 if #need.g > 0 or #need.s > 0 then return rb_need_reply(need) end
+local corrupt = rb_check_groups(rb, stale, #stale)
+if corrupt then return corrupt end
 
 rb.now = now_ms()
 local kept, rel_g = {}, {}

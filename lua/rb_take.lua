@@ -38,7 +38,8 @@
 --          {0, 'EXPIRE_FIRST', stale}       too many stale groups for one call; nothing written
 --          {0, 'OK', k, kept gid..., r, released sid..., m, m x (gid, status, sids, min_version,
 --              seq, retryable, payload)}
--- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message)
+-- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message),
+--         CORRUPT (key, field, detail): a group the client could not decode; nothing written
 -- include: clock
 -- include: op
 -- include: stats
@@ -77,6 +78,8 @@ local need = {g = {}, s = {}}
 rb_missing(rb, stale, need)
 local need_reply = rb_need_window(rb, cand, n, need)
 if need_reply then return need_reply end
+local corrupt = rb_check_groups(rb, stale, #stale) or rb_check_groups(rb, cand, n)
+if corrupt then return corrupt end
 
 -- commit
 rb.now = now_ms()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,19 +101,110 @@ def test_unix_socket_url() -> None:
         assert st.owner_of("s") == "o"
 
 
-def test_tls_url(tmp_path: Path) -> None:
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[EmbeddedServer, TlsFiles]]:
+    """A TLS server (Debian's redis-server) with a self-signed certificate."""
     binary = redis_server_binary()
     if binary is None:
         pytest.skip("TLS needs Debian's redis-server (the embedded valkey-server is built without TLS)")
     tls = TlsFiles.self_signed(tmp_path)
     with EmbeddedServer(binary=binary, tls=tls) as srv:
-        assert srv.url.startswith("rediss://")
-        with TraceStore.connect(srv.url, run="tls") as st:
-            st.open_session("s", "o")
-            assert st.owner_of("s") == "o"
-        # a plain-text client cannot talk to the TLS port
-        with pytest.raises(StorageError):
-            TraceStore.connect(f"redis://127.0.0.1:{srv.port}", run="tls", retries=0, socket_timeout_s=1)
+        yield srv, tls
+
+
+def test_tls_url(tls_server: tuple[EmbeddedServer, TlsFiles]) -> None:
+    srv, _ = tls_server
+    assert srv.url.startswith("rediss://")
+    with TraceStore.connect(srv.url, run="tls") as st:
+        st.open_session("s", "o")
+        assert st.owner_of("s") == "o"
+    # a plain-text client cannot talk to the TLS port
+    with pytest.raises(StorageError):
+        TraceStore.connect(f"redis://127.0.0.1:{srv.port}", run="tls", retries=0, socket_timeout_s=1)
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("decode_responses=yes", "'decode_responses' is not accepted"),
+        ("protocol=3", "'protocol' is not accepted"),
+        ("socket_timeout=abc", "'socket_timeout' is not accepted.*socket_timeout_s"),
+        ("retry_on_timeout=1", "not accepted"),
+        ("ssl_ca_certs=/ca.pem", "needs a TLS URL"),
+        ("db=x", "db must be a database number"),
+        ("db=1&db=2", "given twice"),
+    ],
+)
+def test_url_options_that_would_break_the_client_are_refused(query: str, message: str) -> None:
+    # port 1: any I/O would be a StorageError, so a ConfigError proves the check runs first
+    with pytest.raises(ConfigError, match=message):
+        TraceStore.connect(f"redis://127.0.0.1:1/?{query}", run="r")
+    with pytest.raises(ConfigError, match="ssl_cert_reqs must be one of"):
+        TraceStore.connect("rediss://127.0.0.1:1?ssl_cert_reqs=maybe", run="r")
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"socket_timeout_s": float("nan")},
+        {"socket_timeout_s": float("inf")},
+        {"socket_timeout_s": 10**400},
+        {"socket_timeout_s": "5"},
+        {"connect_timeout_s": 0},
+        {"retries": 1.5},
+        {"retries": True},
+        {"max_connections": 0},
+        {"health_check_interval_s": -1},
+        {"client_name": "has space"},
+        {"backoff_base_s": float("nan")},
+        {"op_ttl_s": 0},
+        {"op_ttl_s": 10**400},
+        {"store_text": "yes"},
+        {"cache_bytes": -1},
+        {"max_payload_bytes": 2.5},
+        {"ssl_cert_reqs": "maybe"},
+        {"ssl_check_hostname": "no"},
+        {"ssl_ca_certs": 7},
+    ],
+)
+def test_every_option_is_checked_before_io(option: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(option))):
+        TraceStore.connect("rediss://127.0.0.1:1", run="r", **option)
+
+
+def test_tls_options_as_connect_keywords(tls_server: tuple[EmbeddedServer, TlsFiles], tmp_path: Path) -> None:
+    srv, tls = tls_server
+    bare = f"rediss://127.0.0.1:{srv.port}"
+    with TraceStore.connect(bare, run="tls", ssl_ca_certs=str(tls.ca)) as st:
+        st.open_session("s", "o")
+    with TraceStore.connect(bare, run="tls", ssl_cert_reqs="none") as st:
+        assert st.owner_of("s") == "o"
+    with pytest.raises(StorageError, match="cannot reach") as ei:  # no CA: the certificate is not trusted
+        TraceStore.connect(bare, run="tls", retries=0)
+    assert "\n" not in str(ei.value)
+    with pytest.raises(ConfigError, match="keyword .* and in the URL"):
+        TraceStore.connect(srv.url, run="tls", ssl_ca_certs=str(tmp_path / "other.pem"))
+    with pytest.raises(ConfigError, match="need a TLS URL"):
+        TraceStore.connect(f"redis://127.0.0.1:{srv.port}", run="tls", ssl_ca_certs=str(tls.ca))
+    # the cluster scheme on a node that is not in cluster mode: one line that says so
+    with pytest.raises(ConfigError, match="not a cluster node") as ei2:
+        TraceStore.connect(bare.replace("rediss://", "rediss+cluster://"), run="tls", ssl_ca_certs=str(tls.ca))
+    assert "\n" not in str(ei2.value) and "rediss://" in str(ei2.value)
+
+
+def test_cluster_scheme_on_a_standalone_node_is_one_line(standalone_url: str, arun: Any) -> None:
+    from tracestore import AsyncTraceStore
+
+    url = standalone_url.replace("redis://", "redis+cluster://")
+    with pytest.raises(ConfigError, match="not a cluster node") as ei:
+        TraceStore.connect(url, run="r")
+    assert "\n" not in str(ei.value)
+
+    async def main() -> None:
+        with pytest.raises(ConfigError, match="not a cluster node"):
+            await AsyncTraceStore.connect(url, run="r")
+
+    arun(main())
 
 
 def test_cluster_url_with_several_seeds_parses_and_checks_each() -> None:

@@ -21,7 +21,7 @@ import orjson
 import pytest
 import redis
 
-from tests._netcut import CutProxy
+from tests._netcut import CutProxy, proxied_cluster
 from tests.conftest import _selected, connect_async
 from tests.test_gate import dump_run
 from tracestore import InvalidId, SessionReleased, TraceStore
@@ -788,39 +788,8 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
     """Scenario 4 on a cluster: one proxy per node, redis-py told to reach the nodes through them."""
     if "cluster" not in _selected():
         pytest.skip("cluster backend not selected (TRACESTORE_TEST_BACKENDS)")
-    from redis.cluster import RedisCluster
-
-    from tracestore.connection import ConnectionOptions, _common, parse_url
-    from tracestore.context import Context, StoreConfig
-    from tracestore.keys import Keys
-
-    base = parse_url(cluster_url).url
-    probe = redis.Redis.from_url(base)
-    try:
-        shards = probe.execute_command("CLUSTER", "SLOTS")
-    finally:
-        probe.close()
-    nodes = {(text(s[2][0]), int(s[2][1])) for s in shards}
-    proxies = {addr: CutProxy(*addr) for addr in nodes}
-    by_port = {p.port: p for p in proxies.values()}
-    common = _common(ConnectionOptions(retries=3))
-    common.pop("retry_on_error")
-    client = RedisCluster.from_url(
-        base,
-        **common,
-        address_remap=lambda addr: ("127.0.0.1", proxies[(addr[0], int(addr[1]))].port)
-        if (addr[0], int(addr[1])) in proxies
-        else addr,
-    )
-    keys = Keys("ts", run_id)
-    st = TraceStore(SyncIO(client, cluster=True), Context(keys, True, StoreConfig()), cluster_url)
-    try:
-        st.init_run()
-
-        def proxy_of(key: str) -> CutProxy:
-            node = client.get_node_from_key(key)
-            return by_port[int(node.port)]
-
+    with proxied_cluster(cluster_url, run_id) as (st, proxy_of):
+        keys = st.keys
         sids = [f"s{i}" for i in range(30)]
         st.open_sessions(sids, "train:1")
         for s in sids[:3]:
@@ -854,10 +823,6 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
         ev = events(st)
         assert Counter(e["sid"] for e in ev) == Counter([*sids, "q0", "q1"])
         assert all(data_purged(st, s) for s in [*sids[:3], "q0", "q1"])
-    finally:
-        st.close()
-        for p in proxies.values():
-            p.close()
 
 
 def test_disaggregated_race_with_the_replay_buffer(store_factory: Any) -> None:

@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 import redis
 import redis.asyncio
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 
 from .connection import ConnectionOptions
 from .durability import NONE, Durability
@@ -41,6 +47,7 @@ from .errors import (
     ConfigError,
     DurabilityUnconfirmed,
     NotEnoughReplicas,
+    PermissionDenied,
     ScriptError,
     StorageError,
     TracestoreError,
@@ -68,10 +75,12 @@ def decode_script_reply(ev: Eval, reply: Any) -> Any:
     raise AssertionError("unreachable")
 
 
-def wrap_error(exc: Exception, what: str) -> TracestoreError:
-    """Map a redis-py exception to StorageError/ScriptError (caller raises ``from exc``)."""
+def wrap_error(exc: BaseException, what: str) -> TracestoreError:
+    """Map a redis-py exception to StorageError/ScriptError/PermissionDenied (caller raises ``from exc``)."""
     if isinstance(exc, TracestoreError):
         return exc
+    if isinstance(exc, NoPermissionError):
+        return PermissionDenied(what, str(exc))
     detail = (str(exc).strip().splitlines() or [""])[0]  # one line (cluster errors span several)
     if isinstance(exc, ResponseError) and detail.startswith("NOREPLICAS"):  # the server's error code
         return NotEnoughReplicas(
@@ -278,10 +287,16 @@ class SyncIO:
         self._durable = _Durable(durability, opts) if durability.waits else None
 
     def execute(self, req: Request) -> Any:
-        """Execute one request and return its decoded reply."""
-        if self._durable is not None and _mutates(req):
-            assert isinstance(req, (Eval, Batch))
-            return self._durable.finish(req, self._durable_replies(req))
+        """Execute one request and return its decoded reply (no redis-py exception escapes)."""
+        try:
+            if self._durable is not None and _mutates(req):
+                assert isinstance(req, (Eval, Batch))
+                return self._durable.finish(req, self._durable_replies(req))
+            return self._dispatch(req)
+        except REDIS_ERRORS as exc:  # one the steps below did not wrap (cluster routing...)
+            raise wrap_error(exc, _what(req)) from exc
+
+    def _dispatch(self, req: Request) -> Any:
         if isinstance(req, Eval):
             return self._eval(req)
         if isinstance(req, Batch):
@@ -297,15 +312,23 @@ class SyncIO:
         raise TypeError(f"unknown request {req!r}")
 
     def _eval(self, ev: Eval) -> Any:
-        c: Any = self.client
         try:
             try:
-                reply = c.evalsha(ev.script.sha, *_eval_args(ev))
+                reply = self._script(ev, use_sha=True)
             except NoScriptError:
-                reply = c.eval(ev.script.source, *_eval_args(ev))
+                reply = self._script(ev, use_sha=False)
         except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
+
+    def _script(self, ev: Eval, *, use_sha: bool) -> Any:
+        c: Any = self.client
+        if not ev.script.readonly:
+            return c.evalsha(ev.script.sha, *_eval_args(ev)) if use_sha else c.eval(ev.script.source, *_eval_args(ev))
+        if self.cluster:  # (the cluster client would ask the server for an _RO command's keys)
+            node = c.get_node_from_key(ev.keys[0]) if ev.keys else c.get_random_node()
+            return c.execute_command(*_script_args(ev, use_sha), target_nodes=node)
+        return c.execute_command(*_script_args(ev, use_sha))
 
     def _batch(self, batch: Batch) -> list[Any]:
         if not batch.requests:
@@ -361,12 +384,9 @@ class SyncIO:
         return replies
 
     def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
-        c: Any = self.client
         try:
             if isinstance(r, Eval):
-                if use_sha:
-                    return c.evalsha(r.script.sha, *_eval_args(r))
-                return c.eval(r.script.source, *_eval_args(r))
+                return self._script(r, use_sha=use_sha)
             return self._cmd(r)
         except REDIS_ERRORS as exc:
             return exc
@@ -596,10 +616,16 @@ class AsyncIO:
         self._durable = _Durable(durability, opts) if durability.waits else None
 
     async def execute(self, req: Request) -> Any:
-        """Execute one request and return its decoded reply."""
-        if self._durable is not None and _mutates(req):
-            assert isinstance(req, (Eval, Batch))
-            return self._durable.finish(req, await self._durable_replies(req))
+        """Execute one request and return its decoded reply (no redis-py exception escapes)."""
+        try:
+            if self._durable is not None and _mutates(req):
+                assert isinstance(req, (Eval, Batch))
+                return self._durable.finish(req, await self._durable_replies(req))
+            return await self._dispatch(req)
+        except REDIS_ERRORS as exc:
+            raise wrap_error(exc, _what(req)) from exc
+
+    async def _dispatch(self, req: Request) -> Any:
         if isinstance(req, Eval):
             return await self._eval(req)
         if isinstance(req, Batch):
@@ -615,15 +641,25 @@ class AsyncIO:
         raise TypeError(f"unknown request {req!r}")
 
     async def _eval(self, ev: Eval) -> Any:
-        c: Any = self.client
         try:
             try:
-                reply = await c.evalsha(ev.script.sha, *_eval_args(ev))
+                reply = await self._script(ev, use_sha=True)
             except NoScriptError:
-                reply = await c.eval(ev.script.source, *_eval_args(ev))
+                reply = await self._script(ev, use_sha=False)
         except REDIS_ERRORS as exc:
             raise wrap_error(exc, f"script {ev.script.name}") from exc
         return decode_script_reply(ev, reply)
+
+    async def _script(self, ev: Eval, *, use_sha: bool) -> Any:
+        c: Any = self.client
+        if not ev.script.readonly:
+            if use_sha:
+                return await c.evalsha(ev.script.sha, *_eval_args(ev))
+            return await c.eval(ev.script.source, *_eval_args(ev))
+        if self.cluster:
+            node = c.get_node_from_key(ev.keys[0]) if ev.keys else c.get_random_node()
+            return await c.execute_command(*_script_args(ev, use_sha), target_nodes=node)
+        return await c.execute_command(*_script_args(ev, use_sha))
 
     async def _batch(self, batch: Batch) -> list[Any]:
         if not batch.requests:
@@ -664,12 +700,9 @@ class AsyncIO:
             raise wrap_error(exc, "pipeline") from exc
 
     async def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
-        c: Any = self.client
         try:
             if isinstance(r, Eval):
-                if use_sha:
-                    return await c.evalsha(r.script.sha, *_eval_args(r))
-                return await c.eval(r.script.source, *_eval_args(r))
+                return await self._script(r, use_sha=use_sha)
             return await self._cmd(r)
         except (*REDIS_ERRORS, TracestoreError) as exc:
             return exc
@@ -867,6 +900,15 @@ class AsyncIO:
         await self.client.aclose()
 
 
+def _what(req: Request) -> str:
+    """How an error names the request: ``script <name>``, ``command <NAME>`` or its kind."""
+    if isinstance(req, Eval):
+        return f"script {req.script.name}"
+    if isinstance(req, Cmd):
+        return f"command {req.args[0]}"
+    return type(req).__name__
+
+
 def _route_key(r: Eval | Cmd) -> str | None:
     if isinstance(r, Eval):
         return r.keys[0] if r.keys else None
@@ -887,13 +929,18 @@ def _is_redirect(exc: RedisError) -> bool:
 
 
 def _queue(pipe: Any, r: Eval | Cmd, use_sha: bool) -> None:
-    if isinstance(r, Eval):
-        if use_sha:
-            pipe.evalsha(r.script.sha, *_eval_args(r))
-        else:
-            pipe.eval(r.script.source, *_eval_args(r))
-    else:
-        pipe.execute_command(*r.args)
+    pipe.execute_command(*(_script_args(r, use_sha) if isinstance(r, Eval) else r.args))
+
+
+def _script_args(ev: Eval, use_sha: bool) -> tuple[Any, ...]:
+    """The command of a script call: EVALSHA/EVAL, or EVALSHA_RO/EVAL_RO for a ``no-writes`` script.
+
+    The ``_RO`` forms let a user whose keys are granted read-only (ACL
+    ``%R~``) run the read scripts (docs/security.md).
+    """
+    ro = "_RO" if ev.script.readonly else ""
+    head = ("EVALSHA" + ro, ev.script.sha) if use_sha else ("EVAL" + ro, ev.script.source)
+    return (*head, *_eval_args(ev))
 
 
 def _finish_batch(batch: Batch, replies: list[Any]) -> list[Any]:
@@ -903,7 +950,7 @@ def _finish_batch(batch: Batch, replies: list[Any]) -> list[Any]:
         what = f"script {req.script.name}" if isinstance(req, Eval) else f"command {req.args[0]}"
         if isinstance(reply, Exception):
             err = wrap_error(reply, what)
-            if err is not reply:  # a typed error (DurabilityUnconfirmed) is not its own cause
+            if err is not reply:  # a typed error (DurabilityUnconfirmed) keeps its own cause
                 err.__cause__ = reply
             first = first or err
             out.append(None)

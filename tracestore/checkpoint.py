@@ -151,7 +151,10 @@ class _Writer:
 
     def _write(self, data: bytes) -> None:
         if self.fh is None:
-            self.fh = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish() or abort()
+            try:
+                self.fh = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish() or abort()
+            except OSError as exc:
+                raise InvalidInput("path", f"cannot write {self.tmp}: {exc.strerror or exc}") from None
         self.fh.write(data)
 
     def finish(self) -> Blocking:
@@ -181,7 +184,7 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
     written as it is read, so memory stays bounded by one batch.
     """
     k = ctx.keys
-    w = _Writer(Path(path))
+    w = _Writer(Path(_path(path)))
     found = yield ScanAll(k.control_pattern)
     op_head = k.control_suffix(k.op("x"))
     assert op_head is not None
@@ -303,10 +306,21 @@ def _write_traces(ctx: Context, w: _Writer, sids: list[str]) -> Op[int]:
 # -- restore --------------------------------------------------------------------------------
 
 
+def _path(path: object) -> str | os.PathLike[str]:
+    """``path`` if it is a non-empty str or path object; else InvalidInput (before any I/O)."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not name or (b"\x00" if isinstance(name, bytes) else "\x00") in name:
+        raise InvalidInput("path", f"must be a file path (str or os.PathLike), got {path!r:.80}")
+    return path  # type: ignore[return-value]
+
+
 def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The first line of a checkpoint file; raises InvalidInput if it is not one this version reads."""
-    with open(path, "rb") as fh:
-        first = fh.readline()
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline()
+    except OSError as exc:
+        raise InvalidInput("path", f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}") from None
     try:
         head = orjson.loads(first)
     except orjson.JSONDecodeError:
@@ -452,7 +466,7 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     (emptiness), then one per 256 commands.
     """
     k = ctx.keys
-    yield Blocking(functools.partial(read_header, path))
+    yield Blocking(functools.partial(read_header, _path(path)))
     end = yield Blocking(functools.partial(_validate, path, ctx))
     found = yield ScanAll(k.control_pattern, count=1000)
     others = sorted(key for key in found if key != k.meta)

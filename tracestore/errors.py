@@ -284,14 +284,31 @@ class OutcomeUnknown(StorageError):
     """
 
     def __init__(self, message: str, *, op_id: str, lease_ids: Sequence[str] = ()) -> None:
+        self.reason = message
         self.op_id = op_id
         self.lease_ids = tuple(lease_ids)
         self.lease_id = self.lease_ids[0] if self.lease_ids else None
-        hint = f"outcome unknown (op_id={op_id!r}"
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        # Built when shown: a call made of nested calls names its own op id.
+        hint = f"outcome unknown (op_id={self.op_id!r}"
         if self.lease_ids:
             more = f" (+{len(self.lease_ids) - 1} more)" if len(self.lease_ids) > 1 else ""
             hint += f", lease id {self.lease_ids[0]!r}{more}"
-        super().__init__(f"{message}; {hint}); call again with op_id={op_id!r} to learn the first reply")
+        return f"{self.reason}; {hint}); call again with this op_id to learn the first reply"
+
+
+class PermissionDenied(TracestoreError):
+    """The server's ACL refused a command to this connection's user (``NOPERM``); nothing ran.
+
+    ``what`` names the request. An observer (read-only) user gets it for
+    every write; docs/security.md lists the grants of each role.
+    """
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        super().__init__(f"{what}: permission denied by the server's ACL ({detail}); see docs/security.md")
 
 
 class DurabilityUnconfirmed(OutcomeUnknown):
@@ -442,6 +459,7 @@ __all__ = [
     "DurabilityUnconfirmed",
     "NotEnoughReplicas",
     "StateRolledBack",
+    "PermissionDenied",
     "CorruptData",
     "ScriptError",
     "raise_for_code",

@@ -108,6 +108,7 @@ def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
             sids,
             lambda op_key, part: (*fixed, op_key, k.stats, *k.session_keys(part)),
             lambda part: (owner, OWNER_LOST, ctx.op_ttl_ms, *part),
+            op=ctx.op(None, "gc"),
             at_least_one=True,  # the deadline check runs even when the owner has no session
         )
         replies = [Reply(r, "gc_owner_lost") for r in (yield Batch(tuple(evals)))]
@@ -143,7 +144,7 @@ def _leftover_data(ctx: Context) -> Op[tuple[list[str], list[str]]]:
     """(released sessions that still have data, sessions with data but no control record)."""
     k = ctx.keys
     keys = yield ScanAll(k.data_pattern)
-    with_data = sorted({sid for key in keys if not key.endswith(":dead") and (sid := k.sid_of_data_key(key))})
+    with_data = sorted({sid for key in keys if k.is_trace_data(key) and (sid := k.sid_of_data_key(key))})
     if not with_data:
         return [], []
     states = yield from session_states(ctx, with_data)
@@ -176,9 +177,9 @@ def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
         # trimmed, an id may be reopened, released and purged again before we delete, and
         # that purge's tombstone must stay (gc_clear_dead deletes only the value read here).
         deads = yield Batch(tuple(Cmd(("GET", k.dead(s)), key=k.dead(s)) for s in sids))
-        op_id, op_key = ctx.new_op()
+        op = ctx.op(None, "gc")
         reply = yield Eval(
-            sc, (k.released, op_key, *k.session_keys(sids)), (cutoff, ctx.op_ttl_ms, *sids), op_id=op_id
+            sc, (k.released, op.key, *k.session_keys(sids)), (cutoff, ctx.op_ttl_ms, *sids), op_id=op.id
         )
         trimmed = [text(x) for x in reply]
         dead_of = {s: d for s, d in zip(sids, deads, strict=True) if d is not None}

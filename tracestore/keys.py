@@ -304,6 +304,15 @@ class Keys:
         """:meth:`data_keys` of each of ``sids``, in one list (validated in one pass)."""
         head = f"{self.prefix}:{{{self.run}/"
         return [f"{head}{s}}}:{part}" for s in validate_ids("session id", sids) for part in _DATA_PARTS]
+    def data_op(self, sid: str, op_id: str) -> str:
+        """``ts:{R/sid}:op:<op_id>`` string: recorded reply of a data-plane write with a caller's op id."""
+        return f"{self._d(sid)}:op:{validate_id('operation id', op_id)}"
+
+    @staticmethod
+    def is_trace_data(key: str) -> bool:
+        """True for a session's trace keys (``idx``, ``tok``, ``txt``), not its tombstone or op records."""
+        end = key.find("}:")
+        return end > 0 and key[end + 2 :] in ("idx", "tok", "txt")
 
     def data_keys(self, sid: str) -> list[str]:
         """Every data-plane key of ``sid`` except the tombstone (all in one slot)."""

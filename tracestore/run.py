@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .context import SCHEMA_VERSION, Context
-from .replies import Reply, text
+from .errors import CorruptData
+from .replies import Reply, stored, text
 from .scripts import Batch, Cmd, Eval, Op, ServerTime, script, variadic_evals
 from .validate import validate_ids
 
@@ -39,6 +40,8 @@ def init_run(ctx: Context) -> Op[RunInfo]:
     )
     r = Reply(reply, "init_run")
     schema, created_ms, created = r.int(), r.int(), r.flag()
+    if created_ms < 0:
+        raise CorruptData(ctx.keys.meta, "created_ms is not a number", "created_ms")
     return RunInfo(ctx.keys.run, schema, created_ms, created)
 
 
@@ -66,7 +69,8 @@ def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str
     r = Reply([x for part in replies for x in part], "session_states")
     out: dict[str, tuple[str, str] | None] = {}
     for sid in sids:
-        owner, state = r.text(), r.text()
+        with stored(ctx.keys.session(sid), "owner/state"):
+            owner, state = r.text(), r.text()
         out[sid] = (owner, state) if state else None
     return out
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .context import Context
-from .errors import RunInUse
+from .errors import PermissionDenied, RunInUse
 from .keys import Keys, key_slot, meta_pattern, run_of_meta_key
 from .ownership import OwnerInfo, owners
 from .replay import REPLAY_OWNER
@@ -75,10 +75,30 @@ class RunDeleted:
 
 
 def run_ids(ctx: Context) -> Op[list[str]]:
-    """Ids of every run under the store's key prefix, sorted (SCAN on every primary)."""
+    """Ids of the runs under the store's key prefix that this user may read, sorted.
+
+    SCAN on every primary finds every run's meta record (SCAN shows every
+    key name, whatever the ACL); a run whose meta record the server's ACL
+    does not let this user read is left out (one EXISTS each, pipelined; one
+    more round trip per run only when some are refused).
+    """
     prefix = ctx.keys.prefix
     keys = yield ScanAll(meta_pattern(prefix), count=1000)
-    return sorted({r for k in keys if (r := run_of_meta_key(k, prefix))})
+    runs = sorted({r for k in keys if (r := run_of_meta_key(k, prefix))})
+    metas = [Keys(prefix, r).meta for r in runs]
+    try:
+        yield Batch(tuple(Cmd(("EXISTS", m), key=m) for m in metas))
+        return runs
+    except PermissionDenied:
+        pass
+    readable = []
+    for run, meta in zip(runs, metas, strict=True):
+        try:
+            yield Cmd(("EXISTS", meta), key=meta)
+        except PermissionDenied:
+            continue
+        readable.append(run)
+    return readable
 
 
 def _i(x: Any) -> int | None:
