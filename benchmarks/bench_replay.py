@@ -238,7 +238,7 @@ def run(quick: bool) -> dict[str, Any]:
     env_url = os.environ.get("TRACESTORE_URL")
     server = None if env_url else EmbeddedServer().start()
     url = env_url or (server.url if server else "")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         from ray import cloudpickle
 

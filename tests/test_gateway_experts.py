@@ -13,16 +13,15 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import openai
 import pytest
+import ray
 
-np = pytest.importorskip("numpy")
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
-
-from tests._gateway import CliServer, http  # noqa: E402
-from tracestore import TraceStore  # noqa: E402
-from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway  # noqa: E402
-from tracestore.ray import RefHolder  # noqa: E402
+from tests._gateway import CliServer, http
+from tracestore import TraceStore
+from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
+from tracestore.ray import RefHolder
 
 pytestmark = pytest.mark.ray
 
