@@ -262,7 +262,11 @@ def gather(operations: Iterable[Op[Any]], *, errors_in_place: bool = False) -> O
     fails the whole call before any I/O; later errors of one operation do
     not stop the others. Then the first error (in the order given) is
     raised once all have finished, or, with ``errors_in_place``, each
-    failed operation's TracestoreError stands in the result list.
+    failed operation's TracestoreError stands in the result list. A round
+    trip that fails as a whole (StorageError: connection lost) is thrown
+    into each operation it carried (so a mutating one turns it into its
+    OutcomeUnknown, naming its op id), and the first of theirs is raised,
+    even with ``errors_in_place``: it is not one operation's failure.
     Run it like any operation: ``store.run(gather([...]))``.
     """
     gens = list(operations)
@@ -312,7 +316,22 @@ def gather(operations: Iterable[Op[Any]], *, errors_in_place: bool = False) -> O
                 advance(i, exc=alone_err)
             else:
                 advance(i, reply)
-        replies: list[Any] = (yield Batch(tuple(flat), errors_in_place=True)) if flat else []
+        try:
+            replies: list[Any] = (yield Batch(tuple(flat), errors_in_place=True)) if flat else []
+        except TracestoreError as whole:
+            # The round trip itself failed (connection lost, reply unknown...): it is every
+            # operation's error (a mutating one names its own op id), and the call's.
+            hit = []
+            for i, _, _ in spans:
+                advance(i, exc=whole)
+                if i in errors:
+                    hit.append(i)
+            for g in gens:  # (any operation still waiting for a request: it will not get it)
+                g.close()
+            raised = errors[min(hit)] if hit else whole
+            if raised is whole:
+                raise
+            raise raised from raised.__cause__
         for i, start, count in spans:
             req = pending[i]
             part = replies[start : start + count]
