@@ -914,3 +914,7 @@ def test_heartbeat_many_records_every_tag_in_one_round_trip(store: TraceStore) -
     assert after["hb:a"] > scores["hb:a"] and after["hb:c"] > scores["hb:c"]  # the others still beat
     with pytest.raises(InvalidInput):
         store.heartbeat_many(["hb:a"], -1)
+    beats = store.heartbeat_many(["hb:a", "hb:c"], 30, op_id="beat-1")  # names the call only
+    assert [b.owner for b in beats] == ["hb:a", "hb:c"]
+    with pytest.raises(InvalidId):
+        store.heartbeat_many(["hb:a"], 30, op_id="bad#id")

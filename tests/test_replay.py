@@ -425,3 +425,18 @@ def test_put_many_puts_every_group_and_keeps_a_refused_one_apart(store: TraceSto
     with pytest.raises(InvalidInput):
         store.replay.put_many([_group(store, "pm-x"), Group("pm-y", "math", ())], PRODUCER)
     assert store.replay.count(task="math", status="completed") == 6  # refused before any I/O
+
+
+def test_put_many_with_an_op_id_replays_each_put(store: TraceStore) -> None:
+    """A call again with the same op id and groups replays every put's first reply (main's op ids)."""
+    groups = [_group(store, f"po{i}") for i in range(3)]
+    first = store.replay.put_many(groups, PRODUCER, op_id="step-1/put")
+    again = store.replay.put_many(groups, PRODUCER, op_id="step-1/put")  # not GroupExists
+    assert [r.seq for r in again] == [r.seq for r in first] and all(r.stored for r in again)
+    assert store.replay.count(task="math", status="completed") == 3
+    # group 0 is recorded under the call's own op key: a put with that op id replays it too
+    assert store.replay.put(groups[0], PRODUCER, op_id="step-1/put").seq == first[0].seq
+    with pytest.raises(GroupExists):  # a fresh op id: the groups are stored already
+        store.replay.put_many(groups[:1], PRODUCER)
+    with pytest.raises(InvalidId):
+        store.replay.put_many(groups, PRODUCER, op_id="bad#id")

@@ -183,3 +183,14 @@ def test_acquire_many_is_acquire_in_order_in_one_round_trip(store_factory: Any) 
     with pytest.raises(InvalidId):
         ra.acquire_many(["ok", "bad id"])
     assert ra.table(["ok"]).routes.get("ok") is None  # refused before any I/O
+
+
+def test_acquire_many_with_an_op_id_replays_its_placements(store: TraceStore) -> None:
+    """Each sid's placement is recorded under the call's part: a call again replays them all."""
+    r = store.router(EPS)
+    sids = [f"opm-{i}" for i in range(6)]
+    first = r.acquire_many(sids, op_id="route-step-1")
+    assert r.acquire_many(sids, op_id="route-step-1") == first
+    assert r.acquire(sids[0], op_id="route-step-1") == first[0]  # part 0: the call's own op key
+    with pytest.raises(InvalidId):
+        r.acquire_many(sids, op_id="bad id")

@@ -329,3 +329,30 @@ def test_gather_async(url: str, run_id: str, arun: Any) -> None:
             await st.close()
 
     assert arun(go()) == [i + 1 for i in range(10)]
+
+
+def test_gather_a_lost_round_trip_is_each_operations_error() -> None:
+    """A round trip failed as a whole reaches every operation it carried (no server needed):
+    a mutating one names its own op id, its cleanup runs, and the first error is raised even
+    with errors_in_place (a lost connection is not one operation's failure)."""
+    from tracestore.context import mutating
+    from tracestore.errors import OutcomeUnknown
+
+    done: list[str] = []
+
+    @mutating
+    def beat(owner: str, *, op_id: str | None = None) -> Op[int]:
+        try:
+            yield Eval(script("heartbeat"), ("ts:{r}:owners", "ts:{r}:owners:lost"), (owner, 1000), op_id=op_id)
+        finally:
+            done.append(owner)
+        return 1
+
+    for in_place in (False, True):
+        done.clear()
+        g = gather([beat("a", op_id="op-a"), beat("b", op_id="op-b")], errors_in_place=in_place)
+        req = next(g)
+        assert isinstance(req, Batch) and len(req.requests) == 2
+        with pytest.raises(OutcomeUnknown) as ei:
+            g.throw(StorageError("connection lost"))
+        assert ei.value.op_id == "op-a" and done == ["a", "b"]

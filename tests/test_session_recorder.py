@@ -274,6 +274,8 @@ def test_batched_recorder_equals_one_by_one_and_keeps_failures_apart(store_facto
             np.asarray(holders[1].values[k]).tolist() for k in b.expert_keys or []
         ]
     assert rb.stats.turns == 6 * 3 - 1 and rb.stats.invalid == 1
+    # the batched writes count their turns in the run's shards exactly as record_turn does
+    assert batched.stats().turns_recorded == (6 * 3 - 1) + 6 * 3
     # a failed lookup (purged session) stands in place too
     batched.drop_session_data(sids[0])
     got = rb.prepare_many([(s, msgs[s]) for s in sids[:2]])
