@@ -97,6 +97,7 @@ class StoreMethods:
     insert = op(trace_ops.insert)
     search = op(trace_ops.search)
     export_training_trace = op(trace_ops.export_training_trace)
+    trace_keys = op(trace_ops.trace_keys)
     drop_session_data = op(purge_ops.drop_session_data)
     drop_sessions_data = op(purge_ops.drop_sessions_data)
     # (end data plane)

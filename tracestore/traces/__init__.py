@@ -29,14 +29,14 @@ reads never create a session.
 
 The package is split by job: :mod:`~tracestore.traces.types` (value types),
 :mod:`~tracestore.traces.index` (digests, the index trie, cache keys),
-:mod:`~tracestore.traces.reads` (lookup, search, export) and
+:mod:`~tracestore.traces.reads` (lookup, search, export, trace_keys) and
 :mod:`~tracestore.traces.write` (record_turn, insert).
 """
 
 from __future__ import annotations
 
 from .index import node_id
-from .reads import export_training_trace, lookup, search
+from .reads import export_training_trace, lookup, search, trace_keys
 from .types import Node, PrefixMatch, Segment, Trace, Turn
 from .write import insert, record_turn
 
@@ -52,4 +52,5 @@ __all__ = [
     "node_id",
     "record_turn",
     "search",
+    "trace_keys",
 ]

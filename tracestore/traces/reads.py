@@ -16,7 +16,7 @@ from ..context import Context
 from ..errors import InvalidInput, PromptMismatch, SessionReleased
 from ..nodecache import node_cache
 from ..replies import Reply
-from ..scripts import Cmd, Eval, Op, script
+from ..scripts import Batch, Cmd, Eval, Op, script
 from ..validate import validate_id
 from .index import SessionIndex, as_bytes, cache_payload, idx_key, node_id, tok_key, utf8
 from .types import HashedPrefix, Node, PrefixMatch, Segment, Trace
@@ -200,6 +200,49 @@ def export_training_trace(ctx: Context, sid: str, prompt_text: str) -> Op[Trace]
     return Trace(ids, labels, lps, versions, expert_keys, tuple(path))
 
 
+def trace_keys(ctx: Context, sid: str) -> Op[list[str]]:
+    """Every stored key of session ``sid``'s trie (XTuner's ``Trie.keys``), shortest first.
+
+    A node's key is the full text from the start of the conversation to its
+    end: the texts of the nodes on its path, joined. Needs the node texts
+    (``StoreConfig.store_text``, on by default). An unknown session has no
+    keys (reads never create one).
+
+    Raises InvalidId before I/O; SessionReleased when the data was purged;
+    InvalidInput('store_text') when a node's text was not stored. One round
+    trip (index and texts of the session's slot, pipelined).
+    """
+    validate_id("session id", sid)
+    k = ctx.keys
+    dead, idx, txt = yield Batch(
+        (
+            Cmd(("EXISTS", k.dead(sid)), key=k.dead(sid)),
+            Cmd(("HGETALL", k.idx(sid)), key=k.idx(sid)),
+            Cmd(("HGETALL", k.txt(sid)), key=k.txt(sid)),
+        )
+    )
+    if int(dead):
+        raise SessionReleased(sid, "its trace data was purged")
+    ix = SessionIndex.from_pairs("", 0, idx)
+    texts = replies.field_map(txt)
+    keys: dict[str, str] = {}
+
+    def key_of(node: Node) -> str:
+        if node.id not in keys:
+            seg = texts.get(node.id)
+            if seg is None:
+                raise InvalidInput(
+                    "store_text",
+                    f"session {sid!r}: node {node.id} has no stored text (written with "
+                    "store_text=False); its keys cannot be listed",
+                )
+            parent = ix.nodes.get(node.parent) if node.parent else None
+            keys[node.id] = (key_of(parent) if parent is not None else "") + replies.text(seg)
+        return keys[node.id]
+
+    return sorted((key_of(n) for n in ix.nodes.values()), key=lambda t: (len(t), t))
+
+
 def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[PromptMismatch]:
     best = snap.longest(prompt, "prompt_text")
     m = best.end if best else 0
@@ -237,4 +280,4 @@ def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[Pro
     return PromptMismatch(sid, m, n, nearest, window)
 
 
-__all__ = ["export_training_trace", "lookup", "read_path", "search"]
+__all__ = ["export_training_trace", "lookup", "read_path", "search", "trace_keys"]
