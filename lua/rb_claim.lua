@@ -2,7 +2,9 @@
 -- Claim back up to n retryable groups of a task (status `aborted` or
 -- `expired`) for a producer, oldest put first (by seq across both statuses):
 -- their sessions move from the buffer to the producer's owner tag and the
--- groups leave the buffer, atomically. Keys protocol as in lua/_lib/rb.lua.
+-- groups leave the buffer, atomically. A group expired per member comes back
+-- with its fresh members in `sids` and the released ones in `reroll`.
+-- Keys: in-script or declared, as in lua/_lib/rb.lua.
 -- KEYS: 10+
 -- KEYS[1] = ts:{R}:rb:q:<task>:aborted     zset gid -> seq
 -- KEYS[2] = ts:{R}:rb:v:<task>:aborted     zset gid -> min_version + seq/2^32
@@ -14,17 +16,18 @@
 -- KEYS[8] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
 -- KEYS[9] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
 -- KEYS[10] = ts:{R}:owners:lost            zset owner -> lost ms
--- KEYS[11..10+g] = ts:{R}:rb:g:<gid>       group hashes of the gids in ARGV
--- KEYS[11+g..10+g+s] = ts:{R}:s:<sid>      session hashes of the sids in ARGV
+-- KEYS[11..] = declared tail: ts:{R}:rb:g:<gid> group hashes, then ts:{R}:s:<sid> session hashes
 -- ARGV[1] = task
 -- ARGV[2] = n (int >= 1): most groups claimed
 -- ARGV[3] = producer owner tag
 -- ARGV[4] = buffer owner tag ("replay")
 -- ARGV[5] = op reply TTL (ms)
--- ARGV[6] = window: groups to name in a NEED reply (>= n)
--- ARGV[7] = g, ARGV[8..7+g] = gids, ARGV[8+g] = s, ARGV[9+g..] = sids
--- returns: {0, 'NEED', g, gid..., sid...}   missing keys; nothing written
---          {0, 'OK', m, m x (gid, status, sids, min_version, seq, retryable, payload)}
+-- ARGV[6] = group key prefix "ts:{R}:rb:g:" ("" = declared keys only)
+-- ARGV[7] = session key prefix "ts:{R}:s:"
+-- ARGV[8] = g, then g gids, then s, then s sids (the declared tail's ids)
+-- returns: {0, 'NEED', g, gid..., sid...}   declared keys missing; nothing written
+--          {0, 'OK', m, m x (gid, status, sids, min_version, seq, retryable, payload, agentic,
+--              member versions, reroll)}
 -- errors: OWNER_LOST (owner, lost_ms), INVALID_INPUT (field, message)
 -- include: op
 -- include: sessions
@@ -33,9 +36,11 @@ local qa, va, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local rb = {oreplay = KEYS[5], oto = KEYS[6], sidskey = KEYS[7], bkey = KEYS[8],
   to = ARGV[3], replay = ARGV[4]}
 local opkey = KEYS[9]
-local n, window = tonumber(ARGV[2]), tonumber(ARGV[6])
-local early = rb_open(rb, opkey, KEYS[10], 10, 7)
+local n = tonumber(ARGV[2])
+local early = rb_open(rb, opkey, KEYS[10], 10, 6)
 if early then return early end
+local window = n
+if rb.gpre == '' then window = 2 * n + 8 end
 
 -- merge the two FIFO queues by seq: O(log n + window)
 local a = redis.call('ZRANGE', qa, 0, window - 1, 'WITHSCORES')
@@ -52,14 +57,13 @@ end
 local npicked = math.min(n, #cand)
 local need_reply = rb_need_window(rb, cand, npicked, {g = {}, s = {}})
 if need_reply then return need_reply end
+local groups = {}
+for k = 1, npicked do
+  local g = rb_load(rb, cand[k])
+  if from[cand[k]] == 'a' then g.q, g.v = qa, va else g.q, g.v = qe, ve end
+  groups[k] = g
+end
 
 local out = {0, 'OK', npicked}
-for k = 1, npicked do
-  local gid = cand[k]
-  if from[gid] == 'a' then
-    rb_hand_over(rb, gid, qa, va, out)
-  else
-    rb_hand_over(rb, gid, qe, ve, out)
-  end
-end
+rb_hand_over(rb, groups, out)
 return op_record(opkey, tonumber(ARGV[5]), out)

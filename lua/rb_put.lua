@@ -1,10 +1,14 @@
 -- script: rb_put
 -- Store a replay group and move its sessions from the putter to the buffer in
--- one atomic step (DESIGN section 7, invariant 1). A `failed` or `filtered`
--- group is never stored: its sessions are released at once (reason = status,
--- one event each). Nothing is written unless every session is live and owned
--- by the putter and the group id is not stored yet. Idempotent under retry.
--- KEYS: 12+
+-- one atomic step (DESIGN section 7, invariant 1). Never stored, its sessions
+-- released at once (one event each): a `failed` or `filtered` group (reason =
+-- status), a non-retryable `expired` group and a non-retryable group already
+-- stale at put (reason 'expired'). A retryable group stale at put is stored as
+-- `expired`; with per-member expiry (not for agentic groups) only its stale
+-- members are released and listed in `reroll`. Nothing is written unless
+-- every session is live and owned by the putter and the group id is not
+-- stored yet. Idempotent under retry.
+-- KEYS: 14+
 -- KEYS[1] = ts:{R}:rb:g:<gid>            hash: the group
 -- KEYS[2] = ts:{R}:rb:q:<task>:<status>  zset gid -> seq (FIFO)
 -- KEYS[3] = ts:{R}:rb:v:<task>:<status>  zset gid -> min_version + seq/2^32
@@ -17,7 +21,9 @@
 -- KEYS[10] = ts:{R}:released             zset tombstones
 -- KEYS[11] = ts:{R}:events               stream of release events
 -- KEYS[12] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
--- KEYS[13..12+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
+-- KEYS[13] = ts:{R}:rb:q:<task>:expired  zset gid -> seq (a group expired at put)
+-- KEYS[14] = ts:{R}:rb:v:<task>:expired  zset gid -> min_version + seq/2^32
+-- KEYS[15..14+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
 -- ARGV[1] = gid
 -- ARGV[2] = task
 -- ARGV[3] = status: completed | aborted | expired | failed | filtered
@@ -28,27 +34,34 @@
 -- ARGV[8] = owner tag of the putter
 -- ARGV[9] = owner tag of the buffer ("replay")
 -- ARGV[10] = op reply TTL (ms)
--- ARGV[11..10+n] = sid_i
--- returns: {0, 1, seq}               stored
---          {0, 0, 0, sid...}         failed/filtered: not stored, these sessions released
+-- ARGV[11] = agentic (0|1)
+-- ARGV[12] = member versions (json array of ints, one per sid: oldest token version of each)
+-- ARGV[13] = cutoff: the group is stale when min_version < cutoff ("" = no expiry at put)
+-- ARGV[14] = per-member expiry (0|1)
+-- ARGV[15..14+n] = sid_i
+-- returns: {0, stored (0|1), seq (0 when not stored), status stored ("" when not), released sid...}
 -- errors: GROUP_EXISTS (gid, status), NOT_OWNER (sid, owner, actual), SESSION_RELEASED (sid, detail),
 --         INVALID_INPUT (field, message)
 -- include: clock
 -- include: op
 -- include: sessions
+-- include: rb
 local gk, q, v, seqkey, tasks, sidskey, bkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local oown, oreplay, released, events, opkey = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-local gid, task, status, sids_json = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local owner, replay = ARGV[8], ARGV[9]
+local qe, ve = KEYS[13], KEYS[14]
+local gid, task, status = ARGV[1], ARGV[2], ARGV[3]
+local minv, retryable = tonumber(ARGV[5]), ARGV[6]
+local owner, replay, ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
+local agentic, mv, cutoff, per_member = ARGV[11], cjson.decode(ARGV[12]), ARGV[13], ARGV[14]
 local cached = op_replay(opkey)
 if cached then return cached end
 
 local existing = redis.call('HGET', gk, 'status')
 if existing then return {1, 'GROUP_EXISTS', gid, existing} end
-local n = #KEYS - 12
+local n = #KEYS - 14
 for i = 1, n do
-  local sid = ARGV[10 + i]
-  local cur = redis.call('HMGET', KEYS[12 + i], 'owner', 'state')
+  local sid = ARGV[14 + i]
+  local cur = redis.call('HMGET', KEYS[14 + i], 'owner', 'state')
   if cur[2] == 'released' or redis.call('ZSCORE', released, sid) then
     return {1, 'SESSION_RELEASED', sid, 'a released session cannot join a replay group'}
   end
@@ -57,37 +70,67 @@ for i = 1, n do
   end
 end
 
+local stale = cutoff ~= '' and (status == 'completed' or status == 'aborted') and minv < tonumber(cutoff)
+local reason = nil
 if status == 'failed' or status == 'filtered' then
-  local rel = {owner = owner, okey = oown, released = released, events = events, reason = status,
-    now = now_ms()}
-  local out = {0, 0, 0}
+  reason = status
+elseif (status == 'expired' or stale) and retryable ~= '1' then
+  reason = 'expired'
+end
+local rel = {owner = owner, okey = oown, released = released, events = events, now = now_ms()}
+if reason then
+  rel.reason = reason
+  local out = {0, 0, 0, ''}
   for i = 1, n do
-    local sid = ARGV[10 + i]
-    if session_release(KEYS[12 + i], sid, rel) then
-      out[#out + 1] = sid
-    end
+    local sid = ARGV[14 + i]
+    if session_release(KEYS[14 + i], sid, rel) then out[#out + 1] = sid end
   end
-  return op_record(opkey, tonumber(ARGV[10]), out)
+  return op_record(opkey, ttl, out)
 end
 
 local seq = tonumber(redis.call('GET', seqkey) or '0') + 1
-if seq >= 4294967296 then
+if seq >= RB_TWO32 then
   return {1, 'INVALID_INPUT', 'seq', 'the replay buffer of this run has used all 2^32 sequence numbers'}
 end
 redis.call('SET', seqkey, seq)
-local minv = tonumber(ARGV[5])
+if stale then
+  status, q, v = 'expired', qe, ve
+end
+-- members kept (moved to the buffer) and released (per-member expiry at put)
+local keep, keep_mv, reroll, out_rel = {}, {}, {}, {}
+local drop = {}
+if stale and per_member == '1' and agentic ~= '1' then
+  drop = rb_stale_members(mv, tonumber(cutoff))
+end
+rel.reason = 'expired'
+for i = 1, n do
+  local sid = ARGV[14 + i]
+  if drop[i] then
+    reroll[#reroll + 1] = sid
+    if session_release(KEYS[14 + i], sid, rel) then out_rel[#out_rel + 1] = sid end
+  else
+    keep[#keep + 1] = sid
+    keep_mv[#keep_mv + 1] = mv[i]
+    session_move(KEYS[14 + i], sid, owner, replay, oown, oreplay)
+    redis.call('HSET', KEYS[14 + i], 'group', gid)
+  end
+end
+local sids_json = ARGV[4]
+if #reroll > 0 then sids_json = rb_json_list(keep) end
 local bytes = #ARGV[7] + #sids_json
-redis.call('HSET', gk, 'task', task, 'status', status, 'sids', sids_json, 'min_version', minv,
-  'seq', seq, 'retryable', ARGV[6], 'payload', ARGV[7], 'bytes', bytes, 'put_ms', now_ms(),
-  'producer', owner)
+local fields = {'task', task, 'status', status, 'sids', sids_json, 'min_version', minv,
+  'seq', seq, 'retryable', retryable, 'payload', ARGV[7], 'bytes', bytes, 'put_ms', rel.now,
+  'producer', owner, 'agentic', agentic, 'mv', rb_json_list(keep_mv)}
+if #reroll > 0 then
+  fields[#fields + 1] = 'reroll'
+  fields[#fields + 1] = rb_json_list(reroll)
+end
+redis.call('HSET', gk, unpack(fields))
 redis.call('ZADD', q, seq, gid)
-redis.call('ZADD', v, minv + seq / 4294967296, gid)
+redis.call('ZADD', v, minv + seq / RB_TWO32, gid)
 redis.call('SADD', tasks, task)
 redis.call('HSET', sidskey, gid, sids_json)
 redis.call('HINCRBY', bkey, status .. ' ' .. task, bytes)
-for i = 1, n do
-  local sid = ARGV[10 + i]
-  session_move(KEYS[12 + i], sid, owner, replay, oown, oreplay)
-  redis.call('HSET', KEYS[12 + i], 'group', gid)
-end
-return op_record(opkey, tonumber(ARGV[10]), {0, 1, seq})
+local out = {0, 1, seq, status}
+for _, sid in ipairs(out_rel) do out[#out + 1] = sid end
+return op_record(opkey, ttl, out)

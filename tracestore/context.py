@@ -25,6 +25,11 @@ class StoreConfig:
     ``cache_bytes``: bound of the client-side cache of immutable nodes.
     ``op_ttl_s``: how long the reply of a mutating script is kept for retries.
     ``replay_payload_bytes``: refuse a replay group whose payload JSON is larger.
+    ``replay_declared_keys``: replay scripts get every key they touch in KEYS
+    (a take or claim costs two round trips: plan, then commit), for servers
+    that refuse undeclared keys in scripts (e.g. Dragonfly without
+    ``allow-undeclared-keys``); off, they reach the group and session keys
+    of their own slot by id (one round trip; docs/replay.md).
     """
 
     store_text: bool = True
@@ -32,6 +37,7 @@ class StoreConfig:
     cache_bytes: int = 64 * 1024 * 1024
     op_ttl_s: int = 600
     replay_payload_bytes: int = 64 * 1024
+    replay_declared_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.max_payload_bytes <= 0:
@@ -42,6 +48,8 @@ class StoreConfig:
             raise ConfigError("replay_payload_bytes must be positive")
         if self.op_ttl_s <= 0:
             raise ConfigError("op_ttl_s must be positive")
+        if not isinstance(self.replay_declared_keys, bool):
+            raise ConfigError("replay_declared_keys must be a bool")
 
     def to_json(self) -> bytes:
         """The configuration as JSON (stored, informational, in ``ts:{R}:meta``)."""

@@ -148,6 +148,20 @@ class Keys:
         """``ts:{R}:rb:g:<gid>`` hash: one replay group."""
         return f"{self._c}:rb:g:{validate_id('group id', gid)}"
 
+    @property
+    def rb_group_prefix(self) -> str:
+        """``ts:{R}:rb:g:``: a replay script appends a gid to reach a group it picked itself.
+
+        Only the replay scripts (``lua/_lib/rb.lua``, in-script keys) use it;
+        every key so formed is in the control-plane slot ``{R}``.
+        """
+        return f"{self._c}:rb:g:"
+
+    @property
+    def session_prefix(self) -> str:
+        """``ts:{R}:s:``: a replay script appends a sid to reach a session of a group it picked."""
+        return f"{self._c}:s:"
+
     def rb_queue(self, task: str, status: str) -> str:
         """``ts:{R}:rb:q:<task>:<status>`` zset gid -> seq (FIFO order)."""
         return f"{self._c}:rb:q:{validate_id('task', task)}:{validate_id('status', status)}"
