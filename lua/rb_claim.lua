@@ -3,44 +3,44 @@
 -- `expired`) for a producer, oldest put first (by seq across both statuses):
 -- their sessions move from the buffer to the producer's owner tag and the
 -- groups leave the buffer, atomically. A group expired per member comes back
--- with its fresh members in `sids` and the released ones in `reroll`.
--- Keys: in-script or declared, as in lua/_lib/rb.lua.
--- KEYS: 10+
+-- with its fresh members as sids and the released ones in its `reroll`.
+-- Session keys: in-script or declared, as in lua/_lib/rb.lua.
+-- KEYS: 12+
 -- KEYS[1] = ts:{R}:rb:q:<task>:aborted     zset gid -> seq
 -- KEYS[2] = ts:{R}:rb:v:<task>:aborted     zset gid -> min_version + seq/2^32
 -- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
 -- KEYS[4] = ts:{R}:rb:v:<task>:expired     zset gid -> min_version + seq/2^32
 -- KEYS[5] = ts:{R}:o:<replay>              set: sessions of the buffer
 -- KEYS[6] = ts:{R}:o:<owner>               set: sessions of the producer
--- KEYS[7] = ts:{R}:rb:sids                 hash gid -> sids (json)
--- KEYS[8] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
--- KEYS[9] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
--- KEYS[10] = ts:{R}:owners:lost            zset owner -> lost ms
--- KEYS[11..] = declared tail: ts:{R}:rb:g:<gid> group hashes, then ts:{R}:s:<sid> session hashes
+-- KEYS[7] = ts:{R}:rb:groups               hash gid -> record (json)
+-- KEYS[8] = ts:{R}:rb:sids                 hash gid -> sids (json)
+-- KEYS[9] = ts:{R}:rb:payloads             hash gid -> payload (json)
+-- KEYS[10] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
+-- KEYS[11] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
+-- KEYS[12] = ts:{R}:owners:lost            zset owner -> lost ms
+-- KEYS[13..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = task
 -- ARGV[2] = n (int >= 1): most groups claimed
 -- ARGV[3] = producer owner tag
 -- ARGV[4] = buffer owner tag ("replay")
 -- ARGV[5] = op reply TTL (ms)
--- ARGV[6] = group key prefix "ts:{R}:rb:g:" ("" = declared keys only)
--- ARGV[7] = session key prefix "ts:{R}:s:"
--- ARGV[8] = g, then g gids, then s, then s sids (the declared tail's ids)
--- returns: {0, 'NEED', g, gid..., sid...}   declared keys missing; nothing written
---          {0, 'OK', m, m x (gid, status, sids, min_version, seq, retryable, payload, agentic,
---              member versions, reroll)}
+-- ARGV[6] = session key prefix "ts:{R}:s:" ("" = declared keys only)
+-- ARGV[7] = s, then s sids (those of the declared session keys)
+-- returns: {0, 'NEED', sid...}   declared session keys missing; nothing written
+--          {0, 'OK', m, m x (gid, record, sids, payload)}   aborted groups, then expired ones
 -- errors: OWNER_LOST (owner, lost_ms), INVALID_INPUT (field, message)
 -- include: op
 -- include: sessions
 -- include: rb
 local qa, va, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local rb = {oreplay = KEYS[5], oto = KEYS[6], sidskey = KEYS[7], bkey = KEYS[8],
-  to = ARGV[3], replay = ARGV[4]}
-local opkey = KEYS[9]
-local n = tonumber(ARGV[2])
-local early = rb_open(rb, opkey, KEYS[10], 10, 6)
+local rb = {oreplay = KEYS[5], oto = KEYS[6], groups = KEYS[7], sidskey = KEYS[8], payloads = KEYS[9],
+  bkey = KEYS[10], to = ARGV[3], replay = ARGV[4]}
+local opkey = KEYS[11]
+local task, n = ARGV[1], tonumber(ARGV[2])
+local early = rb_open(rb, opkey, KEYS[12], 12, 6)
 if early then return early end
 local window = n
-if rb.gpre == '' then window = 2 * n + 8 end
+if rb.spre == '' then window = 2 * n + 8 end
 
 -- merge the two FIFO queues by seq: O(log n + window)
 local a = redis.call('ZRANGE', qa, 0, window - 1, 'WITHSCORES')
@@ -55,15 +55,16 @@ while #cand < window and (i <= #a or j <= #e) do
   end
 end
 local npicked = math.min(n, #cand)
-local need_reply = rb_need_window(rb, cand, npicked, {g = {}, s = {}})
-if need_reply then return need_reply end
-local groups = {}
+local need = rb_need(rb, cand, npicked)
+if need then return need end
+local pa, pe = {}, {}
 for k = 1, npicked do
-  local g = rb_load(rb, cand[k])
-  if from[cand[k]] == 'a' then g.q, g.v = qa, va else g.q, g.v = qe, ve end
-  groups[k] = g
+  if from[cand[k]] == 'a' then pa[#pa + 1] = cand[k] else pe[#pe + 1] = cand[k] end
 end
+local la, le = rb_load(rb, pa), rb_load(rb, pe)
 
+-- commit; the reply lists the aborted groups, then the expired ones (the client orders them by seq)
 local out = {0, 'OK', npicked}
-rb_hand_over(rb, groups, out)
+rb_hand_over(rb, la, qa, va, 'aborted', task, out)
+rb_hand_over(rb, le, qe, ve, 'expired', task, out)
 return op_record(opkey, tonumber(ARGV[5]), out)

@@ -7,8 +7,8 @@
 -- agentic groups) only its stale members' sessions are released and listed
 -- in its `reroll`. A released group's sessions are released (reason
 -- 'expired', one event each) and the group is deleted.
--- Keys: in-script or declared, as in lua/_lib/rb.lua.
--- KEYS: 10+
+-- Session keys: in-script or declared, as in lua/_lib/rb.lua.
+-- KEYS: 12+
 -- KEYS[1] = ts:{R}:rb:q:<task>:<status>    zset gid -> seq (status completed or aborted)
 -- KEYS[2] = ts:{R}:rb:v:<task>:<status>    zset gid -> min_version + seq/2^32
 -- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
@@ -16,10 +16,12 @@
 -- KEYS[5] = ts:{R}:o:<replay>              set: sessions of the buffer
 -- KEYS[6] = ts:{R}:released                zset tombstones
 -- KEYS[7] = ts:{R}:events                  stream of release events
--- KEYS[8] = ts:{R}:rb:sids                 hash gid -> sids (json)
--- KEYS[9] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
--- KEYS[10] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
--- KEYS[11..] = declared tail: ts:{R}:rb:g:<gid> group hashes, then ts:{R}:s:<sid> session hashes
+-- KEYS[8] = ts:{R}:rb:groups               hash gid -> record (json)
+-- KEYS[9] = ts:{R}:rb:sids                 hash gid -> sids (json)
+-- KEYS[10] = ts:{R}:rb:payloads            hash gid -> payload (json)
+-- KEYS[11] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
+-- KEYS[12] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
+-- KEYS[13..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = task
 -- ARGV[2] = cutoff: a group is stale when min_version < cutoff (int)
 -- ARGV[3] = retryable: "" (each group's own flag), "1" (keep all), "0" (release all)
@@ -27,10 +29,9 @@
 -- ARGV[5] = buffer owner tag ("replay")
 -- ARGV[6] = op reply TTL (ms)
 -- ARGV[7] = per-member expiry (0|1)
--- ARGV[8] = group key prefix "ts:{R}:rb:g:" ("" = declared keys only)
--- ARGV[9] = session key prefix "ts:{R}:s:"
--- ARGV[10] = g, then g gids, then s, then s sids (the declared tail's ids)
--- returns: {0, 'NEED', g, gid..., sid...}   declared keys missing; nothing written
+-- ARGV[8] = session key prefix "ts:{R}:s:" ("" = declared keys only)
+-- ARGV[9] = s, then s sids (those of the declared session keys)
+-- returns: {0, 'NEED', sid...}   declared session keys missing; nothing written
 --          {0, 'OK', more (0|1), k, kept gid..., r, released gid..., s, released sid...}
 -- errors: INVALID_INPUT (field, message)
 -- include: clock
@@ -39,17 +40,16 @@
 -- include: rb
 local q, v = KEYS[1], KEYS[2]
 local rb = {qe = KEYS[3], ve = KEYS[4], oreplay = KEYS[5], released = KEYS[6], events = KEYS[7],
-  sidskey = KEYS[8], bkey = KEYS[9], replay = ARGV[5], rel_s = {}}
-local opkey = KEYS[10]
+  groups = KEYS[8], sidskey = KEYS[9], payloads = KEYS[10], bkey = KEYS[11], replay = ARGV[5], rel_s = {}}
+local opkey = KEYS[12]
 local cutoff, limit = ARGV[2], tonumber(ARGV[4])
-local early = rb_open(rb, opkey, nil, 10, 8)
+local early = rb_open(rb, opkey, nil, 12, 8)
 if early then return early end
 
 local stale = rb_stale(v, cutoff, limit)
-local need = {g = {}, s = {}}
-rb_missing(rb, stale, need)
-if #need.g > 0 or #need.s > 0 then return rb_need_reply(need) end
-local groups = rb_load_all(rb, stale)
+local need = rb_need(rb, stale, #stale)
+if need then return need end
+local groups = rb_load_groups(rb, stale)
 
 rb.now = now_ms()
 local opts = {keep = ARGV[3], per_member = ARGV[7], cutoff = tonumber(cutoff)}

@@ -7,23 +7,24 @@
 -- `expired`; with per-member expiry (not for agentic groups) only its stale
 -- members are released and listed in `reroll`. Nothing is written unless
 -- every session is live and owned by the putter and the group id is not
--- stored yet. Idempotent under retry.
--- KEYS: 14+
--- KEYS[1] = ts:{R}:rb:g:<gid>            hash: the group
--- KEYS[2] = ts:{R}:rb:q:<task>:<status>  zset gid -> seq (FIFO)
--- KEYS[3] = ts:{R}:rb:v:<task>:<status>  zset gid -> min_version + seq/2^32
--- KEYS[4] = ts:{R}:rb:seq                counter of put groups
--- KEYS[5] = ts:{R}:rb:tasks              set of task names
--- KEYS[6] = ts:{R}:rb:sids               hash gid -> sids (json)
--- KEYS[7] = ts:{R}:rb:bytes              hash "<status> <task>" -> bytes
--- KEYS[8] = ts:{R}:o:<owner>             set: sessions of the putter
--- KEYS[9] = ts:{R}:o:<replay>            set: sessions of the buffer
--- KEYS[10] = ts:{R}:released             zset tombstones
--- KEYS[11] = ts:{R}:events               stream of release events
--- KEYS[12] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
--- KEYS[13] = ts:{R}:rb:q:<task>:expired  zset gid -> seq (a group expired at put)
--- KEYS[14] = ts:{R}:rb:v:<task>:expired  zset gid -> min_version + seq/2^32
--- KEYS[15..14+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
+-- stored yet. Idempotent under retry. Group layout: lua/_lib/rb.lua.
+-- KEYS: 15+
+-- KEYS[1] = ts:{R}:rb:groups             hash gid -> record (json)
+-- KEYS[2] = ts:{R}:rb:sids               hash gid -> sids (json)
+-- KEYS[3] = ts:{R}:rb:payloads           hash gid -> payload (json)
+-- KEYS[4] = ts:{R}:rb:q:<task>:<status>  zset gid -> seq (FIFO)
+-- KEYS[5] = ts:{R}:rb:v:<task>:<status>  zset gid -> min_version + seq/2^32
+-- KEYS[6] = ts:{R}:rb:q:<task>:expired   zset gid -> seq (a group expired at put)
+-- KEYS[7] = ts:{R}:rb:v:<task>:expired   zset gid -> min_version + seq/2^32
+-- KEYS[8] = ts:{R}:rb:seq                counter of put groups
+-- KEYS[9] = ts:{R}:rb:tasks              set of task names
+-- KEYS[10] = ts:{R}:rb:bytes             hash "<status> <task>" -> bytes
+-- KEYS[11] = ts:{R}:o:<owner>            set: sessions of the putter
+-- KEYS[12] = ts:{R}:o:<replay>           set: sessions of the buffer
+-- KEYS[13] = ts:{R}:released             zset tombstones
+-- KEYS[14] = ts:{R}:events               stream of release events
+-- KEYS[15] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
+-- KEYS[16..15+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
 -- ARGV[1] = gid
 -- ARGV[2] = task
 -- ARGV[3] = status: completed | aborted | expired | failed | filtered
@@ -46,22 +47,24 @@
 -- include: op
 -- include: sessions
 -- include: rb
-local gk, q, v, seqkey, tasks, sidskey, bkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local oown, oreplay, released, events, opkey = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-local qe, ve = KEYS[13], KEYS[14]
+local groups, sidskey, payloads = KEYS[1], KEYS[2], KEYS[3]
+local q, v, qe, ve = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local seqkey, tasks, bkey = KEYS[8], KEYS[9], KEYS[10]
+local oown, oreplay, released, events, opkey = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
+local K0, A0 = 15, 14
 local gid, task, status = ARGV[1], ARGV[2], ARGV[3]
 local minv, retryable = tonumber(ARGV[5]), ARGV[6]
 local owner, replay, ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
-local agentic, mv, cutoff, per_member = ARGV[11], cjson.decode(ARGV[12]), ARGV[13], ARGV[14]
+local agentic, cutoff, per_member = ARGV[11], ARGV[13], ARGV[14]
 local cached = op_replay(opkey)
 if cached then return cached end
 
-local existing = redis.call('HGET', gk, 'status')
-if existing then return {1, 'GROUP_EXISTS', gid, existing} end
-local n = #KEYS - 14
+local existing = redis.call('HGET', groups, gid)
+if existing then return {1, 'GROUP_EXISTS', gid, cjson.decode(existing).status} end
+local n = #KEYS - K0
 for i = 1, n do
-  local sid = ARGV[14 + i]
-  local cur = redis.call('HMGET', KEYS[14 + i], 'owner', 'state')
+  local sid = ARGV[A0 + i]
+  local cur = redis.call('HMGET', KEYS[K0 + i], 'owner', 'state')
   if cur[2] == 'released' or redis.call('ZSCORE', released, sid) then
     return {1, 'SESSION_RELEASED', sid, 'a released session cannot join a replay group'}
   end
@@ -82,8 +85,8 @@ if reason then
   rel.reason = reason
   local out = {0, 0, 0, ''}
   for i = 1, n do
-    local sid = ARGV[14 + i]
-    if session_release(KEYS[14 + i], sid, rel) then out[#out + 1] = sid end
+    local sid = ARGV[A0 + i]
+    if session_release(KEYS[K0 + i], sid, rel) then out[#out + 1] = sid end
   end
   return op_record(opkey, ttl, out)
 end
@@ -97,40 +100,37 @@ if stale then
   status, q, v = 'expired', qe, ve
 end
 -- members kept (moved to the buffer) and released (per-member expiry at put)
-local keep, keep_mv, reroll, out_rel = {}, {}, {}, {}
+local mv = cjson.decode(ARGV[12])
 local drop = {}
 if stale and per_member == '1' and agentic ~= '1' then
   drop = rb_stale_members(mv, tonumber(cutoff))
 end
 rel.reason = 'expired'
+local keep, keep_mv, reroll, out_rel = {}, {}, {}, {}
 for i = 1, n do
-  local sid = ARGV[14 + i]
+  local sid = ARGV[A0 + i]
   if drop[i] then
     reroll[#reroll + 1] = sid
-    if session_release(KEYS[14 + i], sid, rel) then out_rel[#out_rel + 1] = sid end
+    if session_release(KEYS[K0 + i], sid, rel) then out_rel[#out_rel + 1] = sid end
   else
     keep[#keep + 1] = sid
     keep_mv[#keep_mv + 1] = mv[i]
-    session_move(KEYS[14 + i], sid, owner, replay, oown, oreplay)
-    redis.call('HSET', KEYS[14 + i], 'group', gid)
+    session_move(KEYS[K0 + i], sid, owner, replay, oown, oreplay)
+    redis.call('HSET', KEYS[K0 + i], 'group', gid)
   end
 end
-local sids_json = ARGV[4]
-if #reroll > 0 then sids_json = rb_json_list(keep) end
-local bytes = #ARGV[7] + #sids_json
-local fields = {'task', task, 'status', status, 'sids', sids_json, 'min_version', minv,
-  'seq', seq, 'retryable', retryable, 'payload', ARGV[7], 'bytes', bytes, 'put_ms', rel.now,
-  'producer', owner, 'agentic', agentic, 'mv', rb_json_list(keep_mv)}
-if #reroll > 0 then
-  fields[#fields + 1] = 'reroll'
-  fields[#fields + 1] = rb_json_list(reroll)
-end
-redis.call('HSET', gk, unpack(fields))
+local sids_json, mv_json = ARGV[4], ARGV[12]
+if #reroll > 0 then sids_json, mv_json = rb_json_list(keep), rb_json_list(keep_mv) end
+local rec = rb_rec({task = task, status = status, min_version = minv, seq = seq, retryable = retryable,
+  agentic = agentic, mv_json = mv_json, reroll_json = rb_json_list(reroll), put_ms = rel.now,
+  producer = owner})
+redis.call('HSET', groups, gid, rec)
+redis.call('HSET', sidskey, gid, sids_json)
+redis.call('HSET', payloads, gid, ARGV[7])
 redis.call('ZADD', q, seq, gid)
 redis.call('ZADD', v, minv + seq / RB_TWO32, gid)
 redis.call('SADD', tasks, task)
-redis.call('HSET', sidskey, gid, sids_json)
-redis.call('HINCRBY', bkey, status .. ' ' .. task, bytes)
+redis.call('HINCRBY', bkey, status .. ' ' .. task, #rec + #sids_json + #ARGV[7])
 local out = {0, 1, seq, status}
 for _, sid in ipairs(out_rel) do out[#out + 1] = sid end
 return op_record(opkey, ttl, out)

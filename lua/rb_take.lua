@@ -8,20 +8,22 @@
 -- and move their sessions from the buffer to the taker. All or nothing across
 -- the tasks: unless every task has its n_i ready groups nothing changes, not
 -- even the expiry. With at_most, each task gives up to n_i (never SHORT).
--- Keys: in-script or declared (lua/_lib/rb.lua); with declared keys a call
--- that lacks a group or session key returns NEED and writes nothing.
--- KEYS: 8+
+-- Session keys: in-script or declared (lua/_lib/rb.lua); with declared keys a
+-- call that lacks a session key returns NEED and writes nothing.
+-- KEYS: 10+
 -- KEYS[1] = ts:{R}:o:<replay>              set: sessions of the buffer
 -- KEYS[2] = ts:{R}:o:<taker>               set: sessions of the taker
 -- KEYS[3] = ts:{R}:released                zset tombstones
 -- KEYS[4] = ts:{R}:events                  stream of release events
--- KEYS[5] = ts:{R}:rb:sids                 hash gid -> sids (json)
--- KEYS[6] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
--- KEYS[7] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
--- KEYS[8] = ts:{R}:owners:lost             zset owner -> lost ms
--- KEYS[9+4(i-1)..12+4(i-1)] = for task i of T: ts:{R}:rb:q:<task>:completed,
+-- KEYS[5] = ts:{R}:rb:groups               hash gid -> record (json)
+-- KEYS[6] = ts:{R}:rb:sids                 hash gid -> sids (json)
+-- KEYS[7] = ts:{R}:rb:payloads             hash gid -> payload (json)
+-- KEYS[8] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
+-- KEYS[9] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
+-- KEYS[10] = ts:{R}:owners:lost            zset owner -> lost ms
+-- KEYS[11+4(i-1)..14+4(i-1)] = for task i of T: ts:{R}:rb:q:<task>:completed,
 --     ts:{R}:rb:v:<task>:completed, ts:{R}:rb:q:<task>:expired, ts:{R}:rb:v:<task>:expired
--- KEYS[9+4T..] = declared tail: ts:{R}:rb:g:<gid> group hashes, then ts:{R}:s:<sid> session hashes
+-- KEYS[11+4T..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = cutoff: a group is stale when min_version < cutoff ("" = no bound)
 -- ARGV[2] = policy: fifo | staleness
 -- ARGV[3] = taker owner tag
@@ -31,37 +33,37 @@
 -- ARGV[7] = at_most (0|1)
 -- ARGV[8] = per-member expiry (0|1)
 -- ARGV[9] = T (tasks), ARGV[10..9+2T] = task_i, n_i (int >= 1)
--- ARGV[10+2T] = group key prefix "ts:{R}:rb:g:" ("" = declared keys only)
--- ARGV[11+2T] = session key prefix "ts:{R}:s:"
--- ARGV[12+2T] = g, then g gids, then s, then s sids (the declared tail's ids)
--- returns: {0, 'NEED', g, gid..., sid...}      declared keys missing; nothing written
---          {0, 'SHORT', T, ready_1..ready_T}   a task has fewer than n_i ready (ready_i: how many
---                                              task i has); nothing written
+-- ARGV[10+2T] = session key prefix "ts:{R}:s:" ("" = declared keys only)
+-- ARGV[11+2T] = s, then s sids (those of the declared session keys)
+-- returns: {0, 'NEED', sid...}                declared session keys missing; nothing written
+--          {0, 'SHORT', T, ready_1..ready_T}   a task has fewer than n_i ready (ready_i: how
+--                                              many task i has); nothing written
 --          {0, 'EXPIRE_FIRST', stale}          too many stale groups for one call; nothing written
---          {0, 'OK', k, kept gid..., r, released sid..., then per task: m, m x (gid, status, sids,
---              min_version, seq, retryable, payload, agentic, member versions, reroll)}
+--          {0, 'OK', k, kept gid..., r, released sid..., then per task: m, m x (gid, record,
+--              sids, payload)}
 -- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message)
 -- include: clock
 -- include: op
 -- include: sessions
 -- include: rb
 local rb = {oreplay = KEYS[1], oto = KEYS[2], released = KEYS[3], events = KEYS[4],
-  sidskey = KEYS[5], bkey = KEYS[6], to = ARGV[3], replay = ARGV[4], rel_s = {}}
-local opkey = KEYS[7]
+  groups = KEYS[5], sidskey = KEYS[6], payloads = KEYS[7], bkey = KEYS[8],
+  to = ARGV[3], replay = ARGV[4], rel_s = {}}
+local opkey = KEYS[9]
 local cutoff, policy = ARGV[1], ARGV[2]
 local max_stale, at_most = tonumber(ARGV[6]), ARGV[7] == '1'
 local ntasks = tonumber(ARGV[9])
 local tasks = {}
 for i = 1, ntasks do
-  local k = 8 + 4 * (i - 1)
+  local k = 10 + 4 * (i - 1)
   tasks[i] = {name = ARGV[8 + 2 * i], n = tonumber(ARGV[9 + 2 * i]),
     qc = KEYS[k + 1], vc = KEYS[k + 2], qe = KEYS[k + 3], ve = KEYS[k + 4]}
 end
-local early = rb_open(rb, opkey, KEYS[8], 8 + 4 * ntasks, 10 + 2 * ntasks)
+local early = rb_open(rb, opkey, KEYS[10], 10 + 4 * ntasks, 10 + 2 * ntasks)
 if early then return early end
 -- with declared keys a NEED names a window of spare candidates beyond n, so
 -- a retry survives other takers removing the head; in-script keys need none
-local spare = rb.gpre == ''
+local spare = rb.spre == ''
 
 -- plan (reads only)
 local nstale = 0
@@ -78,6 +80,8 @@ for _, t in ipairs(tasks) do
     else
       t.cand = redis.call('ZRANGEBYSCORE', t.vc, cutoff, '+inf', 'LIMIT', 0, window)
     end
+  elseif #t.stale == 0 then
+    t.cand = redis.call('ZRANGE', t.qc, 0, window - 1)
   else
     local is_stale = {}
     for _, g in ipairs(t.stale) do is_stale[g] = true end
@@ -103,25 +107,26 @@ if short then
   return out
 end
 if spare then
-  local need = {g = {}, s = {}}
-  for _, t in ipairs(tasks) do rb_missing(rb, t.stale, need) end
   local picked, extra = {}, {}
   for _, t in ipairs(tasks) do
+    for _, g in ipairs(t.stale) do picked[#picked + 1] = g end
     for i = 1, #t.cand do
       if i <= t.pick then picked[#picked + 1] = t.cand[i] else extra[#extra + 1] = t.cand[i] end
     end
   end
   local npicked = #picked
   for _, g in ipairs(extra) do picked[#picked + 1] = g end
-  local need_reply = rb_need_window(rb, picked, npicked, need)
-  if need_reply then return need_reply end
+  local need = rb_need(rb, picked, npicked)
+  if need then return need end
 end
 for _, t in ipairs(tasks) do
-  t.stale_groups = rb_load_all(rb, t.stale)
-  local picked = {}
-  for i = 1, t.pick do picked[i] = t.cand[i] end
-  t.groups = rb_load_all(rb, picked)
-  for _, g in ipairs(t.groups) do g.q, g.v = t.qc, t.vc end
+  t.stale_groups = rb_load_groups(rb, t.stale)
+  if t.pick < #t.cand then
+    local picked = {}
+    for i = 1, t.pick do picked[i] = t.cand[i] end
+    t.cand = picked
+  end
+  t.loaded = rb_load(rb, t.cand)
 end
 
 -- commit
@@ -139,7 +144,7 @@ for _, g in ipairs(kept) do out[#out + 1] = g end
 out[#out + 1] = #rb.rel_s
 for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
 for _, t in ipairs(tasks) do
-  out[#out + 1] = #t.groups
-  rb_hand_over(rb, t.groups, out)
+  out[#out + 1] = #t.loaded.gids
+  rb_hand_over(rb, t.loaded, t.qc, t.vc, 'completed', t.name, out)
 end
 return op_record(opkey, tonumber(ARGV[5]), out)

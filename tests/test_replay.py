@@ -67,8 +67,8 @@ def test_put_then_take_moves_sessions(store: TraceStore) -> None:
     assert all(store.owner_of(s) == REPLAY_OWNER for s in g2.sids)
     assert store.replay.count() == 1
     # a taken gid is gone from the buffer; nothing else changed
-    assert store.redis.exists(store.keys.rb_group("g1")) == 0
-    assert store.redis.hkeys(store.keys.rb_sids) == [b"g2"]
+    for h in (store.keys.rb_groups, store.keys.rb_sids, store.keys.rb_payloads):
+        assert store.redis.hkeys(h) == [b"g2"]
 
 
 def test_concurrent_producers_and_learners(store_factory: Any) -> None:
@@ -240,7 +240,7 @@ def test_failed_and_filtered_put_release_at_once(store: TraceStore) -> None:
         assert all(store.owner_of(s) is None for s in g.sids)
         assert not store.redis.exists(store.keys.idx(g.sids[0]))
     assert store.replay.count() == 0
-    assert store.redis.exists(store.keys.rb_group("g-failed")) == 0
+    assert store.redis.hlen(store.keys.rb_groups) == 0
 
 
 def test_claim_retry_of_aborted_groups(store: TraceStore) -> None:

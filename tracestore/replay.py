@@ -5,16 +5,22 @@ with a status, the oldest weight version of any of its tokens (per member
 and overall) and a JSON payload (rewards, finish reasons...). Stored groups
 live on the run's control-plane slot:
 
-* ``ts:{R}:rb:g:<gid>`` hash: ``task``, ``status``, ``sids`` (json),
-  ``min_version``, ``mv`` (json: each member's oldest version), ``seq``,
-  ``retryable``, ``agentic``, ``payload`` (json), ``reroll`` (json: members
-  released by per-member expiry), ``bytes``, ``put_ms``, ``producer``;
+* ``ts:{R}:rb:groups`` hash gid -> record, a JSON object: ``task``,
+  ``status``, ``min_version``, ``seq``, ``retryable``, ``agentic``, ``mv``
+  (each member's oldest token version), ``reroll`` (members released by
+  per-member expiry), ``put_ms``, ``producer``;
+* ``ts:{R}:rb:sids`` hash gid -> the members' session ids (JSON array);
+* ``ts:{R}:rb:payloads`` hash gid -> the payload (JSON, verbatim as put);
 * ``ts:{R}:rb:q:<task>:<status>`` zset gid -> seq (FIFO order);
 * ``ts:{R}:rb:v:<task>:<status>`` zset gid -> ``min_version + seq / 2**32``:
   one index gives both the staleness order (oldest version, then FIFO) and
   the expiry range (``ZRANGEBYSCORE -inf (cutoff``, O(log n + k));
-* ``ts:{R}:rb:sids`` hash gid -> sids, ``ts:{R}:rb:bytes``, ``ts:{R}:rb:seq``,
-  ``ts:{R}:rb:tasks``.
+* ``ts:{R}:rb:bytes`` (bytes of records per task and status),
+  ``ts:{R}:rb:seq``, ``ts:{R}:rb:tasks``.
+
+A group lives in three run-level hashes rather than in a key of its own so
+that a take reads and deletes its groups with a few commands, whatever
+their number, and hands their three strings out undecoded.
 
 Each operation is one atomic script (``lua/rb_*.lua``) that also moves or
 releases the group's sessions with the shared ownership primitives, so a
@@ -28,11 +34,12 @@ member's oldest version from its stored traces (the trained tokens' weight
 versions), so callers need not track it.
 
 Scripts that choose their groups inside Redis (take, claim, expire) reach
-those groups' keys in one of two ways (``lua/_lib/rb.lua``): by default
-the script appends the ids to key prefixes of the run's control-plane slot
-(one round trip; see docs/replay.md for what Redis and Valkey permit), or,
-with ``StoreConfig.replay_declared_keys``, every key travels in KEYS and a
-first call answers ``NEED`` with the ids (two round trips).
+those groups' session hashes in one of two ways (``lua/_lib/rb.lua``): by
+default the script appends the sids to the session key prefix of the run's
+control-plane slot (one round trip; see docs/replay.md for what Redis and
+Valkey permit), or, with ``StoreConfig.replay_declared_keys``, every key
+travels in KEYS and a first call answers ``NEED`` with the sids (two round
+trips).
 """
 
 from __future__ import annotations
@@ -75,8 +82,8 @@ MAX_STALE_IN_TAKE = 2048
 EXPIRE_BATCH = 1000
 #: Rounds of the NEED protocol before giving up (contention on one queue head).
 MAX_ROUNDS = 64
-#: Reply fields per group of rb_take / rb_claim.
-_GROUP_FIELDS = 10
+#: Reply fields per group of rb_take / rb_claim: gid, record, sids, payload.
+_GROUP_FIELDS = 4
 
 
 # -- value types -----------------------------------------------------------------------------
@@ -316,55 +323,64 @@ def _check_group(ctx: Context, group: object, owner: str) -> _Checked:
 # -- decoding ---------------------------------------------------------------------------------------
 
 
-def _json_ids(raw: Any) -> tuple[str, ...]:
-    return tuple(str(x) for x in orjson.loads(raw)) if raw else ()
-
-
-def _decode_groups(task: str, r: Reply) -> list[Group]:
-    """A count ``m``, then ``m`` groups of :data:`_GROUP_FIELDS` fields (see rb_take's contract)."""
-    out = []
-    for _ in range(r.int()):
-        gid, status, sids, minv, seq, retryable, payload, agentic, mv, reroll = r.take(_GROUP_FIELDS)
-        out.append(
-            Group(
-                gid=text(gid),
-                task=task,
-                sids=_json_ids(sids),
-                status=text(status),
-                min_version=int(minv),
-                retryable=text(retryable) == "1",
-                payload=orjson.loads(payload),
-                agentic=text(agentic) == "1",
-                reroll=_json_ids(reroll),
-                member_versions=tuple(int(v) for v in orjson.loads(mv)),
-                seq=int(seq),
-            )
-        )
-    return out
-
-
-def group_from_hash(gid: str, h: Any) -> Group:
-    """Decode a ``ts:{R}:rb:g:<gid>`` hash (HGETALL reply: a dict or a flat list)."""
-    f = field_map(h)
-    sids = _json_ids(f["sids"])
-    minv = int(f["min_version"])
-    mv = tuple(int(v) for v in orjson.loads(f["mv"])) if "mv" in f else (minv,) * len(sids)
+def _group(gid: str, rec: Any, sids: Any, payload: Any) -> Group:
+    """A group from its three fields: record (JSON object), sids and payload (JSON)."""
+    loads = orjson.loads
+    r = loads(rec)
     return Group(
-        gid=gid,
-        task=text(f["task"]),
-        sids=sids,
-        status=text(f["status"]),
-        min_version=minv,
-        retryable=text(f.get("retryable", "0")) == "1",
-        payload=orjson.loads(f.get("payload", b"{}")),
-        agentic=text(f.get("agentic", "0")) == "1",
-        reroll=_json_ids(f.get("reroll")),
-        member_versions=mv,
-        seq=int(f["seq"]),
+        gid, r["task"], tuple(loads(sids)), r["status"], int(r["min_version"]), bool(r["retryable"]),
+        loads(payload), bool(r["agentic"]), tuple(r["reroll"]), tuple(r["mv"]), int(r["seq"]),
     )
 
 
+def _decode_groups(r: Reply) -> list[Group]:
+    """A count ``m``, then ``m`` groups of :data:`_GROUP_FIELDS` fields: gid, record, sids, payload.
+
+    The hot path of a take (512 groups are 2,048 items): one pass, no per-item cursor calls.
+    """
+    m = r.int()
+    items = r.take(_GROUP_FIELDS * m)
+    return [
+        _group(text(items[i]), items[i + 1], items[i + 2], items[i + 3])
+        for i in range(0, _GROUP_FIELDS * m, _GROUP_FIELDS)
+    ]
+
+
+def read_groups(ctx: Context, gids: Sequence[str]) -> Op[list[Group]]:
+    """The stored groups ``gids`` (those still stored), in that order; one round trip.
+
+    For inspection and checkpoints: O(len(gids)), three pipelined HMGETs.
+    """
+    if not gids:
+        return []
+    k = ctx.keys
+    recs, sids, pays = yield Batch(
+        tuple(Cmd(("HMGET", key, *gids), key=key) for key in (k.rb_groups, k.rb_sids, k.rb_payloads))
+    )
+    return [
+        _group(g, rec, js, pay)
+        for g, rec, js, pay in zip(gids, recs, sids, pays, strict=True)
+        if rec is not None and js is not None and pay is not None
+    ]
+
+
 # -- keys of the groups a script picks -------------------------------------------------------------
+
+
+def _keyed_eval(
+    ctx: Context, name: str, fixed_keys: tuple[str, ...], fixed_args: tuple[Any, ...], op_id: str,
+    sids: Sequence[str] = (),
+) -> Eval:
+    """A call of a script that picks its groups inside Redis (``lua/_lib/rb.lua``).
+
+    ARGV ends with the session key prefix (:attr:`~tracestore.keys.Keys.session_prefix`;
+    empty with ``StoreConfig.replay_declared_keys``) and the declared
+    session keys' sids, whose keys end KEYS.
+    """
+    k = ctx.keys
+    prefix = "" if ctx.config.replay_declared_keys else k.session_prefix
+    keys = fixed_keys + tuple(k.session(s) for s in sids)
+    return Eval(script(name), keys, (*fixed_args, prefix, len(sids), *sids), op_id=op_id)
 
 
 def _with_keys(
@@ -372,36 +388,22 @@ def _with_keys(
 ) -> Op[list[Any]]:
     """Call a script that picks its groups inside Redis; return its final (non-NEED) reply.
 
-    In-script keys (the default): one call; ARGV carries the key prefixes
-    of group and session hashes (:meth:`~tracestore.keys.Keys.rb_group_prefix`,
-    :meth:`~tracestore.keys.Keys.session_prefix`) and the script appends the
-    ids. Declared keys (``StoreConfig.replay_declared_keys``): the prefixes
-    are empty and the gids and sids named by NEED are accumulated and passed
-    as the KEYS tail (group keys, then session keys) with their ids in ARGV.
-    The op key of ``op_id`` is part of ``fixed_keys``: NEED replies are not
-    recorded, so every round may carry the same op id, and a retried final
-    round replays its reply.
+    In-script keys (the default): one call; the script appends the sids to
+    the session key prefix. Declared keys (``StoreConfig.replay_declared_keys``):
+    the sids a NEED reply names are accumulated and passed as the KEYS tail
+    (their session keys). The op key of ``op_id`` is part of ``fixed_keys``:
+    NEED replies are not recorded, so every round may carry the same op id,
+    and a retried final round replays its reply.
     """
-    k = ctx.keys
-    declared = ctx.config.replay_declared_keys
-    prefixes = ("", "") if declared else (k.rb_group_prefix, k.session_prefix)
-    gids: list[str] = []
     sids: list[str] = []
-    sc = script(name)
     for _ in range(MAX_ROUNDS):
-        keys = fixed_keys + tuple(k.rb_group(g) for g in gids) + tuple(k.session(s) for s in sids)
-        args = fixed_args + prefixes + (len(gids), *gids, len(sids), *sids)
-        reply = yield Eval(sc, keys, args, op_id=op_id)
+        reply = yield _keyed_eval(ctx, name, fixed_keys, fixed_args, op_id, sids)
         if text(reply[0]) != "NEED":
             return list(reply)
-        r = Reply(reply, name)
-        r.raw()  # NEED
-        new_g = r.counted()
-        new_s = r.rest_texts()
-        if len(gids) + len(new_g) > 2 * MAX_TAKE or len(sids) + len(new_s) > 3 * MAX_SIDS:
-            gids, sids = [], []  # stale names piled up under contention: start afresh
-        gids = list(dict.fromkeys(gids + new_g))
-        sids = list(dict.fromkeys(sids + new_s))
+        new = [text(x) for x in reply[1:]]
+        if len(sids) + len(new) > 3 * MAX_SIDS:
+            sids = []  # stale names piled up under contention: start afresh
+        sids = list(dict.fromkeys(sids + new))
     raise ScriptError(name, f"no stable plan after {MAX_ROUNDS} rounds (heavy contention)")
 
 
@@ -461,20 +463,21 @@ def _put_eval(
     k = ctx.keys
     op_id, op_key = ctx.new_op()
     keys = (
-        k.rb_group(c.gid),
+        k.rb_groups,
+        k.rb_sids,
+        k.rb_payloads,
         k.rb_queue(c.task, c.status),
         k.rb_versions(c.task, c.status),
+        k.rb_queue(c.task, "expired"),
+        k.rb_versions(c.task, "expired"),
         k.rb_seq,
         k.rb_tasks,
-        k.rb_sids,
         k.rb_bytes,
         k.owner(owner),
         k.owner(REPLAY_OWNER),
         k.released,
         k.events,
         op_key,
-        k.rb_queue(c.task, "expired"),
-        k.rb_versions(c.task, "expired"),
         *(k.session(s) for s in c.sids),
     )
     args = (
@@ -631,7 +634,9 @@ def take_many(
         k.owner(owner),
         k.released,
         k.events,
+        k.rb_groups,
         k.rb_sids,
+        k.rb_payloads,
         k.rb_bytes,
         op_key,
         k.owners_lost,
@@ -655,10 +660,9 @@ def take_many(
         r = Reply((yield from _with_keys(ctx, "rb_take", fixed, args, op_id)), "rb_take")
         tag = r.text()
         if tag == "EXPIRE_FIRST":
-            for t in tasks:
-                rep = yield from _expire_task(ctx, t, "completed", cutoff, "", per_member)
-                expired += rep.kept
-                released += rep.released_sids
+            rep = yield from _expire_cells(ctx, [(t, "completed") for t in tasks], cutoff, "", per_member)
+            expired += rep.kept
+            released += rep.released_sids
             continue
         if tag == "SHORT":
             ready = dict.fromkeys(asked, 0)
@@ -671,7 +675,7 @@ def take_many(
         rel = r.counted()
         got: dict[str, tuple[Group, ...]] = {t: () for t in asked}
         for t in tasks:
-            got[t] = tuple(_decode_groups(t, r))
+            got[t] = tuple(_decode_groups(r))
         yield from purge_sessions(ctx, rel)
         released += rel
         return TakenMany(got, tuple(expired), tuple(released))
@@ -735,7 +739,9 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
         k.rb_versions(task, "expired"),
         k.owner(REPLAY_OWNER),
         k.owner(owner),
+        k.rb_groups,
         k.rb_sids,
+        k.rb_payloads,
         k.rb_bytes,
         op_key,
         k.owners_lost,
@@ -743,45 +749,66 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
     args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms)
     r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op_id)), "rb_claim")
     r.raw()  # OK
-    return _decode_groups(task, r)
+    return sorted(_decode_groups(r), key=lambda g: g.seq or 0)  # oldest put first
 
 
 # -- expiry ------------------------------------------------------------------------------------------
 
 
-def _expire_task(
-    ctx: Context, task: str, status: str, cutoff: str, keep: str, per_member: bool
+def _expire_cells(
+    ctx: Context, cells: Sequence[tuple[str, str]], cutoff: str, keep: str, per_member: bool
 ) -> Op[ExpireReport]:
-    """Expire the stale groups of one (task, status) queue, 1,000 per atomic call."""
+    """Expire the stale groups of (task, status) queues, up to 1,000 per atomic call.
+
+    Each round calls ``rb_expire`` once per cell that may have more, all
+    pipelined in one round trip (with declared keys, one call after the
+    other), then purges the released sessions in one more.
+    """
     k = ctx.keys
     kept: list[str] = []
     rel_g: list[str] = []
     rel_s: list[str] = []
-    while True:
-        op_id, op_key = ctx.new_op()
-        fixed = (
-            k.rb_queue(task, status),
-            k.rb_versions(task, status),
-            k.rb_queue(task, "expired"),
-            k.rb_versions(task, "expired"),
-            k.owner(REPLAY_OWNER),
-            k.released,
-            k.events,
-            k.rb_sids,
-            k.rb_bytes,
-            op_key,
-        )
-        args = (task, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms, int(per_member))
-        r = Reply((yield from _with_keys(ctx, "rb_expire", fixed, args, op_id)), "rb_expire")
-        r.raw()  # OK
-        more = r.flag()
-        kept += r.counted()
-        rel_g += r.counted()
-        rs = r.counted()
-        yield from purge_sessions(ctx, rs)
-        rel_s += rs
-        if not more:
-            return ExpireReport(tuple(kept), tuple(rel_g), tuple(rel_s))
+    pending = list(cells)
+    while pending:
+        calls = []
+        for task, status in pending:
+            op_id, op_key = ctx.new_op()
+            fixed = (
+                k.rb_queue(task, status),
+                k.rb_versions(task, status),
+                k.rb_queue(task, "expired"),
+                k.rb_versions(task, "expired"),
+                k.owner(REPLAY_OWNER),
+                k.released,
+                k.events,
+                k.rb_groups,
+                k.rb_sids,
+                k.rb_payloads,
+                k.rb_bytes,
+                op_key,
+            )
+            args = (task, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms, int(per_member))
+            calls.append((fixed, args, op_id))
+        if ctx.config.replay_declared_keys:
+            replies = []
+            for fixed, args, op_id in calls:
+                replies.append((yield from _with_keys(ctx, "rb_expire", fixed, args, op_id)))
+        else:
+            replies = yield Batch(tuple(_keyed_eval(ctx, "rb_expire", *call) for call in calls))
+        more: list[tuple[str, str]] = []
+        released: list[str] = []
+        for cell, reply in zip(pending, replies, strict=True):
+            r = Reply(reply, "rb_expire")
+            r.raw()  # OK
+            if r.flag():
+                more.append(cell)
+            kept += r.counted()
+            rel_g += r.counted()
+            released += r.counted()
+        yield from purge_sessions(ctx, released)
+        rel_s += released
+        pending = more
+    return ExpireReport(tuple(kept), tuple(rel_g), tuple(rel_s))
 
 
 def expire(
@@ -809,8 +836,10 @@ def expire(
     (default: every task).
 
     Raises InvalidId/InvalidInput before I/O. Idempotent under client
-    retries. One round trip per 1,000 groups of each task and status (two
-    with declared keys), plus the purge.
+    retries (each call of up to 1,000 groups). Round trips: the task list
+    (without ``task``), then one per 1,000 groups of the largest cell (the
+    calls of every task and status are pipelined; with declared keys they
+    run one after the other, two round trips each), plus the purge.
     """
     cutoff = _cutoff(current_version, max_staleness)
     if retryable is not None and not isinstance(retryable, bool):
@@ -821,16 +850,7 @@ def expire(
     _flag("per_member", per_member)
     keep = "" if retryable is None else str(int(retryable))
     tasks = yield from _tasks(ctx, task)
-    kept: list[str] = []
-    rel_g: list[str] = []
-    rel_s: list[str] = []
-    for t in tasks:
-        for s in sts:
-            rep = yield from _expire_task(ctx, t, s, cutoff, keep, per_member)
-            kept += rep.kept
-            rel_g += rep.released_groups
-            rel_s += rep.released_sids
-    return ExpireReport(tuple(kept), tuple(rel_g), tuple(rel_s))
+    return (yield from _expire_cells(ctx, [(t, s) for t in tasks for s in sts], cutoff, keep, per_member))
 
 
 # -- reads -------------------------------------------------------------------------------------------
@@ -934,18 +954,14 @@ def stats(ctx: Context, task: str | None = None) -> Op[list[StatusStats]]:
 def groups(ctx: Context, task: str, status: str = "completed") -> Op[list[Group]]:
     """Every stored group of ``task`` with ``status``, in FIFO order (inspection, checkpoint).
 
-    O(groups): reads the queue, then every group hash in one pipelined round trip.
+    O(groups): reads the queue, then the groups' records in one pipelined round trip.
     """
     k = ctx.keys
     validate_id("task", task)
     _status(status, STORED_STATUSES)
     q = k.rb_queue(task, status)
     members = yield Cmd(("ZRANGE", q, 0, -1), key=q)
-    gids = [text(m) for m in members]
-    if not gids:
-        return []
-    hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in gids))
-    return [group_from_hash(g, h) for g, h in zip(gids, hashes, strict=True) if h]
+    return (yield from read_groups(ctx, [text(m) for m in members]))
 
 
 class ReplayMethods:

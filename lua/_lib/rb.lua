@@ -1,49 +1,52 @@
 -- Replay-buffer helpers shared by lua/rb_*.lua (DESIGN section 7).
 --
--- Which keys a take, claim or expire touches is decided inside the script
--- (the head of a queue, the stale range of a version index): the group hashes
--- ts:{R}:rb:g:<gid> and the session hashes ts:{R}:s:<sid> of the groups it
--- picks. Two ways to reach them, chosen by the caller:
+-- A stored group is three fields under its gid, one in each of three hashes
+-- of the run's control plane (so a script reads or deletes many groups in one
+-- command, and every group key is a declared key):
+--   ts:{R}:rb:groups    gid -> rec: a JSON object (rb_rec): task, status,
+--                       min_version, seq, retryable, agentic, mv (each
+--                       member's oldest token version), reroll (members
+--                       released by per-member expiry), put_ms, producer
+--   ts:{R}:rb:sids      gid -> the members' session ids (JSON array)
+--   ts:{R}:rb:payloads  gid -> the payload (JSON, verbatim as put)
+-- A take hands the three strings out undecoded (Lua pays for every value it
+-- creates; it decodes only the sids, to move their sessions).
 --
--- * in-script keys (the default, one round trip): ARGV carries the two key
---   prefixes "ts:{R}:rb:g:" and "ts:{R}:s:" (built by tracestore/keys.py) and
---   the script appends the id. Every such key has the hash tag {R} of the
---   declared keys (checked in rb_open), so it lives in the one slot the script
---   runs on: Redis 7 and Valkey 8 allow a script to access an undeclared key
---   of its own slot on a cluster (scriptVerifyClusterState only refuses a key
---   of another slot, or of a slot the node does not serve). The EVAL docs
---   still ask scripts to declare every key, so this is permitted, not
---   promised; see docs/replay.md.
+-- The session hashes ts:{R}:s:<sid> of the groups a take, claim or expire
+-- picks are chosen inside the script. Two ways to reach them, chosen by the
+-- caller:
+--
+-- * in-script keys (the default, one round trip): ARGV carries the prefix
+--   "ts:{R}:s:" (built by tracestore/keys.py) and the script appends the sid.
+--   Every such key has the hash tag {R} of the declared keys (checked in
+--   rb_open), so it lives in the one slot the script runs on: Redis 7 and
+--   Valkey 8 let a script access an undeclared key of its own slot on a
+--   cluster (scriptVerifyClusterState refuses only a key of another slot, or
+--   of a slot the node does not serve). The EVAL docs still ask scripts to
+--   declare every key, so this is permitted, not promised; see docs/replay.md.
 -- * declared keys (StoreConfig.replay_declared_keys, two round trips): the
---   caller passes a tail of KEYS (group hashes, then session hashes) whose
---   ids are listed in ARGV. The script plans with reads only; if a key it
---   needs is missing it returns {0, 'NEED', ...} naming the ids (read from the
---   fixed index ts:{R}:rb:sids) and writes nothing; the client calls again
+--   caller passes the session keys as a tail of KEYS with their sids in ARGV.
+--   The script plans with reads only; when a session key it needs is missing
+--   it returns {0, 'NEED', sid...} and writes nothing; the client calls again
 --   with those keys and the second call commits atomically.
 --
--- Either way a script reads every group and session key it will write before
--- its first write (rb_load), so a key it cannot access (a slot migrating under
--- it) fails the call with nothing written.
+-- Either way a script touches every session key it will write before its
+-- first write (rb_load: one EXISTS), so a key it cannot access (a slot
+-- migrating under it) fails the call with nothing written.
 --
 -- The helpers share one table `rb` that the calling script fills in once:
---   gmap, smap  gid -> group key, sid -> session key (declared tail; rb_open)
---   gpre, spre  key prefixes of groups and sessions ('' = declared keys only)
---   sidskey     KEYS: ts:{R}:rb:sids        bkey     KEYS: ts:{R}:rb:bytes
+--   groups, sidskey, payloads   KEYS: the three group hashes above
+--   bkey        KEYS: ts:{R}:rb:bytes (bytes of records per "<status> <task>")
+--   smap, spre  sid -> declared session key (rb_open); the key prefix ('' = declared only)
 --   oreplay     KEYS: ts:{R}:o:<replay>     replay   ARGV: the buffer's owner tag
 --   to, oto     the taker's owner tag and its owner set (rb_hand_over)
 --   qe, ve, released, events, now, rel_s   (rb_expire_group)
 --
--- A loaded group (rb_load) is a table: gid, key, task, status, sids (list),
--- sids_json, min_version (number), seq, retryable, payload, bytes, agentic,
--- mv (member versions, list), reroll_json, owned (list of bools: session i
--- is live and owned by the buffer).
-
 local RB_TWO32 = 4294967296
 -- Values per redis.call of a variadic command (Lua's unpack limit is ~8000).
 local RB_CHUNK = 4000
--- Reply fields per group: gid, status, sids, min_version, seq, retryable,
--- payload, agentic, member versions, reroll.
-local RB_FIELDS = 10
+-- Reply fields per group of a take or claim: gid, rec, sids, payload.
+local RB_FIELDS = 4
 
 -- A Lua list as a JSON array (cjson encodes an empty table as an object).
 local function rb_json_list(t)
@@ -55,24 +58,21 @@ local function rb_tag(key)
   return string.match(key, '{(.-)}')
 end
 
--- Parse the tail: ARGV[a] = g, ARGV[a+1..a+g] = gids, ARGV[a+g+1] = s, then s
--- sids; KEYS[k0+1..k0+g] are the group keys, KEYS[k0+g+1..k0+g+s] the session
--- keys, in the same order. Returns gid->key and sid->key maps (nil on a
--- malformed call).
-local function rb_keymap(k0, a)
-  local gmap, smap = {}, {}
-  local ng = tonumber(ARGV[a])
-  local ns = tonumber(ARGV[a + ng + 1])
-  if #KEYS ~= k0 + ng + ns then return nil, nil end
-  for i = 1, ng do gmap[ARGV[a + i]] = KEYS[k0 + i] end
-  for i = 1, ns do smap[ARGV[a + ng + 1 + i]] = KEYS[k0 + ng + i] end
-  return gmap, smap
+-- The record of a group (ts:{R}:rb:groups), a JSON object; mv and reroll are
+-- JSON arrays already encoded.
+local function rb_rec(g)
+  return '{"task":' .. cjson.encode(g.task) .. ',"status":' .. cjson.encode(g.status) ..
+    ',"min_version":' .. string.format('%d', g.min_version) .. ',"seq":' .. string.format('%d', g.seq) ..
+    ',"retryable":' .. g.retryable .. ',"agentic":' .. g.agentic .. ',"mv":' .. g.mv_json ..
+    ',"reroll":' .. g.reroll_json .. ',"put_ms":' .. string.format('%d', g.put_ms) ..
+    ',"producer":' .. cjson.encode(g.producer) .. '}'
 end
 
 -- The start every take, claim and expire shares: replay a retried call's
 -- reply, refuse a taker that gc declared lost (lost_key nil: no taker), read
--- the key prefixes ARGV[a], ARGV[a+1] and parse the keys tail from ARGV[a+2]
--- into rb.gmap / rb.smap. Returns a reply to return at once, or nil.
+-- the session key prefix ARGV[a] and the declared session keys: ARGV[a+1] =
+-- s, then s sids, matching KEYS[k0+1..k0+s]. Returns a reply to return at
+-- once, or nil.
 local function rb_open(rb, opkey, lost_key, k0, a)
   local cached = op_replay(opkey)
   if cached then return cached end
@@ -80,22 +80,17 @@ local function rb_open(rb, opkey, lost_key, k0, a)
     local lost_ms = redis.call('ZSCORE', lost_key, rb.to)
     if lost_ms then return {1, 'OWNER_LOST', rb.to, tonumber(lost_ms)} end
   end
-  rb.gpre, rb.spre = ARGV[a], ARGV[a + 1]
-  if rb.gpre ~= '' then
-    local tag = rb_tag(opkey)
-    if rb_tag(rb.gpre) ~= tag or rb_tag(rb.spre) ~= tag then
-      return {1, 'INVALID_INPUT', 'keys', 'key prefixes are not in the slot of the declared keys'}
-    end
+  rb.spre = ARGV[a]
+  if rb.spre ~= '' and rb_tag(rb.spre) ~= rb_tag(opkey) then
+    return {1, 'INVALID_INPUT', 'keys', 'the session key prefix is not in the slot of the declared keys'}
   end
-  rb.gmap, rb.smap = rb_keymap(k0, a + 2)
-  if not rb.gmap then return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the ids in ARGV'} end
+  local ns = tonumber(ARGV[a + 1])
+  if #KEYS ~= k0 + ns then
+    return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the session ids in ARGV'}
+  end
+  rb.smap = {}
+  for i = 1, ns do rb.smap[ARGV[a + 1 + i]] = KEYS[k0 + i] end
   return nil
-end
-
-local function rb_gkey(rb, gid)
-  local k = rb.gmap[gid]
-  if k == nil and rb.gpre ~= '' then k = rb.gpre .. gid end
-  return k
 end
 
 local function rb_skey(rb, sid)
@@ -104,41 +99,45 @@ local function rb_skey(rb, sid)
   return k
 end
 
--- Declared keys only: add to need.g the gids of `gids` whose group key is
--- missing and to need.s the sids of those groups whose session key is
--- missing. (With in-script keys nothing is ever missing.)
-local function rb_missing(rb, gids, need)
-  if #gids == 0 or rb.gpre ~= '' then return end
-  local js = redis.call('HMGET', rb.sidskey, unpack(gids))
-  for i, gid in ipairs(gids) do
-    if not rb.gmap[gid] then need.g[#need.g + 1] = gid end
-    if js[i] then
-      for _, sid in ipairs(cjson.decode(js[i])) do
-        if not rb.smap[sid] then need.s[#need.s + 1] = sid end
-      end
+-- redis.call(cmd, key, items...) in chunks below Lua's unpack limit; the
+-- replies of the chunks concatenated (for HMGET, SMISMEMBER).
+local function rb_call_chunked(cmd, key, items)
+  if #items <= RB_CHUNK then
+    if #items == 0 then return {} end
+    return redis.call(cmd, key, unpack(items))
+  end
+  local out = {}
+  for i = 1, #items, RB_CHUNK do
+    local part = redis.call(cmd, key, unpack(items, i, math.min(i + RB_CHUNK - 1, #items)))
+    if type(part) == 'table' then
+      for _, x in ipairs(part) do out[#out + 1] = x end
     end
   end
-end
-
-local function rb_need_reply(need)
-  local out = {0, 'NEED', #need.g}
-  for _, g in ipairs(need.g) do out[#out + 1] = g end
-  for _, s in ipairs(need.s) do out[#out + 1] = s end
   return out
 end
 
--- The NEED reply of a take or claim that picked cand[1..npicked] (plus what
--- `need` holds already), or nil when every key is at hand. A NEED names the
--- whole window cand[1..#cand], so a retry survives other takers removing the head.
-local function rb_need_window(rb, cand, npicked, need)
-  local picked, extra = {}, {}
-  for i = 1, #cand do
-    if i <= npicked then picked[#picked + 1] = cand[i] else extra[#extra + 1] = cand[i] end
+-- Declared keys only: nil when every session of the groups `gids` (in this
+-- order, the first `npicked` picked, the rest spare candidates) has its key
+-- in the KEYS tail; else a NEED reply naming the missing sessions of every
+-- candidate, so that a retry survives other takers removing the head.
+local function rb_need(rb, gids, npicked)
+  if rb.spre ~= '' or #gids == 0 then return nil end
+  local js = rb_call_chunked('HMGET', rb.sidskey, gids)
+  local need, missing = {}, false
+  for i = 1, #gids do
+    if js[i] then
+      for _, sid in ipairs(cjson.decode(js[i])) do
+        if not rb.smap[sid] then
+          need[#need + 1] = sid
+          if i <= npicked then missing = true end
+        end
+      end
+    end
   end
-  rb_missing(rb, picked, need)
-  if #need.g == 0 and #need.s == 0 then return nil end
-  rb_missing(rb, extra, need)
-  return rb_need_reply(need)
+  if not missing then return nil end
+  local out = {0, 'NEED'}
+  for _, s in ipairs(need) do out[#out + 1] = s end
+  return out
 end
 
 -- Stale gids of a version index (min_version < cutoff), oldest first:
@@ -160,34 +159,54 @@ local function rb_bytes_add(bkey, status, task, delta)
   if delta ~= 0 then redis.call('HINCRBY', bkey, status .. ' ' .. task, delta) end
 end
 
--- redis.call(cmd, key, items...) in chunks below Lua's unpack limit.
-local function rb_call_chunked(cmd, key, items)
-  for i = 1, #items, RB_CHUNK do
-    redis.call(cmd, key, unpack(items, i, math.min(i + RB_CHUNK - 1, #items)))
+-- Read stored groups `gids` for a hand-over, as flat arrays (every value Lua
+-- creates costs; a take of 512 groups must create few): gids, recs, js
+-- (sids JSON), ps (payloads): one HMGET each; sids and skeys: every session
+-- of the groups, in order; owned[i]: session i is live and owned by the
+-- buffer (a member of its owner set: one SMISMEMBER); bytes: of the records.
+-- One EXISTS touches every session key, so that a key the script cannot
+-- access fails the call before its first write. Reads only.
+local function rb_load(rb, gids)
+  local L = {gids = gids, recs = rb_call_chunked('HMGET', rb.groups, gids),
+    js = rb_call_chunked('HMGET', rb.sidskey, gids), ps = rb_call_chunked('HMGET', rb.payloads, gids),
+    sids = {}, skeys = {}, bytes = 0}
+  local sids, skeys, js = L.sids, L.skeys, L.js
+  for i = 1, #gids do
+    for _, sid in ipairs(cjson.decode(js[i])) do
+      sids[#sids + 1] = sid
+      skeys[#skeys + 1] = rb_skey(rb, sid)
+    end
+    L.bytes = L.bytes + #L.recs[i] + #js[i] + #L.ps[i]
   end
+  L.owned = rb_call_chunked('SMISMEMBER', rb.oreplay, sids)
+  for i = 1, #skeys, RB_CHUNK do
+    redis.call('EXISTS', unpack(skeys, i, math.min(i + RB_CHUNK - 1, #skeys)))
+  end
+  return L
 end
 
--- Read a stored group and the ownership of its sessions (reads only).
-local function rb_load(rb, gid)
-  local key = rb_gkey(rb, gid)
-  local f = redis.call('HMGET', key, 'task', 'status', 'sids', 'min_version', 'seq', 'retryable',
-    'payload', 'bytes', 'agentic', 'mv', 'reroll')
-  local g = {gid = gid, key = key, task = f[1], status = f[2], sids_json = f[3],
-    min_version = tonumber(f[4]), seq = f[5], retryable = f[6], payload = f[7],
-    bytes = tonumber(f[8]) or 0, agentic = f[9] or '0', reroll_json = f[11] or '[]', owned = {}}
-  g.sids = cjson.decode(f[3])
-  if f[10] then g.mv = cjson.decode(f[10]) else g.mv = {} end
-  for i, sid in ipairs(g.sids) do
-    local cur = redis.call('HMGET', rb_skey(rb, sid), 'owner', 'state')
-    g.owned[i] = (cur[2] == 'live' and cur[1] == rb.replay)
-    if g.mv[i] == nil then g.mv[i] = g.min_version end
-  end
-  return g
-end
-
-local function rb_load_all(rb, gids)
+-- Read stored groups for expiry: a table per group (gid, the fields of its
+-- record: task, status, min_version, seq, retryable and agentic as '0'/'1',
+-- mv, reroll, put_ms, producer; sids, skey[j], payload, bytes), the session
+-- keys touched first as in rb_load. Reads only.
+local function rb_load_groups(rb, gids)
   local out = {}
-  for i, gid in ipairs(gids) do out[i] = rb_load(rb, gid) end
+  if #gids == 0 then return out end
+  local L = rb_load(rb, gids)
+  local at = 0
+  for i, gid in ipairs(gids) do
+    local r = cjson.decode(L.recs[i])
+    local g = {gid = gid, task = r.task, status = r.status, min_version = r.min_version, seq = r.seq,
+      retryable = tostring(r.retryable), agentic = tostring(r.agentic), mv = r.mv, reroll = r.reroll,
+      put_ms = r.put_ms, producer = r.producer, payload = L.ps[i], sids = cjson.decode(L.js[i]),
+      skey = {}, bytes = #L.recs[i] + #L.js[i] + #L.ps[i]}
+    for j = 1, #g.sids do
+      g.skey[j] = L.skeys[at + j]
+      if g.mv[j] == nil then g.mv[j] = g.min_version end
+    end
+    at = at + #g.sids
+    out[i] = g
+  end
   return out
 end
 
@@ -207,8 +226,8 @@ local function rb_stale_members(mv, cutoff)
   return stale
 end
 
--- Expire one loaded group out of its queue q / version index v (status
--- completed or aborted).
+-- Expire one group loaded `full` out of its queue q / version index v
+-- (status completed or aborted).
 --   opts.keep: '' = the group's retryable flag, '1' keep, '0' release
 --   opts.per_member: '1' = re-roll only stale members (skipped for agentic groups)
 --   opts.cutoff: the staleness cutoff (number)
@@ -228,84 +247,67 @@ local function rb_expire_group(rb, g, q, v, opts)
   rb.rel = rb.rel or {owner = rb.replay, okey = rb.oreplay, released = rb.released,
     events = rb.events, reason = 'expired', now = rb.now}
   if not keep then
-    for _, sid in ipairs(g.sids) do
-      if session_release(rb_skey(rb, sid), sid, rb.rel) then rb.rel_s[#rb.rel_s + 1] = sid end
+    for j, sid in ipairs(g.sids) do
+      if session_release(g.skey[j], sid, rb.rel) then rb.rel_s[#rb.rel_s + 1] = sid end
     end
-    redis.call('DEL', g.key)
+    redis.call('HDEL', rb.groups, g.gid)
     redis.call('HDEL', rb.sidskey, g.gid)
+    redis.call('HDEL', rb.payloads, g.gid)
     return false
   end
-  local fields = {'status', 'expired'}
-  local bytes = g.bytes
+  local sids, mv = g.sids, g.mv
   if opts.per_member == '1' and g.agentic ~= '1' then
     local stale = rb_stale_members(g.mv, opts.cutoff)
-    local fresh, fresh_mv, reroll = {}, {}, cjson.decode(g.reroll_json)
-    for i, sid in ipairs(g.sids) do
-      if stale[i] then
-        if session_release(rb_skey(rb, sid), sid, rb.rel) then rb.rel_s[#rb.rel_s + 1] = sid end
-        reroll[#reroll + 1] = sid
+    sids, mv = {}, {}
+    for j, sid in ipairs(g.sids) do
+      if stale[j] then
+        if session_release(g.skey[j], sid, rb.rel) then rb.rel_s[#rb.rel_s + 1] = sid end
+        g.reroll[#g.reroll + 1] = sid
       else
-        fresh[#fresh + 1] = sid
-        fresh_mv[#fresh_mv + 1] = g.mv[i]
+        sids[#sids + 1] = sid
+        mv[#mv + 1] = g.mv[j]
       end
     end
-    local sids_json = rb_json_list(fresh)
-    bytes = bytes + #sids_json - #g.sids_json
-    fields = {'status', 'expired', 'sids', sids_json, 'mv', rb_json_list(fresh_mv),
-      'reroll', rb_json_list(reroll), 'bytes', bytes}
-    redis.call('HSET', rb.sidskey, g.gid, sids_json)
   end
-  redis.call('HSET', g.key, unpack(fields))
+  g.status, g.mv_json, g.reroll_json = 'expired', rb_json_list(mv), rb_json_list(g.reroll)
+  local rec, sids_json = rb_rec(g), rb_json_list(sids)
+  redis.call('HSET', rb.groups, g.gid, rec)
+  redis.call('HSET', rb.sidskey, g.gid, sids_json)
   redis.call('ZADD', rb.qe, g.seq, g.gid)
   redis.call('ZADD', rb.ve, vs, g.gid)
-  rb_bytes_add(rb.bkey, 'expired', g.task, bytes)
+  rb_bytes_add(rb.bkey, 'expired', g.task, #rec + #sids_json + #g.payload)
   return true
 end
 
--- Hand loaded groups to rb.to: their sessions move from the buffer to the
--- taker, the groups and their index entries (g.q, g.v: the group's queue and
--- version index) are deleted; appends RB_FIELDS reply fields per group to
--- `out`, in the order of `groups`. Batched: one ZREM/HDEL/DEL/SREM/SADD per
--- key and chunk, one HSET per session.
-local function rb_hand_over(rb, groups, out)
-  if #groups == 0 then return end
-  local gids, gkeys, moved, bytes, zrem = {}, {}, {}, {}, {}
-  for _, g in ipairs(groups) do
-    for i, sid in ipairs(g.sids) do
-      if g.owned[i] then
-        redis.call('HSET', rb_skey(rb, sid), 'owner', rb.to)
-        moved[#moved + 1] = sid
-      end
+-- Hand groups loaded by rb_load to rb.to: their sessions move from the buffer
+-- to the taker, the groups leave their queue q / version index v (status
+-- `status` of `task`) and the three hashes; appends RB_FIELDS reply fields
+-- per group (gid, rec, sids, payload) to `out`, in the order loaded.
+-- One command per key (and chunk), plus one HSET per session.
+local function rb_hand_over(rb, L, q, v, status, task, out)
+  if #L.gids == 0 then return end
+  local moved = {}
+  for i, skey in ipairs(L.skeys) do
+    if L.owned[i] == 1 then
+      redis.call('HSET', skey, 'owner', rb.to)
+      moved[#moved + 1] = L.sids[i]
     end
-    gids[#gids + 1] = g.gid
-    gkeys[#gkeys + 1] = g.key
-    for _, z in ipairs({g.q, g.v}) do
-      zrem[z] = zrem[z] or {}
-      zrem[z][#zrem[z] + 1] = g.gid
-    end
-    local cell = g.status .. ' ' .. g.task
-    bytes[cell] = (bytes[cell] or 0) + g.bytes
-    out[#out + 1] = g.gid
-    out[#out + 1] = g.status
-    out[#out + 1] = g.sids_json
-    out[#out + 1] = g.min_version
-    out[#out + 1] = g.seq
-    out[#out + 1] = g.retryable
-    out[#out + 1] = g.payload
-    out[#out + 1] = g.agentic
-    out[#out + 1] = rb_json_list(g.mv)
-    out[#out + 1] = g.reroll_json
   end
   if rb.to ~= rb.replay and #moved > 0 then
     rb_call_chunked('SREM', rb.oreplay, moved)
     rb_call_chunked('SADD', rb.oto, moved)
   end
-  for z, members in pairs(zrem) do rb_call_chunked('ZREM', z, members) end
-  rb_call_chunked('HDEL', rb.sidskey, gids)
-  for i = 1, #gkeys, RB_CHUNK do
-    redis.call('DEL', unpack(gkeys, i, math.min(i + RB_CHUNK - 1, #gkeys)))
-  end
-  for cell, n in pairs(bytes) do
-    if n ~= 0 then redis.call('HINCRBY', rb.bkey, cell, -n) end
+  rb_call_chunked('ZREM', q, L.gids)
+  rb_call_chunked('ZREM', v, L.gids)
+  rb_call_chunked('HDEL', rb.groups, L.gids)
+  rb_call_chunked('HDEL', rb.sidskey, L.gids)
+  rb_call_chunked('HDEL', rb.payloads, L.gids)
+  rb_bytes_add(rb.bkey, status, task, -L.bytes)
+  local recs, js, ps = L.recs, L.js, L.ps
+  for i, gid in ipairs(L.gids) do
+    out[#out + 1] = gid
+    out[#out + 1] = recs[i]
+    out[#out + 1] = js[i]
+    out[#out + 1] = ps[i]
   end
 end
