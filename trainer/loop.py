@@ -280,7 +280,7 @@ class Driver:
         """Take what is left in the buffer, release every owner, wait for the holders; what is left."""
         learner = ray.get(actors.learner.stats.remote())
         producer = ray.get(actors.producer.stats.remote())
-        drained = drain_run(self.store, learner.version)
+        drained = drain_run(self.store)
         workers, plasma_used = self._wait_for_holders(actors.workers)
         return EndState(
             counts=store_counts(self.store),

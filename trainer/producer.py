@@ -23,7 +23,7 @@ from .actors import Workers
 from .clock import Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import route, run_on_workers
-from .sample import Sample, from_payload, group_status, min_version, to_payload
+from .sample import Sample, from_payload, group_status, to_payload
 from .task import make_problem
 
 #: Owner tags of long-lived roles heartbeat: gc reclaims them when a dead trainer is not resumed.
@@ -148,17 +148,18 @@ class Producer:
         for job in jobs:
             samples = [done.get(s.sid, s) for s in job.samples]
             status = group_status(samples)
+            # min_version: put reads it from the sessions' traces (each member's oldest
+            # generated token); a group none of whose samples ran a turn gets `version`
             group = Group(
                 gid=job.gid,
                 task=TASK,
                 sids=tuple(s.sid for s in samples),
                 status=status,
-                min_version=min_version(samples, version),
                 retryable=status == "aborted",
                 payload=to_payload(samples),
             )
             with self.store_time():
-                self.store.replay.put(group, self.tag)
+                self.store.replay.put(group, self.tag, current_version=version)
             counts[status] = counts.get(status, 0) + 1
             self.counts[status] = self.counts.get(status, 0) + 1
         return counts
