@@ -417,6 +417,40 @@ def _version_reads(ctx: Context, sids: Sequence[str]) -> list[Eval | Cmd]:
     return [Eval(sc, (k.idx(s), k.dead(s))) for s in sids]
 
 
+def _group_versions(ctx: Context, c: _Checked, current_version: int | None) -> Op[tuple[int, list[int | None]]]:
+    """The group's min_version and each member's oldest trained-token version (see :func:`put`).
+
+    One pipelined round trip: the members' ``trace_versions`` (and the gate's
+    version when it may be the fallback). Raises InvalidInput for a given
+    min_version newer than the traces, or one above :data:`MAX_VERSION`.
+    """
+    k = ctx.keys
+    reads = _version_reads(ctx, c.sids)
+    if c.min_version is None and current_version is None:
+        reads.append(Cmd(("HGET", k.gate, "version"), key=k.gate))
+    replies = yield Batch(tuple(reads))
+    versions = _versions(replies[: len(c.sids)])
+    known = [v for v in versions if v is not None]
+    if c.min_version is not None:
+        if known and c.min_version > min(known):
+            sid = c.sids[versions.index(min(known))]
+            raise InvalidInput(
+                "min_version",
+                f"{c.min_version} is newer than the traces of group {c.gid!r}: session {sid!r} "
+                f"has tokens of version {min(known)}; give None to use the traces",
+            )
+        minv = c.min_version
+    elif known:
+        minv = min(known)
+    elif current_version is not None:
+        minv = current_version
+    else:
+        minv = int(replies[-1] or 0)
+    if minv > MAX_VERSION:
+        raise InvalidInput("min_version", f"{minv} is above the replay buffer's bound {MAX_VERSION}")
+    return minv, versions
+
+
 def _versions(replies: Sequence[Any]) -> list[int | None]:
     """Each session's oldest trained-token version from its ``trace_versions`` reply (None: none)."""
     out: list[int | None] = []
@@ -542,38 +576,24 @@ def put(
     min_version newer than they are), GroupExists (gid already stored),
     NotOwner (a session is not live or not owned by ``owner``),
     SessionReleased. Idempotent under client retries. Two round trips (the
-    traces' versions, then the put), three when sessions are released.
+    traces' versions, then the put; one for a group that is never stored),
+    plus the purge when sessions are released.
     """
     c = _check_group(ctx, group, owner)
     cutoff = _cutoff(current_version, max_staleness)
+    if current_version is not None:
+        validate.version("current_version", current_version)
     _flag("per_member", per_member)
-    k = ctx.keys
-    reads = _version_reads(ctx, c.sids)
-    if c.min_version is None and current_version is None:
-        reads.append(Cmd(("HGET", k.gate, "version"), key=k.gate))
-    replies = yield Batch(tuple(reads))
-    versions = _versions(replies[: len(c.sids)])
-    known = [v for v in versions if v is not None]
-    if c.min_version is not None:
-        if known and c.min_version > min(known):
-            sid = c.sids[versions.index(min(known))]
-            raise InvalidInput(
-                "min_version",
-                f"{c.min_version} is newer than the traces of group {c.gid!r}: session {sid!r} "
-                f"has tokens of version {min(known)}; give None to use the traces",
-            )
-        minv = c.min_version
-    elif known:
-        minv = min(known)
-    elif current_version is not None:
-        minv = validate.version("current_version", current_version)
+    if c.status in ("failed", "filtered") or (c.status == "expired" and not group.retryable):
+        # never stored: its sessions are released, no version is needed
+        minv, shown = c.min_version or 0, c.min_version
+        versions: list[int | None] = [minv] * len(c.sids)
     else:
-        minv = int(replies[-1] or 0)
-    if minv > MAX_VERSION:
-        raise InvalidInput("min_version", f"{minv} is above the replay buffer's bound {MAX_VERSION}")
+        minv, versions = yield from _group_versions(ctx, c, current_version)
+        shown = minv
     mv = [v if v is not None else minv for v in versions]
     reply = yield _put_eval(ctx, group, c, owner, minv, mv, cutoff, per_member)
-    res = put_result(c.gid, minv, reply)
+    res = put_result(c.gid, shown, reply)
     if res.released:
         yield from purge_sessions(ctx, list(res.released))
     return res
