@@ -7,8 +7,10 @@ Ray actor with the same semantics, ``benchmarks/baselines/actor_replay.py``):
   sequential calls (``put``: two round trips, the traces' versions then the
   script; ``take`` of 8 groups: one); ``put_per_s_4threads``: four producer
   threads.
-* ``scale``: the buffer filled to 10k, 100k and 1M groups (1k and 10k with
-  ``--quick``), then, median of repetitions:
+* ``scale``: one buffer filled to each of 10k, 100k and 1M groups (1k and
+  10k with ``--quick``), all at once; then, median of 7 repetitions, each
+  repetition visiting every size in turn (so load drift on a shared machine
+  hits every size alike):
   - ``take512_ms``: one ``take`` of 512 groups (with a staleness bound, so
     the expiry range query runs too); ``take512_declared_ms``: the same with
     ``replay_declared_keys=True`` (plan, then commit: two round trips);
@@ -33,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tracestore import TraceStore
@@ -112,75 +115,127 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _timed(reps: int, setup: Callable[[int], Any], body: Callable[[], int], want: int) -> float:
-    """Median seconds of ``body()`` over ``reps`` runs, ``setup(r)`` (untimed) before each;
-    ``body`` returns how many groups it handled, which must be ``want``."""
-    times = []
+@dataclass
+class Buffers:
+    """One system under test, a buffer per size: how to fill one, the timed takes, the expiry."""
+
+    fill: Callable[[int, list[Group]], Any]  # (size, groups)
+    takes: dict[str, Callable[[int], int]]  # figure -> take 512 groups from the buffer of a size
+    expire: Callable[[int], int]  # expire the stale non-retryable groups of a size; how many
+
+
+Results = dict[str, dict[int, dict[str, float]]]  # system -> size -> figure -> seconds
+
+
+def _rounds(
+    systems: dict[str, Buffers], sizes: tuple[int, ...], reps: int,
+    setup: Callable[[Buffers, int, int], Any], body: Callable[[Buffers, int], int], want: Callable[[int], int],
+) -> dict[tuple[str, int], float]:
+    """Median seconds of ``body(system, size)`` for every system and size: ``reps`` rounds, each
+    visiting every (size, system) in turn, so load drift on a shared machine hits all alike.
+    ``setup(system, size, round)`` (untimed) runs before each call; ``body`` returns how many
+    groups it handled, which must be ``want(size)``."""
+    times: dict[tuple[str, int], list[float]] = {}
     for r in range(reps):
-        setup(r)
-        t0 = time.perf_counter()
-        n = body()
-        times.append(time.perf_counter() - t0)
-        assert n == want, (n, want)
-    return _median(times)
+        for size in sizes:
+            for name, sys_ in systems.items():
+                setup(sys_, size, r)
+                t0 = time.perf_counter()
+                n = body(sys_, size)
+                times.setdefault((name, size), []).append(time.perf_counter() - t0)
+                assert n == want(size), (name, size, n, want(size))
+    return {cell: _median(ts) for cell, ts in times.items()}
 
 
-def _scale(
-    fill_groups: Callable[[list[Group]], Any],
-    takes: dict[str, Callable[[], int]],
-    expire: Callable[[], int],
-    size: int,
-    reps: int,
-) -> dict[str, float]:
-    """The ``scale`` figures of one buffer. ``takes``: figure name -> a call taking 512 groups
-    (of task ``math``, or 256 of ``math`` and of ``code`` for ``take_many512_ms``); ``expire()``
-    expires non-retryable groups and returns how many."""
-    fill_groups(_groups("g", size, 10))
-    fill_groups(_groups("c", size // 10, 10, "code"))
-    out: dict[str, float] = {}
-    for name, take in takes.items():
-        take()  # warm up: scripts loaded, connection open
-        fill_groups(_groups(f"{name}-warm-", 512, 10))
-        fill_groups(_groups(f"{name}-warmc-", 512, 10, "code"))
+def scale(systems: dict[str, Buffers], sizes: tuple[int, ...], reps: int) -> Results:
+    """The ``scale`` figures of every system at every size, in seconds (see the module docstring)."""
+    out: Results = {name: {size: {} for size in sizes} for name in systems}
 
-        def refill(r: int, name: str = name) -> None:
-            if r:
-                fill_groups(_groups(f"{name}-{r}-", 512, 10))
-                fill_groups(_groups(f"{name}-c{r}-", 256, 10, "code"))
+    def record(figure: str, medians: dict[tuple[str, int], float]) -> None:
+        for (name, size), t in medians.items():
+            out[name][size][figure] = t
 
-        out[name] = _ms(_timed(reps, refill, take, 512))
-    k = size // 100
-    per = _timed(reps, lambda r: fill_groups(_groups(f"stale{r}-", k, 0)), expire, k)
-    out["expire1pct_ms"] = _ms(per)
-    out["expire1pct_us_per_group"] = round(1e6 * per / k, 2)
-    out["expire100_ms"] = _ms(_timed(reps, lambda r: fill_groups(_groups(f"s100-{r}-", 100, 0)), expire, 100))
+    for size in sizes:
+        for name, sys_ in systems.items():
+            print(f"   fill {name} {size} ...", flush=True)
+            sys_.fill(size, _groups("g", size, 10))
+            sys_.fill(size, _groups("c", size // 10, 10, "code"))
+    for figure in sorted({f for sys_ in systems.values() for f in sys_.takes}):
+        users = {n: s for n, s in systems.items() if figure in s.takes}
+        for size in sizes:
+            for sys_ in users.values():
+                sys_.takes[figure](size)  # warm up: scripts loaded, connection open
+                sys_.fill(size, _groups(f"{figure}-warm-", 512, 10))
+                sys_.fill(size, _groups(f"{figure}-warmc-", 512, 10, "code"))
+
+        def refill(sys_: Buffers, size: int, r: int, figure: str = figure) -> None:
+            sys_.fill(size, _groups(f"{figure}-{r}-", 512, 10))
+            sys_.fill(size, _groups(f"{figure}-c{r}-", 256, 10, "code"))
+
+        def take(sys_: Buffers, size: int, figure: str = figure) -> int:
+            return sys_.takes[figure](size)
+
+        record(figure, _rounds(users, sizes, reps, refill, take, lambda _: 512))
+    record("expire1pct", _rounds(
+        systems, sizes, reps, lambda s, size, r: s.fill(size, _groups(f"stale{r}-", size // 100, 0)),
+        lambda s, size: s.expire(size), lambda size: size // 100,
+    ))
+    record("expire100", _rounds(
+        systems, sizes, reps, lambda s, size, r: s.fill(size, _groups(f"s100-{r}-", 100, 0)),
+        lambda s, size: s.expire(size), lambda _: 100,
+    ))
     return out
 
 
-def ts_scale(url: str, size: int, reps: int) -> dict[str, float]:
-    run = f"bench-rb-{uuid.uuid4().hex[:8]}"
-    store = TraceStore.connect(url, run=run)
-    declared = TraceStore.connect(url, run=run, replay_declared_keys=True)
+def scale_table(got: Results, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """The figures of :func:`scale` in ms, per size and system, and their growth smallest -> largest."""
+    table: dict[str, Any] = {}
+    for size in sizes:
+        row: dict[str, dict[str, float]] = {}
+        for who, by_size in got.items():
+            f = by_size[size]
+            fig = {k: _ms(v) for k, v in f.items() if k.endswith("_ms")}
+            fig["expire1pct_ms"] = _ms(f["expire1pct"])
+            fig["expire1pct_us_per_group"] = round(1e6 * f["expire1pct"] / (size // 100), 2)
+            fig["expire100_ms"] = _ms(f["expire100"])
+            row[who] = fig
+        row["tracestore"]["take512_vs_actor"] = round(row["tracestore"]["take512_ms"] / row["actor"]["take512_ms"], 2)
+        table[str(size)] = row
+        print(f"   {size}: tracestore {row['tracestore']}\n   {size}: actor {row['actor']}", flush=True)
+    small, large = table[str(sizes[0])], table[str(sizes[-1])]
+    table["growth"] = {
+        who: {fig: round(large[who][fig] / small[who][fig], 2) for fig in large[who] if fig.endswith(("_ms", "_per_group"))}
+        for who in got
+    }
+    return table
 
-    def take(st: TraceStore) -> Callable[[], int]:
-        return lambda: len(st.replay.take("math", 512, owner="train:bench", current_version=10, max_staleness=5))
 
-    def take_many() -> int:
-        got = store.replay.take_many({"math": 256, "code": 256}, owner="train:bench", current_version=10,
-                                     max_staleness=5)
+def ts_buffers(url: str, sizes: tuple[int, ...]) -> tuple[Buffers, Callable[[], None]]:
+    """tracestore: one run per size on the same server (and a client of it with declared keys)."""
+    runs = {size: f"bench-rb-{uuid.uuid4().hex[:8]}" for size in sizes}
+    stores = {size: TraceStore.connect(url, run=run) for size, run in runs.items()}
+    declared = {size: TraceStore.connect(url, run=run, replay_declared_keys=True) for size, run in runs.items()}
+
+    def take(by_size: dict[int, TraceStore]) -> Callable[[int], int]:
+        return lambda size: len(
+            by_size[size].replay.take("math", 512, owner="train:bench", current_version=10, max_staleness=5)
+        )
+
+    def take_many(size: int) -> int:
+        got = stores[size].replay.take_many(
+            {"math": 256, "code": 256}, owner="train:bench", current_version=10, max_staleness=5
+        )
         return len(got)
 
-    try:
-        return _scale(
-            lambda groups: fill(store, groups),
-            {"take512_ms": take(store), "take512_declared_ms": take(declared), "take_many512_ms": take_many},
-            lambda: store.replay.expire(10, 5, retryable=False).expired,
-            size,
-            reps,
-        )
-    finally:
-        store.close()
-        declared.close()
+    def close() -> None:
+        for st in (*stores.values(), *declared.values()):
+            st.close()
+
+    return Buffers(
+        lambda size, groups: fill(stores[size], groups),
+        {"take512_ms": take(stores), "take512_declared_ms": take(declared), "take_many512_ms": take_many},
+        lambda size: stores[size].replay.expire(10, 5, retryable=False).expired,
+    ), close
 
 
 # -- the actor baseline ----------------------------------------------------------------------
@@ -213,24 +268,24 @@ def actor_take_rate(actor: Any, n_groups: int, batch: int = 8) -> float:
     return _take_rate(n_groups, batch, lambda b: ray.get(actor.take.remote("math", b, "train:bench")))
 
 
-def actor_scale(cls: Any, size: int, reps: int) -> dict[str, float]:
+def actor_buffers(cls: Any, sizes: tuple[int, ...]) -> tuple[Buffers, Callable[[], None]]:
+    """The actor baseline: one actor per size."""
     import ray
 
-    actor = cls.remote()
+    actors = {size: cls.remote() for size in sizes}
 
-    def take() -> int:
-        return len(ray.get(actor.take.remote("math", 512, "train:bench", 10, "fifo", 5)))
+    def take(size: int) -> int:
+        return len(ray.get(actors[size].take.remote("math", 512, "train:bench", 10, "fifo", 5)))
 
-    try:
-        return _scale(
-            lambda groups: actor_fill(actor, groups),
-            {"take512_ms": take},
-            lambda: ray.get(actor.expire.remote(10, 5, False)),
-            size,
-            reps,
-        )
-    finally:
-        ray.kill(actor)
+    def close() -> None:
+        for a in actors.values():
+            ray.kill(a)
+
+    return Buffers(
+        lambda size, groups: actor_fill(actors[size], groups),
+        {"take512_ms": take},
+        lambda size: int(ray.get(actors[size].expire.remote(10, 5, False))),
+    ), close
 
 
 def _side_by_side(name: str, ours: Callable[[], Any], theirs: Callable[[], Any]) -> tuple[Any, Any]:
@@ -243,7 +298,7 @@ def run(quick: bool) -> dict[str, Any]:
 
     sizes = (1_000, 10_000) if quick else (10_000, 100_000, 1_000_000)
     n_rate = 500 if quick else 4_000
-    reps = 3 if quick else 5
+    reps = 3 if quick else 7
     env_url = os.environ.get("TRACESTORE_URL")
     server = None if env_url else EmbeddedServer().start()
     url = env_url or (server.url if server else "")
@@ -272,23 +327,17 @@ def run(quick: bool) -> dict[str, Any]:
         finally:
             store.close()
             ray.kill(actor)
-        scale: dict[str, Any] = {}
-        for size in sizes:
-            a, b = _side_by_side(f"scale {size}", lambda size=size: ts_scale(url, size, reps),
-                                 lambda size=size: actor_scale(cls, size, reps))
-            a["take512_vs_actor"] = round(a["take512_ms"] / b["take512_ms"], 2)
-            scale[str(size)] = {"tracestore": a, "actor": b}
-            print(f"   {size}: tracestore {a}\n   {size}: actor {b}", flush=True)
-        small, large = scale[str(sizes[0])], scale[str(sizes[-1])]
-        for who in ("tracestore", "actor"):
-            for fig in large[who]:
-                if fig.endswith("_ms") or fig.endswith("_per_group"):
-                    scale.setdefault("growth", {}).setdefault(who, {})[fig] = round(
-                        large[who][fig] / small[who][fig], 2
-                    )
-        out["scale"] = scale
-        g = scale["growth"]["tracestore"]
-        out["goal_take_no_slower_than_actor_at_smallest"] = small["tracestore"]["take512_vs_actor"] <= 1.0
+        ts, ts_close = ts_buffers(url, sizes)
+        actor_sys, actor_close = actor_buffers(cls, sizes)
+        try:
+            got = scale({"tracestore": ts, "actor": actor_sys}, sizes, reps)
+        finally:
+            ts_close()
+            actor_close()
+        table = scale_table(got, sizes)
+        out["scale"] = table
+        g = table["growth"]["tracestore"]
+        out["goal_take_no_slower_than_actor_at_smallest"] = table[str(sizes[0])]["tracestore"]["take512_vs_actor"] <= 1.0
         out["goal_take_flat_within_1.5x"] = g["take512_ms"] <= 1.5
         out["goal_expire100_flat_within_1.5x"] = g["expire100_ms"] <= 1.5
         out["goal_expire_per_group_flat_within_1.5x"] = g["expire1pct_us_per_group"] <= 1.5
