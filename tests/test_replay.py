@@ -40,10 +40,13 @@ def _events(store: TraceStore) -> list[dict[str, str]]:
 
 
 def _snapshot(store: TraceStore) -> dict[str, Any]:
-    """Everything a replay call may change, to prove that a refused call wrote nothing."""
+    """Everything a replay call may change, to prove that a refused (or no-op) call wrote nothing."""
     r = store.redis
     k = store.keys
-    snap: dict[str, Any] = {"events": r.xlen(k.events), "seq": r.get(k.rb_seq), "sids": r.hgetall(k.rb_sids)}
+    snap: dict[str, Any] = {
+        "events": r.xlen(k.events), "seq": r.get(k.rb_seq), "bytes": r.hgetall(k.rb_bytes),
+        "groups": r.hgetall(k.rb_groups), "sids": r.hgetall(k.rb_sids), "payloads": r.hgetall(k.rb_payloads),
+    }
     for owner in (PRODUCER, REPLAY_OWNER, "train:0"):
         snap[owner] = sorted(r.smembers(k.owner(owner)))
     for t in sorted(x.decode() for x in r.smembers(k.rb_tasks)):

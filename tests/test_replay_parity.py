@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import connect_async
+from tests.test_replay import _snapshot
 from tracestore import (
     InvalidId,
     InvalidInput,
@@ -67,22 +68,6 @@ def _put(store: TraceStore, gid: str, versions: list[list[int]] | None = None, *
 
 def _events(store: TraceStore) -> list[tuple[str, str]]:
     return [(v[b"sid"].decode(), v[b"reason"].decode()) for _, v in store.redis.xrange(store.keys.events)]
-
-
-def _snapshot(store: TraceStore) -> dict[str, Any]:
-    """Everything a replay call may change (to prove that a refused or no-op call wrote nothing)."""
-    r, k = store.redis, store.keys
-    snap: dict[str, Any] = {
-        "events": r.xlen(k.events), "seq": r.get(k.rb_seq), "bytes": r.hgetall(k.rb_bytes),
-        "groups": r.hgetall(k.rb_groups), "sids": r.hgetall(k.rb_sids), "payloads": r.hgetall(k.rb_payloads),
-    }
-    for owner in (PRODUCER, REPLAY_OWNER, "train:0"):
-        snap[owner] = sorted(r.smembers(k.owner(owner)))
-    for t in sorted(x.decode() for x in r.smembers(k.rb_tasks)):
-        for s in ("completed", "aborted", "expired"):
-            snap[f"{t}:{s}"] = r.zrange(k.rb_queue(t, s), 0, -1, withscores=True)
-            snap[f"{t}:{s}:v"] = r.zrange(k.rb_versions(t, s), 0, -1, withscores=True)
-    return snap
 
 
 # -- issue 13, items 1-5: fixes ----------------------------------------------------------------
