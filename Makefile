@@ -11,20 +11,21 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install train demo test lint bench clean
+.PHONY: install train demo test test-model-long fuzz lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[ray,dev]"
+	$(PIP) install -q -e ".[ray,gateway,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-## The main job on the embedded default server: a short run of the reference RL trainer.
+## The main job on the embedded default server: a short run of the reference RL trainer,
+## its agents calling a session gateway over HTTP with the openai SDK (--agents local: in process).
 train: $(STAMP)
-	$(VENV)/bin/tracestore train
+	$(VENV)/bin/tracestore train --agents http
 
 ## The scripted tour of every part, one table each.
 demo: $(STAMP)
@@ -35,6 +36,18 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check tracestore trainer tests benchmarks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+## The trace model test's long random profile (not part of `make test`, which runs its
+## fixed-seed profile): 3,000 random programs per backend, up to an hour; a failure prints
+## how to replay it (PYTEST_ARGS=--hypothesis-seed=N replays a seed).
+test-model-long: $(STAMP)
+	TRACESTORE_MODEL_PROFILE=long $(VENV)/bin/pytest tests/test_traces_model.py --timeout=7200 $(PYTEST_ARGS)
+
+## The long fuzz of the public API (make test runs a short fixed-seed one); counts in fuzz-report.json.
+fuzz: $(STAMP)
+	rm -f fuzz-report.json
+	TRACESTORE_FUZZ=long TRACESTORE_FUZZ_REPORT=fuzz-report.json $(VENV)/bin/pytest tests/test_fuzz.py -q --timeout 0
+	cat fuzz-report.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tracestore trainer tests benchmarks

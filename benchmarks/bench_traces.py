@@ -296,7 +296,7 @@ def run(quick: bool) -> dict[str, Any]:
         "contexts": {},
     }
     server = EmbeddedServer().start()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         store = TraceStore.connect(server.url, run=f"bench-{uuid.uuid4().hex[:6]}")
         for context in CONTEXTS:

@@ -5,7 +5,7 @@
 -- groups leave the buffer, atomically. A group expired per member comes back
 -- with its fresh members as sids and the released ones in its `reroll`.
 -- Session keys: in-script or declared, as in lua/_lib/rb.lua.
--- KEYS: 12+
+-- KEYS: 13+
 -- KEYS[1] = ts:{R}:rb:q:<task>:aborted     zset gid -> seq
 -- KEYS[2] = ts:{R}:rb:v:<task>:aborted     zset gid -> min_version + seq/2^32
 -- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
@@ -18,7 +18,8 @@
 -- KEYS[10] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
 -- KEYS[11] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
 -- KEYS[12] = ts:{R}:owners:lost            zset owner -> lost ms
--- KEYS[13..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
+-- KEYS[13] = ts:{R}:stats                  hash of the run's counters
+-- KEYS[14..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = task
 -- ARGV[2] = n (int >= 1): most groups claimed
 -- ARGV[3] = producer owner tag
@@ -28,8 +29,10 @@
 -- ARGV[7] = s, then s sids (those of the declared session keys)
 -- returns: {0, 'NEED', sid...}   declared session keys missing; nothing written
 --          {0, 'OK', m, m x (gid, record, sids, payload)}   aborted groups, then expired ones
--- errors: OWNER_LOST (owner, lost_ms), INVALID_INPUT (field, message)
+-- errors: OWNER_LOST (owner, lost_ms), INVALID_INPUT (field, message),
+--         CORRUPT (key, gid, detail): a group the client could not decode; nothing written
 -- include: op
+-- include: stats
 -- include: sessions
 -- include: rb
 local qa, va, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -37,7 +40,7 @@ local rb = {oreplay = KEYS[5], oto = KEYS[6], groups = KEYS[7], sidskey = KEYS[8
   bkey = KEYS[10], to = ARGV[3], replay = ARGV[4]}
 local opkey = KEYS[11]
 local task, n = ARGV[1], tonumber(ARGV[2])
-local early = rb_open(rb, opkey, KEYS[12], 12, 6)
+local early = rb_open(rb, opkey, KEYS[12], 13, 6)
 if early then return early end
 local window = n
 if rb.spre == '' then window = 2 * n + 8 end
@@ -62,9 +65,12 @@ for k = 1, npicked do
   if from[cand[k]] == 'a' then pa[#pa + 1] = cand[k] else pe[#pe + 1] = cand[k] end
 end
 local la, le = rb_load(rb, pa), rb_load(rb, pe)
+if la.corrupt then return la.corrupt end
+if le.corrupt then return le.corrupt end
 
 -- commit; the reply lists the aborted groups, then the expired ones (the client orders them by seq)
 local out = {0, 'OK', npicked}
-rb_hand_over(rb, la, qa, va, 'aborted', task, out)
-rb_hand_over(rb, le, qe, ve, 'expired', task, out)
+rb_hand_over(rb, la, {q = qa, v = va, status = 'aborted', task = task}, out)
+rb_hand_over(rb, le, {q = qe, v = ve, status = 'expired', task = task}, out)
+if npicked > 0 then redis.call('HINCRBY', KEYS[13], 'groups_claimed', npicked) end
 return op_record(opkey, tonumber(ARGV[5]), out)

@@ -8,7 +8,7 @@
 -- in its `reroll`. A released group's sessions are released (reason
 -- 'expired', one event each) and the group is deleted.
 -- Session keys: in-script or declared, as in lua/_lib/rb.lua.
--- KEYS: 12+
+-- KEYS: 13+
 -- KEYS[1] = ts:{R}:rb:q:<task>:<status>    zset gid -> seq (status completed or aborted)
 -- KEYS[2] = ts:{R}:rb:v:<task>:<status>    zset gid -> min_version + seq/2^32
 -- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
@@ -21,7 +21,8 @@
 -- KEYS[10] = ts:{R}:rb:payloads            hash gid -> payload (json)
 -- KEYS[11] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
 -- KEYS[12] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
--- KEYS[13..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
+-- KEYS[13] = ts:{R}:stats                  hash of the run's counters
+-- KEYS[14..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = task
 -- ARGV[2] = cutoff: a group is stale when min_version < cutoff (int)
 -- ARGV[3] = retryable: "" (each group's own flag), "1" (keep all), "0" (release all)
@@ -33,23 +34,25 @@
 -- ARGV[9] = s, then s sids (those of the declared session keys)
 -- returns: {0, 'NEED', sid...}   declared session keys missing; nothing written
 --          {0, 'OK', more (0|1), k, kept gid..., r, released gid..., s, released sid...}
--- errors: INVALID_INPUT (field, message)
+-- errors: INVALID_INPUT (field, message), CORRUPT (key, gid, detail): nothing written
 -- include: clock
 -- include: op
+-- include: stats
 -- include: sessions
 -- include: rb
 local q, v = KEYS[1], KEYS[2]
 local rb = {qe = KEYS[3], ve = KEYS[4], oreplay = KEYS[5], released = KEYS[6], events = KEYS[7],
-  groups = KEYS[8], sidskey = KEYS[9], payloads = KEYS[10], bkey = KEYS[11], replay = ARGV[5], rel_s = {}}
+  groups = KEYS[8], sidskey = KEYS[9], payloads = KEYS[10], bkey = KEYS[11], replay = ARGV[5], rel_s = {}, st = {}}
 local opkey = KEYS[12]
 local cutoff, limit = ARGV[2], tonumber(ARGV[4])
-local early = rb_open(rb, opkey, nil, 12, 8)
+local early = rb_open(rb, opkey, nil, 13, 8)
 if early then return early end
 
 local stale = rb_stale(v, cutoff, limit)
 local need = rb_need(rb, stale, #stale)
 if need then return need end
-local groups = rb_load_groups(rb, stale)
+local groups, corrupt = rb_load_groups(rb, stale)
+if corrupt then return corrupt end
 
 rb.now = now_ms()
 local opts = {keep = ARGV[3], per_member = ARGV[7], cutoff = tonumber(cutoff)}
@@ -61,6 +64,8 @@ for _, g in ipairs(groups) do
     rel_g[#rel_g + 1] = g.gid
   end
 end
+sessions_release_flush(rb.rel)
+stats_flush(KEYS[13], rb.st)
 local more = 0
 if #stale == limit and rb_count_stale(v, cutoff) > 0 then more = 1 end
 local out = {0, 'OK', more, #kept}

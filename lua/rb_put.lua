@@ -8,7 +8,9 @@
 -- members are released and listed in `reroll`. Nothing is written unless
 -- every session is live and owned by the putter and the group id is not
 -- stored yet. Idempotent under retry. Group layout: lua/_lib/rb.lua.
--- KEYS: 15+
+-- Counted in ts:{R}:stats: groups_put for a stored group (and groups_expired
+-- when it is stored as `expired` at put), the released sessions.
+-- KEYS: 16+
 -- KEYS[1] = ts:{R}:rb:groups             hash gid -> record (json)
 -- KEYS[2] = ts:{R}:rb:sids               hash gid -> sids (json)
 -- KEYS[3] = ts:{R}:rb:payloads           hash gid -> payload (json)
@@ -24,7 +26,8 @@
 -- KEYS[13] = ts:{R}:released             zset tombstones
 -- KEYS[14] = ts:{R}:events               stream of release events
 -- KEYS[15] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
--- KEYS[16..15+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
+-- KEYS[16] = ts:{R}:stats                hash of the run's counters
+-- KEYS[17..16+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
 -- ARGV[1] = gid
 -- ARGV[2] = task
 -- ARGV[3] = status: completed | aborted | expired | failed | filtered
@@ -45,13 +48,15 @@
 --         INVALID_INPUT (field, message)
 -- include: clock
 -- include: op
+-- include: stats
 -- include: sessions
 -- include: rb
 local groups, sidskey, payloads = KEYS[1], KEYS[2], KEYS[3]
 local q, v, qe, ve = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local seqkey, tasks, bkey = KEYS[8], KEYS[9], KEYS[10]
 local oown, oreplay, released, events, opkey = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
-local K0, A0 = 15, 14
+local statskey = KEYS[16]
+local K0, A0 = 16, 14
 local gid, task, status = ARGV[1], ARGV[2], ARGV[3]
 local minv, retryable = tonumber(ARGV[5]), ARGV[6]
 local owner, replay, ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
@@ -80,14 +85,19 @@ if status == 'failed' or status == 'filtered' then
 elseif (status == 'expired' or stale) and retryable ~= '1' then
   reason = 'expired'
 end
-local rel = {owner = owner, okey = oown, released = released, events = events, now = now_ms()}
+local st = {}
+local rel = {owner = owner, okey = oown, released = released, events = events, now = now_ms(), st = st}
 if reason then
   rel.reason = reason
   local out = {0, 0, 0, ''}
+  local skeys, sids = {}, {}
   for i = 1, n do
-    local sid = ARGV[A0 + i]
-    if session_release(KEYS[K0 + i], sid, rel) then out[#out + 1] = sid end
+    skeys[i] = KEYS[K0 + i]
+    sids[i] = ARGV[A0 + i]
   end
+  sessions_release(rel, skeys, sids, out)
+  sessions_release_flush(rel)
+  stats_flush(statskey, st)
   return op_record(opkey, ttl, out)
 end
 
@@ -107,11 +117,12 @@ if stale and per_member == '1' and agentic ~= '1' then
 end
 rel.reason = 'expired'
 local keep, keep_mv, reroll, out_rel = {}, {}, {}, {}
+local rkeys = {}
 for i = 1, n do
   local sid = ARGV[A0 + i]
   if drop[i] then
     reroll[#reroll + 1] = sid
-    if session_release(KEYS[K0 + i], sid, rel) then out_rel[#out_rel + 1] = sid end
+    rkeys[#rkeys + 1] = KEYS[K0 + i]
   else
     keep[#keep + 1] = sid
     keep_mv[#keep_mv + 1] = mv[i]
@@ -119,6 +130,8 @@ for i = 1, n do
     redis.call('HSET', KEYS[K0 + i], 'group', gid)
   end
 end
+sessions_release(rel, rkeys, reroll, out_rel)
+sessions_release_flush(rel)
 local sids_json, mv_json = ARGV[4], ARGV[12]
 if #reroll > 0 then sids_json, mv_json = rb_json_list(keep), rb_json_list(keep_mv) end
 local rec = rb_rec({task = task, status = status, min_version = minv, seq = seq, retryable = retryable,
@@ -131,6 +144,9 @@ redis.call('ZADD', q, seq, gid)
 redis.call('ZADD', v, minv + seq / RB_TWO32, gid)
 redis.call('SADD', tasks, task)
 redis.call('HINCRBY', bkey, status .. ' ' .. task, #rec + #sids_json + #ARGV[7])
+stats_add(st, 'groups_put', 1)
+if stale then stats_add(st, 'groups_expired', 1) end
+stats_flush(statskey, st)
 local out = {0, 1, seq, status}
 for _, sid in ipairs(out_rel) do out[#out + 1] = sid end
 return op_record(opkey, ttl, out)

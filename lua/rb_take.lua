@@ -10,7 +10,7 @@
 -- even the expiry. With at_most, each task gives up to n_i (never SHORT).
 -- Session keys: in-script or declared (lua/_lib/rb.lua); with declared keys a
 -- call that lacks a session key returns NEED and writes nothing.
--- KEYS: 10+
+-- KEYS: 11+
 -- KEYS[1] = ts:{R}:o:<replay>              set: sessions of the buffer
 -- KEYS[2] = ts:{R}:o:<taker>               set: sessions of the taker
 -- KEYS[3] = ts:{R}:released                zset tombstones
@@ -21,9 +21,10 @@
 -- KEYS[8] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
 -- KEYS[9] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
 -- KEYS[10] = ts:{R}:owners:lost            zset owner -> lost ms
--- KEYS[11+4(i-1)..14+4(i-1)] = for task i of T: ts:{R}:rb:q:<task>:completed,
+-- KEYS[11] = ts:{R}:stats                  hash of the run's counters
+-- KEYS[12+4(i-1)..15+4(i-1)] = for task i of T: ts:{R}:rb:q:<task>:completed,
 --     ts:{R}:rb:v:<task>:completed, ts:{R}:rb:q:<task>:expired, ts:{R}:rb:v:<task>:expired
--- KEYS[11+4T..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
+-- KEYS[12+4T..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = cutoff: a group is stale when min_version < cutoff ("" = no bound)
 -- ARGV[2] = policy: fifo | staleness
 -- ARGV[3] = taker owner tag
@@ -41,25 +42,27 @@
 --          {0, 'EXPIRE_FIRST', stale}          too many stale groups for one call; nothing written
 --          {0, 'OK', k, kept gid..., r, released sid..., then per task: m, m x (gid, record,
 --              sids, payload)}
--- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message)
+-- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message),
+--         CORRUPT (key, gid, detail): a group the client could not decode; nothing written
 -- include: clock
 -- include: op
+-- include: stats
 -- include: sessions
 -- include: rb
 local rb = {oreplay = KEYS[1], oto = KEYS[2], released = KEYS[3], events = KEYS[4],
   groups = KEYS[5], sidskey = KEYS[6], payloads = KEYS[7], bkey = KEYS[8],
-  to = ARGV[3], replay = ARGV[4], rel_s = {}}
+  to = ARGV[3], replay = ARGV[4], rel_s = {}, st = {}}
 local opkey = KEYS[9]
 local cutoff, policy = ARGV[1], ARGV[2]
 local max_stale, at_most = tonumber(ARGV[6]), ARGV[7] == '1'
 local ntasks = tonumber(ARGV[9])
 local tasks = {}
 for i = 1, ntasks do
-  local k = 10 + 4 * (i - 1)
+  local k = 11 + 4 * (i - 1)
   tasks[i] = {name = ARGV[8 + 2 * i], n = tonumber(ARGV[9 + 2 * i]),
     qc = KEYS[k + 1], vc = KEYS[k + 2], qe = KEYS[k + 3], ve = KEYS[k + 4]}
 end
-local early = rb_open(rb, opkey, KEYS[10], 10 + 4 * ntasks, 10 + 2 * ntasks)
+local early = rb_open(rb, opkey, KEYS[10], 11 + 4 * ntasks, 10 + 2 * ntasks)
 if early then return early end
 -- with declared keys a NEED names a window of spare candidates beyond n, so
 -- a retry survives other takers removing the head; in-script keys need none
@@ -120,13 +123,16 @@ if spare then
   if need then return need end
 end
 for _, t in ipairs(tasks) do
-  t.stale_groups = rb_load_groups(rb, t.stale)
+  local corrupt
+  t.stale_groups, corrupt = rb_load_groups(rb, t.stale)
+  if corrupt then return corrupt end
   if t.pick < #t.cand then
     local picked = {}
     for i = 1, t.pick do picked[i] = t.cand[i] end
     t.cand = picked
   end
   t.loaded = rb_load(rb, t.cand)
+  if t.loaded.corrupt then return t.loaded.corrupt end
 end
 
 -- commit
@@ -145,6 +151,9 @@ out[#out + 1] = #rb.rel_s
 for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
 for _, t in ipairs(tasks) do
   out[#out + 1] = #t.loaded.gids
-  rb_hand_over(rb, t.loaded, t.qc, t.vc, 'completed', t.name, out)
+  rb_hand_over(rb, t.loaded, {q = t.qc, v = t.vc, status = 'completed', task = t.name}, out)
+  stats_add(rb.st, 'groups_taken', #t.loaded.gids)
 end
+sessions_release_flush(rb.rel)
+stats_flush(KEYS[11], rb.st)
 return op_record(opkey, tonumber(ARGV[5]), out)

@@ -176,3 +176,27 @@ def standalone_url(servers: _Servers) -> str:
 def cluster_url(servers: _Servers) -> str:
     """The embedded 3-primary cluster."""
     return servers.url("cluster")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One block of skip reasons with counts at the end of the run (issue 12 item 7).
+
+    ``addopts`` reports failures, errors and xfails test by test (``-rfExX``)
+    but not skips: a backend that is not there skips ~250 tests, and one line
+    each would bury the summary. Here each reason appears once, with how many
+    tests it skipped and in which files.
+    """
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    by_reason: dict[str, list[str]] = {}
+    for rep in skipped:
+        longrepr = rep.longrepr
+        reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+        by_reason.setdefault(reason.removeprefix("Skipped: "), []).append(rep.nodeid.split("::")[0])
+    terminalreporter.write_sep("=", f"skipped: {len(skipped)} tests, {len(by_reason)} reasons")
+    for reason, files in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        names = sorted(set(files))
+        where = ", ".join(n.removeprefix("tests/") for n in names[:4])
+        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+        terminalreporter.write_line(f"{len(files):5d}  {reason}  ({where}{more})")

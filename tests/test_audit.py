@@ -174,13 +174,14 @@ def test_gc_owner_lost_counts_a_later_chunk_that_saw_the_deadline_pass(store: Tr
     n = 4001  # two chunks
     sids = [f"ce{i:05d}" for i in range(n)]
     store.open_sessions(sids, owner)
-    store.heartbeat(owner, 1.0)
+    store.heartbeat(owner, 60)
     gen = gcmod.release_lost_owner(store.context, owner)
     members = store.execute(next(gen))
     batch = gen.send(members)
     assert isinstance(batch, Batch) and len(batch.requests) == 2
     first = store.execute(batch.requests[0])  # the owner is still alive here
-    time.sleep(1.1)  # its deadline passes before the second chunk runs
+    store.heartbeat(owner, 0.05)  # its last heartbeat: the deadline passes before the second chunk
+    time.sleep(0.1)
     second = store.execute(batch.requests[1])
     assert int(first[0]) == 0 and int(second[0]) == 1 and text(second[1]) == sids[-1]
     released: list[str] = []

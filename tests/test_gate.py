@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests._dump import dump_run
 from tests.conftest import connect_async
 from tracestore import TraceStore
 from tracestore.errors import (
@@ -24,25 +25,9 @@ from tracestore.errors import (
     UnknownLease,
 )
 from tracestore.gate import Lease, _reopen_as, _seal_as, admit, admit_many, drain, install, settle
-from tracestore.scripts import Batch, Cmd, ScanAll
+from tracestore.scripts import Batch, Cmd
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def dump_run(store: TraceStore) -> dict[str, tuple[Any, bool]]:
-    """Every key of the run with its serialised value and whether it has a TTL.
-
-    Two dumps compare equal only when no key of the run was created, deleted
-    or changed in between (refusals must leave the state untouched).
-    """
-    keys = sorted(store.execute(ScanAll(f"{store.keys.prefix}:{{{store.run_id}*")))
-    if not keys:
-        return {}
-    replies = store.execute(
-        Batch(tuple(Cmd(("DUMP", k), key=k) for k in keys) + tuple(Cmd(("PTTL", k), key=k) for k in keys))
-    )
-    n = len(keys)
-    return {k: (replies[i], int(replies[n + i]) >= 0) for i, k in enumerate(keys)}
 
 
 def live_and_poison(store: TraceStore) -> tuple[set[str], set[str]]:
@@ -70,8 +55,15 @@ def test_admit_settle_receipts_and_versions(store: TraceStore) -> None:
     again = g.settle(lease.id, "failed")
     assert again == first and again.replayed and again.outcome == "completed"
     assert g.status().live == 0
-    rec = g.lease_records([lease.id])[0]
-    assert rec is not None and (rec.sid, rec.holder, rec.outcome) == ("s1", "worker-1", "completed")
+    live = g.admit("s2", "worker-2", 30)
+    rec, live_rec = g.lease_records([lease.id, live.id])
+    assert live_rec is not None and (live_rec.sid, live_rec.holder, live_rec.outcome) == ("s2", "worker-2", None)
+    # a settled lease keeps only its receipt (what a retried settle returns), until op_ttl_s
+    assert rec is not None and (rec.outcome, rec.version, rec.settled_ms) == ("completed", 0, first.settled_ms)
+    assert (rec.sid, rec.holder) == ("s1", "")
+    assert sorted(store.redis.hkeys(store.keys.gate_lease(lease.id))) == [b"outcome", b"settled_ms", b"sid", b"version"]
+    assert 0 < store.redis.pttl(store.keys.gate_lease(lease.id)) <= store.config.op_ttl_s * 1000
+    g.settle(live, "completed")
 
     with g.weight_update(version=7, drain_timeout_s=1) as res:
         assert res.drained and res.ok
@@ -127,11 +119,10 @@ def test_unknown_outcome_poisons_and_late_definite_settle_resolves(store: TraceS
 
 def test_renew_extends_and_an_expired_lease_is_not_revived(store: TraceStore) -> None:
     g = store.gate
-    lease = g.admit("s1", "w", 0.3)
-    time.sleep(0.15)
-    renewed = g.renew(lease, 5)
+    lease = g.admit("s1", "w", 0.5)
+    renewed = g.renew(lease, 5)  # one round trip after the admit: well inside its 0.5 s
     assert renewed.deadline_ms > lease.deadline_ms + 4000
-    time.sleep(0.25)
+    time.sleep(0.6)  # past the first deadline
     assert g.status().live == 1  # renewed: not overdue
     short = g.admit("s2", "w", 0.05)
     time.sleep(0.1)
@@ -252,7 +243,9 @@ def test_seal_race_no_admission_after_seal_and_no_lease_lost(store: TraceStore) 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.4)
+    deadline = time.monotonic() + 30
+    while len(admitted) < 60 and time.monotonic() < deadline:  # a busy gate, however slow the box
+        time.sleep(0.01)
     st = g.seal()
     sealed.set()
     for t in threads:
@@ -344,6 +337,30 @@ def test_weight_update_reopens_without_installing_when_the_body_raises(store: Tr
     assert g.status().version == 3
 
 
+def test_weight_update_checks_the_version_before_sealing(store: TraceStore) -> None:
+    g = store.gate
+    fresh = dump_run(store)
+    assert store.keys.gate not in fresh  # a fresh run: the gate has no key yet
+    with pytest.raises(StaleVersion) as sv:
+        with g.weight_update(0, drain_timeout_s=30):
+            pytest.fail("body must not run for a version that can never install")
+    assert (sv.value.current, sv.value.requested) == (0, 0)
+    assert dump_run(store) == fresh  # nothing sealed, no ts:{R}:gate left behind
+    with g.weight_update(4, drain_timeout_s=1):
+        pass
+    lease = g.admit("s", "w", 60)  # a live lease: a drain would wait its whole timeout
+    before = dump_run(store)
+    t0 = time.monotonic()
+    for v in (4, 3):
+        with pytest.raises(StaleVersion):
+            with g.weight_update(v, drain_timeout_s=30):
+                pytest.fail("body must not run")
+    assert time.monotonic() - t0 < 5  # refused at once, not after the drain timeout
+    assert dump_run(store) == before  # admissions were never refused; nothing written
+    g.settle(g.admit("s2", "w", 5), "completed")
+    g.settle(lease, "completed")
+
+
 def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> None:
     g = store.gate
     g.seal()  # an operator paused admissions
@@ -363,15 +380,17 @@ def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> N
     g.reopen()
     # sealer tokens: a retried seal still holds; another token cannot reopen it
     ctx = store.context
-    req = next(_seal_as(ctx, "a" * 32))
+    a, b = ctx.op("a" * 32, "update"), ctx.op("b" * 32, "update")
+    req = next(_seal_as(ctx, a, 6))
     assert store.execute(req)[-1] == store.execute(req)[-1] in ("a" * 32, b"a" * 32)
-    assert store.run(_reopen_as(ctx, "b" * 32)).state == "sealed"
+    assert store.run(_reopen_as(ctx, b)).state == "sealed"
     # a weight update that died while sealed: the next one takes its seal over and reopens
     with g.weight_update(6, drain_timeout_s=1):
         pass
     assert (g.status().state, g.status().version) == ("open", 6)
-    assert store.run(_seal_as(ctx, "a" * 32))
-    assert store.run(_reopen_as(ctx, "a" * 32)).state == "open"
+    a2 = ctx.op("a2" * 16, "update")
+    assert store.run(_seal_as(ctx, a2, 7))
+    assert store.run(_reopen_as(ctx, a2)).state == "open"
 
 
 def test_async_weight_update_and_drain(url: str, run_id: str, arun: Any) -> None:
@@ -529,6 +548,51 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(store: TraceStore) ->
     assert g.status().version == 2
 
 
+# -- install guards, one test each (issue 18 item 2) ----------------------------------------------
+
+
+def test_install_is_refused_while_any_lease_is_live(store_factory: Any) -> None:
+    """Guard: gate_install.lua's live-lease check (invariant 1: no request in flight sees
+    its weights change). Every refusal changes nothing; the settle of the last lease
+    makes the same install succeed."""
+    a, b = store_factory(), store_factory()
+    leases = [a.gate.admit(f"s{i}", f"w{i}", 30) for i in range(3)]
+    a.gate.seal()
+    for left in (3, 2, 1):
+        before = dump_run(a)
+        for installer in (a, b):  # any client, same answer
+            with pytest.raises(NotDrained) as nd:
+                installer.gate.install(1)
+            assert (nd.value.state, nd.value.live) == ("sealed", left)
+        assert dump_run(a) == before
+        st = b.gate.status()
+        assert (st.version, st.live, st.installable) == (0, left, False)
+        a.gate.settle(leases[3 - left], "completed")
+    assert b.gate.install(1) == 0
+    assert a.gate.status().version == 1
+    assert [r.version for r in a.gate.lease_records([x.id for x in leases])] == [0, 0, 0]  # type: ignore[union-attr]
+
+
+def test_install_is_refused_on_an_open_gate(store: TraceStore) -> None:
+    """Guard: gate_install.lua's sealed check. With no lease live and nothing poisoned, only
+    the open state stands between a caller and a weight change under new admissions."""
+    g = store.gate
+    g.settle(g.admit("s0", "w", 30), "completed")
+    for _ in range(2):  # a gate never sealed, then one sealed and reopened
+        st = g.status()
+        assert (st.state, st.live, st.poisoned, st.installable) == ("open", 0, 0, False)
+        before = dump_run(store)
+        with pytest.raises(NotDrained) as nd:
+            g.install(1)
+        assert (nd.value.state, nd.value.live) == ("open", 0)
+        assert dump_run(store) == before
+        g.seal()
+        g.reopen()
+    g.seal()
+    assert g.install(1) == 0
+    assert g.status().version == 1
+
+
 # -- drain wakes on the last settle ----------------------------------------------------------------
 
 
@@ -541,7 +605,7 @@ def test_drain_wakes_on_the_last_settle_without_polling(store: TraceStore) -> No
 
     def drainer() -> None:
         # Drive the drain operation by hand to count the requests it sends.
-        gen = drain(store.context, 10)
+        gen = drain(store.context, 20)
         try:
             req = next(gen)
             while True:
@@ -560,11 +624,11 @@ def test_drain_wakes_on_the_last_settle_without_polling(store: TraceStore) -> No
     assert t.is_alive(), "drain returned with a lease still live"
     t0 = time.monotonic()
     g.settle(leases[-1], "completed")
-    t.join(5)
+    t.join(15)
     assert not t.is_alive()
-    assert out["t"] - t0 < 0.5
+    assert out["t"] - t0 < 10  # woken by the settle, long before drain's own 20 s timeout
     res = out["res"]
-    assert res.drained and res.live == 0 and res.waited_s < 2
+    assert res.drained and res.live == 0 and res.waited_s < 15
     # one check, one blocking read (woken by the last settle, not by the other 49), one check
     assert requests == ["Eval", "BLPOP", "Eval"]
 
@@ -574,16 +638,16 @@ def test_several_drainers_all_wake(store_factory: Any) -> None:
     lease = s1.gate.admit("s", "w", 30)
     s1.gate.seal()
     results: list[Any] = []
-    threads = [threading.Thread(target=lambda s=s: results.append(s.gate.drain(5))) for s in (s2, s3)]
+    threads = [threading.Thread(target=lambda s=s: results.append(s.gate.drain(20))) for s in (s2, s3)]
     for t in threads:
         t.start()
     time.sleep(0.3)
     t0 = time.monotonic()
     s1.gate.settle(lease, "completed")
     for t in threads:
-        t.join(5)
+        t.join(15)
     assert len(results) == 2 and all(r.drained for r in results)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10  # both woken by the settle, not by their 20 s timeout
 
 
 def test_drain_times_out_and_reports_live(store: TraceStore) -> None:

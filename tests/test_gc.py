@@ -16,8 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 from tests.test_ownership import _race, data_intact, data_purged, events, write_turn
-from tracestore import InvalidInput, SessionReleased, TraceStore
+from tracestore import Group, InvalidInput, SessionReleased, TraceStore
+from tracestore import gc as gcmod
 from tracestore.cli import main
+from tracestore.scripts import Batch, Eval
 
 
 def test_gc_purges_data_left_by_a_crash_between_release_and_purge(store: TraceStore) -> None:
@@ -54,20 +56,22 @@ def test_gc_trims_tombstones_past_retention_only(store: TraceStore) -> None:
     store.open_sessions(["old", "young", "live"], "train:1")
     write_turn(store, "old")
     store.release(["old"], "train:1")
-    time.sleep(0.3)
-    store.release(["young"], "train:1")
+    time.sleep(0.5)  # "old" is now older than the 0.4 s retention below, for good
 
-    assert store.gc().tombstones_trimmed == 0  # default retention: 7 days
+    assert store.gc().tombstones_trimmed == 0  # default retention: 1 day
     with pytest.raises(SessionReleased):
         store.open_session("old", "rollout:0")
 
-    report = store.gc(tombstone_retention_s=0.2)
+    # "young" is released one round trip before the gc pass reads the server clock: well
+    # inside 0.4 s (the pass skips the data scan, whose time grows with the whole keyspace).
+    store.release(["young"], "train:1")
+    report = store.gc(tombstone_retention_s=0.4, scan_data=False)
     assert report.tombstones_trimmed == 1
     r, k = store.redis, store.keys
     assert r.zscore(k.released, "old") is None and r.zscore(k.released, "young") is not None
     assert not r.exists(k.session("old")) and not r.exists(k.dead("old"))
     assert store.session_states(["young", "live"]) == {
-        "young": ("train:1", "released"),
+        "young": ("", "released"),
         "live": ("train:1", "live"),
     }
     # Past the retention an id is forgotten; that is what the retention is for.
@@ -124,9 +128,11 @@ def test_gc_removes_groups_of_gone_holders_then_trims_by_retention(store: TraceS
     store.redis.xgroup_create(k, "gone", id="0")
     store.redis.xgroup_create(k, "alive", id="0")
     _read_group(store, "gone", 1, ack=0)  # reads once, then its process dies
-    time.sleep(0.4)
+    time.sleep(0.6)  # "gone" is idle for longer than the 0.5 s limit below, for good
     _read_group(store, "alive", 1, ack=1)
-    report = store.gc(group_idle_limit_s=0.3)
+    # "alive" read a few round trips before gc looks (no data scan, whose time grows with
+    # the whole keyspace): well inside 0.5 s.
+    report = store.gc(group_idle_limit_s=0.5, scan_data=False)
     assert report.groups_removed == ("gone",)
     names = {g["name"] for g in store.redis.xinfo_groups(k)}
     assert {n.decode() if isinstance(n, bytes) else n for n in names} == {"alive"}
@@ -135,6 +141,59 @@ def test_gc_removes_groups_of_gone_holders_then_trims_by_retention(store: TraceS
     assert store.gc().events_trimmed == 0  # no group: keep a day of events
     assert store.gc(event_retention_s=0).events_trimmed == 3
     assert store.redis.xlen(k) == 0
+
+
+def test_gc_owner_lost_script_never_declares_a_fresh_owner_lost(store: TraceStore) -> None:
+    """Guard: gc_owner_lost.lua's own heartbeat-deadline check (server clock).
+
+    Called directly, the script leaves an owner alone whose deadline is in the future or
+    who never heart-beat. And in a real gc pass that selected an owner as expired, an
+    owner that heart-beats between that selection and the script is not declared lost
+    (the client's view is stale; only the server-side check sees the new deadline).
+    """
+    store.heartbeat("rollout:fresh", 60)
+    store.open_sessions(["f0", "f1"], "rollout:fresh")
+    store.open_sessions(["n0"], "rollout:never-beat")
+    write_turn(store, "f0")
+    for owner in ("rollout:fresh", "rollout:never-beat"):
+        gen = gcmod.release_lost_owner(store.context, owner)
+        members = store.execute(next(gen))
+        batch = gen.send(members)
+        replies = store.execute(batch)
+        assert [int(r[0]) for r in replies] == [0]  # the script itself says: not lost
+        with pytest.raises(StopIteration) as stop:
+            gen.send(replies)
+        assert stop.value.value == (False, [])
+    assert store.redis.zcard(store.keys.owners_lost) == 0
+    assert store.sessions("rollout:fresh") == ["f0", "f1"] and data_intact(store, "f0")
+    assert store.sessions("rollout:never-beat") == ["n0"]
+    store.heartbeat("rollout:fresh", 60)  # not lost: its heartbeat is still accepted
+
+    # gc selects an expired owner, the owner heart-beats, then gc's script runs.
+    store.heartbeat("rollout:late", 0.05)
+    store.open_sessions(["l0", "l1"], "rollout:late")
+    write_turn(store, "l0")
+    time.sleep(0.1)
+    gen2 = gcmod.gc(store.context, scan_data=False)
+    req = next(gen2)
+    scripts_seen: list[str] = []
+    try:
+        while True:
+            if isinstance(req, Batch) and any(
+                isinstance(r, Eval) and r.script.name == "gc_owner_lost" for r in req.requests
+            ):
+                if not scripts_seen:
+                    assert [r.args[0] for r in req.requests] == ["rollout:late"]  # selected as expired
+                    store.heartbeat("rollout:late", 60)  # ... and alive again before the script runs
+                scripts_seen.append("gc_owner_lost")
+            req = gen2.send(store.execute(req))
+    except StopIteration as stop2:
+        report = stop2.value
+    assert scripts_seen, "gc never called gc_owner_lost"
+    assert report.owners_lost == () and report.sessions_released == ()
+    assert store.redis.zscore(store.keys.owners_lost, "rollout:late") is None
+    assert store.sessions("rollout:late") == ["l0", "l1"] and data_intact(store, "l0")
+    assert events(store) == []
 
 
 def test_gc_rejects_bad_arguments_before_io(store: TraceStore) -> None:
@@ -208,3 +267,46 @@ def test_gc_async(url: str, run_id: str, arun: Any) -> None:
     assert rep.sessions_purged == ("t0",)
     assert rep.groups_removed == ()
     assert rep.events_trimmed == 0  # the group still has the first event pending
+
+
+def test_a_clean_run_leaves_its_data_and_counters_only(url: str, run_id: str) -> None:
+    """Issue 12 item 4: after a run that closed cleanly and its retry records expired, no lease,
+    op record, heartbeat, owner set or session hash is left, and gc finds nothing to do."""
+    st = TraceStore.connect(url, run=run_id, op_ttl_s=1)
+    st.heartbeat("rollout:0", 30)
+    st.heartbeat("train:1", 30)
+    router = st.router(["ep-a", "ep-b"])
+    sids = [f"s{i}" for i in range(8)]
+    st.open_sessions(sids, "rollout:0")
+    for s in sids:
+        router.acquire(s)
+        lease = st.gate.admit(s, "rollout:0", 30)
+        write_turn(st, s)
+        st.gate.settle(lease, "completed")
+    st.replay.put(Group("g1", "calc", tuple(sids[:4])), owner="rollout:0")
+    st.replay.put(Group("g2", "calc", tuple(sids[4:]), "failed"), owner="rollout:0")
+    st.replay.take("calc", 1, owner="train:1", current_version=0)
+    st.release_owner("train:1", "consumed")
+    router.retire(sids)
+    with st.gate.weight_update(1, 5):
+        pass
+    expected = st.stats()
+    st.close()
+    time.sleep(1.5)
+
+    with TraceStore.connect(url, run=run_id) as after:
+        r, k = after.redis, after.keys
+        control = {k.control_suffix(x.decode()) for x in r.scan_iter(match=k.control_pattern, count=1000)}
+        families = {c.split(":", 1)[0] if c.split(":", 1)[0] not in ("gate", "route", "rb") else c for c in control if c}
+        assert families <= {
+            "meta", "stats", "released", "events", "gate", "gate:signal", "route:retired", "rb:seq", "rb:tasks",
+            "rb:bytes",
+        }, families
+        if "gate:signal" in families:  # a drain's wake-up token, gone within a minute
+            assert 0 < r.pttl(k.gate_signal) <= 60_000
+        data = {x.decode() for x in r.scan_iter(match=k.data_pattern, count=1000)}
+        assert data == {k.dead(s) for s in sids}
+        assert after.stats() == expected and expected.turns_recorded == 8
+        assert (expected.sessions_opened, expected.sessions_released, expected.groups_put) == (8, 8, 1)
+        report = after.gc()
+        assert report.owners_lost == () and report.sessions_released == () and report.sessions_purged == ()

@@ -21,12 +21,14 @@ import orjson
 import pytest
 import redis
 
-from tests._netcut import CutProxy
+from tests._netcut import CutProxy, proxied_cluster
 from tests.conftest import _selected, connect_async
+from tests.test_gate import dump_run
 from tracestore import InvalidId, SessionReleased, TraceStore
 from tracestore._io import SyncIO
 from tracestore.errors import OwnerLost
 from tracestore.replies import text
+from tracestore.scripts import Eval, script
 from tracestore.store import AsyncTraceStore
 
 HERE = Path(__file__).resolve().parent
@@ -159,6 +161,121 @@ def test_released_id_cannot_be_reopened_and_data_writes_fail(store: TraceStore) 
         write_turn(store, "s")
     assert store.release(["s"], "train:1") == []
     assert len(events(store)) == 1
+
+
+def test_open_sessions_with_a_released_id_opens_none_of_the_batch(store: TraceStore) -> None:
+    """The batch form refuses a released id like ``open_session`` does, and writes nothing.
+
+    Guard: the released check of lua/open_sessions.lua (issue 18 item 1: without it a
+    released id was reopened and no test noticed).
+    """
+    store.open_sessions(["r1", "r2"], "train:1")
+    write_turn(store, "r1")
+    assert store.release(["r1", "r2"], "train:1", "consumed") == ["r1", "r2"]
+    store.open_session("live", "rollout:0")
+    before = dump_run(store)
+
+    for batch in (["n1", "r1", "n2"], ["r2"], ["n1", "n2", "n3", "r2"], ["r1", "r2"]):
+        with pytest.raises(SessionReleased) as exc:
+            store.open_sessions(batch, "rollout:0")
+        assert exc.value.sid == next(s for s in batch if s.startswith("r"))
+        assert dump_run(store) == before  # nothing opened, nothing else written
+    assert store.session_states(["n1", "n2", "n3", "r1", "r2"]) == {
+        "n1": None,
+        "n2": None,
+        "n3": None,
+        "r1": ("", "released"),
+        "r2": ("", "released"),
+    }
+    assert store.sessions("rollout:0") == ["live"]
+    with pytest.raises(SessionReleased):
+        write_turn(store, "r1")  # still released: the refused open did not revive its data
+    assert [e["sid"] for e in events(store)] == ["r1", "r2"]
+
+    # Nothing half-written: the same batch without the released id opens in full.
+    assert store.open_sessions(["n1", "n2"], "rollout:0") == 2
+    assert store.sessions("rollout:0") == ["live", "n1", "n2"]
+
+
+def test_open_sessions_is_all_or_nothing_per_chunk_of_4000(store: TraceStore) -> None:
+    """The documented limit of the batch form: each chunk of 4,000 ids is one atomic script.
+
+    A released id in the second chunk refuses that whole chunk (SessionReleased) while the
+    first chunk, a separate script, is opened.
+    """
+    chunk = script("open_sessions").chunk
+    assert chunk == 4000
+    store.open_session("gone", "train:1")
+    store.release(["gone"], "train:1")
+    first = [f"c1-{i:04d}" for i in range(chunk)]
+    second = [f"c2-{i:04d}" for i in range(10)]
+    with pytest.raises(SessionReleased) as exc:
+        store.open_sessions([*first, *second[:5], "gone", *second[5:]], "rollout:0")
+    assert exc.value.sid == "gone"
+    assert store.sessions("rollout:0") == first
+    states = store.session_states(second)
+    assert all(states[s] is None for s in second)
+
+
+def test_a_released_session_keeps_only_its_tombstone(store: TraceStore, store_factory: Any) -> None:
+    """Issue 17: the session hash goes with the release; the tombstone alone keeps every
+    invariant: released once, one event, no reopen, no admission, SessionReleased for writes
+    once purged, nothing resurrected by a late write."""
+    r, k = store.redis, store.keys
+    store.open_session("s", "rollout:0", version=3, group="g-9")
+    opened_ms = int(r.hget(k.session("s"), "opened_ms"))
+    write_turn(store, "s")
+    m = store.lookup("s", prompt_of("s") + response_of("s") + "<user>more</user>")  # a turn in flight
+    store.transfer(["s"], "rollout:0", "train:1")
+    assert store.release(["s"], "train:1", "consumed") == ["s"]
+
+    # control plane: no hash, no owner-set member; the tombstone (at the event's time) and one event
+    assert not r.exists(k.session("s")) and not r.sismember(k.owner("train:1"), "s")
+    ((_, ev),) = r.xrange(k.events)
+    assert {text(a): text(b) for a, b in ev.items()} == {
+        "sid": "s", "owner": "train:1", "reason": "consumed", "ms": text(ev[b"ms"]),
+    }
+    assert r.zscore(k.released, "s") == float(ev[b"ms"]) >= opened_ms
+    assert store.session_states(["s"]) == {"s": ("", "released")}
+    # data plane: purged, only the data tombstone is left
+    assert [key for key in (k.idx("s"), k.tok("s"), k.txt("s"), k.dead("s")) if r.exists(key)] == [k.dead("s")]
+
+    # every invariant still holds, from this client and another one
+    other = store_factory()
+    for st in (store, other):
+        assert st.release(["s"], "train:1") == [] and st.release_owner("train:1") == []
+        with pytest.raises(SessionReleased):
+            st.open_session("s", "train:1")
+        with pytest.raises(SessionReleased):
+            st.open_sessions(["new", "s"], "train:1")
+        with pytest.raises(SessionReleased):
+            st.gate.admit("s", "w", 5)
+        with pytest.raises(SessionReleased):  # the late write of the turn that was in flight
+            st.record_turn(
+                "s", prompt_of("s") + response_of("s") + "<user>more</user>", "<assistant>late</assistant>",
+                prefix=m, delta_token_ids=[8], response_token_ids=[9], response_logprobs=[-1.0], version=1,
+            )
+        with pytest.raises(SessionReleased):
+            write_turn(st, "s")
+    assert not r.exists(k.idx("s")) and not r.exists(k.session("s"))
+    assert r.xlen(k.events) == 1 and store.stats().sessions_released == 1
+    assert store.sessions() == [] and store.owners() == []  # an empty owner set is no key
+
+
+def test_the_release_script_releases_a_repeated_id_once(store: TraceStore) -> None:
+    """The client deduplicates; the script does not rely on it (ownership is read once per
+    batch and written at the end, so a repeated id must not pass twice)."""
+    store.open_sessions(["a", "b"], "train:1")
+    k = store.keys
+    ids = ["a", "b", "a", "x", "b"]
+    ev = Eval(
+        script("release"),
+        (k.owner("train:1"), k.released, k.events, k.op("dup-1"), k.stats, *k.session_keys(ids)),
+        ("train:1", "consumed", 60_000, *ids),
+    )
+    assert [text(x) for x in store.execute(ev)] == ["a", "b"]
+    assert [e["sid"] for e in events(store)] == ["a", "b"]
+    assert store.stats().sessions_released == 2 and store.sessions() == []
 
 
 # -- scenario 3: concurrent duplicate releases -------------------------------------------
@@ -502,7 +619,10 @@ def test_without_retries_the_cut_surfaces_and_a_new_call_is_safe(
 
 
 def test_owner_loss_gc_releases_and_late_heartbeat_does_not_resurrect(store: TraceStore) -> None:
-    store.heartbeat("rollout:dead", 0.2)
+    # Both alive for a minute while the workload is set up and the first gc runs (no race
+    # with the clock however slow the machine), then rollout:dead's last heartbeat asks for
+    # only 50 ms (a heartbeat sets the deadline to now + ttl, shorter too) and it stops.
+    store.heartbeat("rollout:dead", 60)
     store.heartbeat("rollout:alive", 60)
     dead = [f"d{i}" for i in range(12)]
     store.open_sessions(dead, "rollout:dead")
@@ -514,7 +634,8 @@ def test_owner_loss_gc_releases_and_late_heartbeat_does_not_resurrect(store: Tra
     first = store.gc()
     assert first.owners_lost == () and first.sessions_released == ()
 
-    time.sleep(0.3)
+    store.heartbeat("rollout:dead", 0.05)
+    time.sleep(0.1)
     report = store.gc()
     assert report.owners_lost == ("rollout:dead",)
     assert sorted(report.sessions_released) == sorted(dead)
@@ -547,14 +668,95 @@ def test_owner_loss_gc_releases_and_late_heartbeat_does_not_resurrect(store: Tra
     assert info["rollout:alive"].lost_ms is None and info["rollout:alive"].sessions == 2
 
 
+def test_transfer_to_a_lost_owner_is_refused_and_moves_nothing(store: TraceStore, arun: Any) -> None:
+    """Guard: transfer.lua's lost-owner check. A session moved to an owner gc declared lost
+    would belong to a tag that can never heartbeat or release again (it would leak until
+    some later gc pass); the transfer is refused, sync and async, and nothing moves."""
+    store.heartbeat("rollout:dead", 0.05)
+    store.open_session("d0", "rollout:dead")
+    time.sleep(0.1)
+    assert store.gc(scan_data=False).owners_lost == ("rollout:dead",)
+    sids = [f"t{i}" for i in range(5)]
+    store.open_sessions(sids, "rollout:src")
+    write_turn(store, sids[0])
+    before = dump_run(store)
+    with pytest.raises(OwnerLost) as exc:
+        store.transfer(sids, "rollout:src", "rollout:dead")
+    assert exc.value.owner == "rollout:dead" and exc.value.lost_ms > 0
+
+    async def via_async() -> None:
+        st = await connect_async(store.url, store.run_id)
+        try:
+            with pytest.raises(OwnerLost):
+                await st.transfer(sids[:2], "rollout:src", "rollout:dead")
+        finally:
+            await st.close()
+
+    arun(via_async())
+    assert dump_run(store) == before
+    assert store.sessions("rollout:src") == sids and store.sessions("rollout:dead") == []
+    assert data_intact(store, sids[0])
+    assert store.transfer(sids, "rollout:src", "replay") == sids  # a live owner still receives
+
+
 def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
-    store.heartbeat("rollout:w", 0.4)
+    # ttl 1 s, a heartbeat every 0.3 s: 0.7 s of slack for the gc between two beats, and
+    # 1.2 s in all, longer than one ttl (without the beats the owner would be lost).
+    t0 = time.monotonic()
+    store.heartbeat("rollout:w", 1.0)
     store.open_sessions(["s0", "s1"], "rollout:w")
     for _ in range(4):
-        time.sleep(0.15)
-        store.heartbeat("rollout:w", 0.4)
-        assert store.gc().sessions_released == ()
+        time.sleep(0.3)
+        store.heartbeat("rollout:w", 1.0)
+        assert store.gc(scan_data=False).sessions_released == ()
+    assert time.monotonic() - t0 > 1.0
     assert store.sessions("rollout:w") == ["s0", "s1"]
+
+
+# -- clean shutdown (issue 12 item 4) ----------------------------------------------------
+
+
+def test_a_closed_client_deregisters_its_owner_tags(url: str, run_id: str) -> None:
+    """gc does not call the owners of a cleanly closed client lost; an owner that still holds
+    sessions keeps its heartbeat, so gc releases them if its process never comes back."""
+    a = TraceStore.connect(url, run=run_id)
+    a.heartbeat("rollout:0", 0.2)  # owns nothing
+    a.heartbeat("rollout:1", 0.2)
+    a.open_session("held", "rollout:1")  # still owned at close
+    a.heartbeat("rollout:2", 0.2)
+    a.open_session("done", "rollout:2")
+    a.release(["done"], "rollout:2")  # owned one, released it: done at close
+    a.close()
+    b = TraceStore.connect(url, run=run_id)
+    try:
+        assert {o.owner for o in b.owners() if o.deadline_ms is not None} == {"rollout:1"}
+        time.sleep(0.3)
+        report = b.gc()
+        assert report.owners_lost == ("rollout:1",) and report.sessions_released == ("held",)
+
+        # by hand: refused while the tag owns sessions, idempotent once done
+        b.heartbeat("rollout:3", 30)
+        b.open_session("y", "rollout:3")
+        assert b.deregister("rollout:3") is False
+        assert "rollout:3" in {o.owner for o in b.owners() if o.deadline_ms is not None}
+        b.release(["y"], "rollout:3")
+        assert b.deregister("rollout:3") is True and b.deregister("rollout:3") is True
+        assert b.redis.zscore(b.keys.owners, "rollout:3") is None
+        with pytest.raises(InvalidId):
+            b.deregister("bad tag")
+    finally:
+        b.close()
+
+
+def test_a_closed_async_client_deregisters_too(url: str, run_id: str, arun: Any) -> None:
+    async def main() -> None:
+        a = await connect_async(url, run_id)
+        await a.heartbeat("rollout:0", 30)
+        await a.close()
+
+    arun(main())
+    with TraceStore.connect(url, run=run_id) as st:
+        assert st.owners() == []
 
 
 def test_async_retry_after_cut_connection(backend: str, url: str, run_id: str, arun: Any) -> None:
@@ -586,39 +788,8 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
     """Scenario 4 on a cluster: one proxy per node, redis-py told to reach the nodes through them."""
     if "cluster" not in _selected():
         pytest.skip("cluster backend not selected (TRACESTORE_TEST_BACKENDS)")
-    from redis.cluster import RedisCluster
-
-    from tracestore.connection import ConnectionOptions, _common, parse_url
-    from tracestore.context import Context, StoreConfig
-    from tracestore.keys import Keys
-
-    base = parse_url(cluster_url).url
-    probe = redis.Redis.from_url(base)
-    try:
-        shards = probe.execute_command("CLUSTER", "SLOTS")
-    finally:
-        probe.close()
-    nodes = {(text(s[2][0]), int(s[2][1])) for s in shards}
-    proxies = {addr: CutProxy(*addr) for addr in nodes}
-    by_port = {p.port: p for p in proxies.values()}
-    common = _common(ConnectionOptions(retries=3))
-    common.pop("retry_on_error")
-    client = RedisCluster.from_url(
-        base,
-        **common,
-        address_remap=lambda addr: ("127.0.0.1", proxies[(addr[0], int(addr[1]))].port)
-        if (addr[0], int(addr[1])) in proxies
-        else addr,
-    )
-    keys = Keys("ts", run_id)
-    st = TraceStore(SyncIO(client, cluster=True), Context(keys, True, StoreConfig()), cluster_url)
-    try:
-        st.init_run()
-
-        def proxy_of(key: str) -> CutProxy:
-            node = client.get_node_from_key(key)
-            return by_port[int(node.port)]
-
+    with proxied_cluster(cluster_url, run_id) as (st, proxy_of):
+        keys = st.keys
         sids = [f"s{i}" for i in range(30)]
         st.open_sessions(sids, "train:1")
         for s in sids[:3]:
@@ -652,10 +823,6 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
         ev = events(st)
         assert Counter(e["sid"] for e in ev) == Counter([*sids, "q0", "q1"])
         assert all(data_purged(st, s) for s in [*sids[:3], "q0", "q1"])
-    finally:
-        st.close()
-        for p in proxies.values():
-            p.close()
 
 
 def test_disaggregated_race_with_the_replay_buffer(store_factory: Any) -> None:

@@ -88,3 +88,17 @@ def test_core_imports_without_torch_or_ray() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+def test_core_and_cli_import_without_the_gateway_extras() -> None:
+    code = (
+        "import sys\n"
+        "for m in ('aiohttp', 'prometheus_client', 'transformers', 'tokenizers', 'jinja2', 'openai', 'anthropic'):\n"
+        "    sys.modules[m] = None\n"
+        "import tracestore, tracestore.cli\n"
+        "assert 'tracestore.gateway' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"

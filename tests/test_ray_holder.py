@@ -12,15 +12,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
+import ray
+import torch
 
-np = pytest.importorskip("numpy")
-torch = pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
-
-from tests.test_ownership import prompt_of, response_of  # noqa: E402
-from tracestore import TraceStore  # noqa: E402
-from tracestore.ray import ExpertRefMissing, RefHolder, RefHolderActor  # noqa: E402
+from tests.test_ownership import prompt_of, response_of
+from tracestore import TraceStore
+from tracestore.ray import ExpertRefMissing, RefHolder, RefHolderActor
 
 pytestmark = pytest.mark.ray
 
@@ -30,7 +29,10 @@ VALUE_BYTES = 4 * MB
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_runtime() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * MB, log_to_driver=False)
+    # address="local": always a private Ray, never a cluster some earlier `ray start` left recorded
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * MB, log_to_driver=False
+    )
     yield
     ray.shutdown()
 
@@ -162,7 +164,8 @@ def test_periodic_reconcile_catches_a_missed_release(store: TraceStore) -> None:
     # x is released before the holder exists (its event never reaches it), and
     # a producer still puts a value for x afterwards.
     store.release(["x"], "train:4", purge=False)
-    with RefHolder(store, reconcile_s=0.5) as holder:
+    # grace 2 s: "never-opened" below is surely still held 0.2 s after its put
+    with RefHolder(store, reconcile_s=0.5, grace_s=2.0) as holder:
         holder.put("x", array(3))
         holder.put("y", array(4))
         assert holder.held_sessions() == ["x", "y"]

@@ -107,3 +107,28 @@ def test_debian_redis_server_when_present() -> None:
         assert info.engine == "redis" and info.version.startswith("7.")
         st.open_session("x", "o")
         assert st.owner_of("x") == "o"
+
+
+def test_a_free_port_taken_before_the_server_binds_it_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port race of every free-port scheme, made deterministic: the first port handed
+    out is already taken, once by another server (which answers PING: it must not be
+    mistaken for ours) and once by a plain listener (the server cannot bind and exits)."""
+    import tracestore.servers as servers
+
+    real_free_port = servers.free_port
+    with EmbeddedServer() as other, socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        for taken in (other.port, listener.getsockname()[1]):
+            handed: list[int] = []
+
+            def free_port(host: str = "127.0.0.1", taken: int = taken, handed: list[int] = handed) -> int:
+                handed.append(taken if not handed else real_free_port(host))
+                return handed[-1]
+
+            monkeypatch.setattr(servers, "free_port", free_port)
+            with EmbeddedServer() as srv:
+                assert handed[0] == taken and srv.port == handed[-1] != taken
+                assert srv.proc is not None
+                assert int(srv.client().info("server")["process_id"]) == srv.proc.pid
+        assert other.client().ping()  # the other server was left alone

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
-np = pytest.importorskip("numpy")
-
-from tracestore import InvalidInput, NodeConflict, TraceStore  # noqa: E402
-from tracestore.session import TurnRecorder  # noqa: E402
-from tracestore.trainer.chat import render, strip_stop  # noqa: E402
-from tracestore.trainer.tokenizer import TOKENIZER as tok  # noqa: E402
+from tracestore import InvalidInput, NodeConflict, TraceStore
+from tracestore.session import TurnRecorder
+from tracestore.trainer.chat import render, strip_stop
+from tracestore.trainer.tokenizer import TOKENIZER as tok
 
 L, K = 2, 2
 

@@ -16,18 +16,29 @@ node under the looked-up prefix and the response under the delta, as
 XTuner's session server intends. Differences that are tracestore's contract
 rather than XTuner's: an existing key is never overwritten (equal rewrite =
 no-op, else NodeConflict) and reads never create a session.
+
+Two hypothesis profiles (``TRACESTORE_MODEL_PROFILE``):
+
+* ``ci`` (default, what ``make test`` runs): derandomized, so every run explores
+  the same 100 programs and the test passes or fails the same way each time; a
+  failure prints the failing program as found (not shrunk);
+* ``ci-shrink``: the same programs, and a failure shrunk to a minimal program
+  (minutes against real servers: run it with ``--timeout=0``);
+* ``long`` (``make test-model-long``): a random seed and 3,000 programs of up to
+  50 steps, for hunting; a failure is shrunk and printed with a
+  ``@reproduce_failure`` blob, and ``PYTEST_ARGS=--hypothesis-seed=N`` replays a seed.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -38,11 +49,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.conftest import _selected
 from tracestore import InvalidInput, NodeConflict, PromptMismatch, Segment, TraceStore
+from tracestore.nodecache import node_cache
 from tracestore.traces import node_id
 
 IGNORE = -100
-_sids = itertools.count()
+SID = "model"
 
 
 def f32(x: float) -> float:
@@ -123,6 +136,13 @@ class RefTrie:
         return self.by_key[key]
 
 
+def _mixes(parent: RefNode, first: str | None, last: str | None) -> bool:
+    """True when new nodes with these expert keys under ``parent`` would mix keyed and unkeyed nodes."""
+    if (first is None) != (last is None):
+        return True
+    return parent.value is not None and (parent.value.expert_key is None) != (last is None)
+
+
 # -- strategies --------------------------------------------------------------------------------
 
 ALPHABET = "ab<|>\n é✓😀"
@@ -132,11 +152,24 @@ logprob_st = st.one_of(st.floats(-20.0, 0.0, allow_nan=False), st.just(-math.inf
 versions = st.integers(0, 3)
 
 
+def _reset(clients: list[TraceStore], sid: str) -> None:
+    """Delete the session's data keys (tombstone included) and empty every client's cache."""
+    k = clients[0].keys
+    clients[0].redis.delete(*k.data_keys(sid), k.dead(sid))
+    for c in clients:
+        node_cache(c.context).clear()
+
+
 def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
     class TraceModel(RuleBasedStateMachine):
         @initialize(experts=st.sampled_from(["none", "all", "mixed"]))
         def start(self, experts: str) -> None:
-            self.sid = f"m{next(_sids)}"
+            # Every example, and every replay of one while hypothesis shrinks a failure,
+            # starts from the same state: one session id, no data, empty client caches.
+            # (Fresh ids per example left the caches' LRU order to earlier examples, so a
+            # failure did not replay: FlakyStrategyDefinition, and no minimal example.)
+            _reset(clients, SID)
+            self.sid = SID
             self.ref = RefTrie()
             self.experts = experts
             self.prompts: list[str] = []  # keys written as delta (prompt) nodes, or seen prompts
@@ -211,6 +244,22 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
             version = data.draw(versions, label="version")
             dkey = self._ekey(data, "d") if delta else None
             rkey = self._ekey(data, "r")
+            call = {
+                "prefix": m,
+                "delta_token_ids": delta,
+                "response_token_ids": r_ids,
+                "response_logprobs": lps,
+                "version": version,
+                "delta_expert_key": dkey,
+                "response_expert_key": rkey,
+            }
+            if _mixes(parent, dkey if delta else rkey, rkey):
+                # a turn that would make the path unexportable is refused, nothing written
+                with pytest.raises(InvalidInput) as bad:
+                    st_.record_turn(self.sid, prompt, response, **call)
+                assert bad.value.field in ("delta_expert_key", "response_expert_key")
+                event("turn: expert key mix refused")
+                return
             # the reference outcome, decided before the store call and applied after it
             plan: list[tuple[str, Value]] = []
             want_err: NodeConflict | None = None
@@ -230,15 +279,6 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
                     plan.append((prompt + response, rval))
             except NodeConflict as exc:
                 want_err = exc
-            call = {
-                "prefix": m,
-                "delta_token_ids": delta,
-                "response_token_ids": r_ids,
-                "response_logprobs": lps,
-                "version": version,
-                "delta_expert_key": dkey,
-                "response_expert_key": rkey,
-            }
             try:
                 t = st_.record_turn(self.sid, prompt, response, **call)
             except NodeConflict as exc:
@@ -282,6 +322,12 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
                 version,
                 ekey,
             )
+            if key not in self.ref.by_key and _mixes(self.ref.longest(key, proper=True), ekey, ekey):
+                with pytest.raises(InvalidInput) as bad:
+                    self._client(data).insert(self.sid, key, Segment(ids, lps, labels, version, ekey))
+                assert bad.value.field == "segment.expert_key"
+                event("insert: expert key mix refused")
+                return
             try:
                 want = self.ref.insert(key, val)
                 want_err = None
@@ -373,14 +419,45 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
                 cold = clients[-1]
                 for key in self._keys():
                     self._check_export(cold, key)
-                clients[0].drop_session_data(self.sid)
+                _reset(clients, self.sid)
 
     return TraceModel
 
 
+_COMMON: dict[str, Any] = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    "database": None,
+}
+_CI: dict[str, Any] = {"max_examples": 100, "stateful_step_count": 30, "derandomize": True}
+PROFILES = {
+    # No shrinking in make test: against real servers it takes minutes and would meet the
+    # per-test timeout; the failing program is printed as found, first bug only.
+    "ci": settings(
+        **_CI,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+        report_multiple_bugs=False,
+        **_COMMON,
+    ),
+    # The same programs as ci, shrunk to a minimal failing one (run with --timeout=0).
+    "ci-shrink": settings(**_CI, **_COMMON),
+    "long": settings(
+        max_examples=3000, stateful_step_count=50, derandomize=False, print_blob=True, **_COMMON
+    ),
+}
+
+
+def _profile() -> settings:
+    name = os.environ.get("TRACESTORE_MODEL_PROFILE", "ci")
+    if name not in PROFILES:
+        raise pytest.UsageError(f"TRACESTORE_MODEL_PROFILE={name!r}: choose from {sorted(PROFILES)}")
+    return PROFILES[name]
+
+
+# Standalone and cluster only (one node and slot routing); on redis7 and the container,
+# both single-node Redis 7, the data plane's scripts run in test_traces.py.
+@pytest.mark.parametrize("backend", [b for b in _selected() if b in ("valkey", "cluster")])
 def test_traces_match_the_reference_trie(url: str, run_id: str, backend: str) -> None:
-    if backend not in ("valkey", "cluster"):
-        pytest.skip("the model test runs on standalone and cluster (the others share the engine)")
     clients = [
         TraceStore.connect(url, run=run_id),
         TraceStore.connect(url, run=run_id, cache_bytes=2048, store_text=True),
@@ -388,16 +465,7 @@ def test_traces_match_the_reference_trie(url: str, run_id: str, backend: str) ->
     ]
     try:
         machine = make_machine(clients)
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=100,
-                stateful_step_count=30,
-                deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-                database=None,
-            ),
-        )
+        run_state_machine_as_test(machine, settings=_profile())
     finally:
         for c in clients:
             c.close()

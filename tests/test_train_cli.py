@@ -22,12 +22,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("ray")
-
-from tests.test_trainer_e2e import FAST  # noqa: E402
-from tracestore import TraceStore, default_server  # noqa: E402
-from tracestore.servers import EmbeddedServer  # noqa: E402
+from tests.test_trainer_e2e import FAST
+from tracestore import TraceStore, default_server
+from tracestore.servers import EmbeddedServer
 
 pytestmark = pytest.mark.ray
 

@@ -13,25 +13,24 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import ray
+from click.testing import CliRunner
 
-pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
-
-from click.testing import CliRunner  # noqa: E402
-
-from tracestore import TraceStore  # noqa: E402
-from tracestore.cli import main as cli  # noqa: E402
-from tracestore.servers import EmbeddedServer  # noqa: E402
-from tracestore.trainer.checkpoint import load_state  # noqa: E402
-from tracestore.trainer.config import TrainConfig  # noqa: E402
-from tracestore.trainer.housekeeping import store_counts  # noqa: E402
-from tracestore.trainer.loop import SimulatedCrash, run  # noqa: E402
-from tracestore.trainer.report import Report  # noqa: E402
+from tracestore import TraceStore
+from tracestore.cli import main as cli
+from tracestore.servers import EmbeddedServer
+from tracestore.trainer.checkpoint import load_state
+from tracestore.trainer.config import TrainConfig
+from tracestore.trainer.housekeeping import store_counts
+from tracestore.trainer.loop import SimulatedCrash, run
+from tracestore.trainer.report import Report
 
 pytestmark = pytest.mark.ray
 
@@ -49,6 +48,7 @@ FAST: dict[str, Any] = {
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_runtime() -> Iterator[None]:
+    # address="local": always a private Ray, never a cluster some earlier `ray start` left recorded
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
@@ -81,6 +81,13 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
         assert all(o.sessions == 0 for o in store.owners())
         assert store.replay.count() == 0
         assert store.gate.status().version == report.gate_cycles
+        # a clean end (issue 12 item 4): every role deregistered its heartbeats, so gc will not
+        # call any owner lost, and every lease receipt and retry record expires within a minute
+        assert store.redis.zcard(store.keys.owners) == 0
+        k, r = store.keys, store.redis
+        transient = [x for x in r.scan_iter(match=k.control_pattern, count=1000)
+                     if (k.control_suffix(x.decode()) or "").startswith(("gate:l:", "op:"))]
+        assert all(0 < r.pttl(x) <= 60_000 for x in transient)
 
 
 @pytest.mark.parametrize(
@@ -106,6 +113,66 @@ def test_short_run_leaks_nothing(
     assert os.path.exists(tmp_path / "report.png")
     with open(tmp_path / "report.json") as f:  # report.json is the report
         assert json.load(f) == json.loads(json.dumps(report.to_json()))
+
+
+@pytest.mark.parametrize(("server", "mode"), [("standalone", "disaggregated"), ("cluster", "colocated")])
+def test_http_agents_through_the_gateway_leak_nothing(
+    request: pytest.FixtureRequest, tmp_path: Any, server: str, mode: str
+) -> None:
+    """--agents http: openai-SDK agents with tool calls, a gateway actor, engines on the workers."""
+    url = request.getfixturevalue(f"{server}_url")
+    report = run(_cfg(url, str(tmp_path), mode, agents="http"))
+    _check_nothing_leaked(report, url)
+    assert report.agents == "http" and report.gate_cycles == 4
+    # every turn went through the gateway (evaluation too), none was given up
+    assert report.gateway_requests is not None and report.gateway_requests >= report.turns > 0
+    assert report.agent_turns_given_up == 0 and report.gateway_410s == 0
+    assert report.gateway_overhead_p50_ms is not None and report.gateway_overhead_p50_ms > 0
+    # the gateway's holder kept every turn's routed experts, and replaying them reproduces
+    # the rollout log-probabilities of the engines' traces
+    assert report.routing_replay_fallbacks == 0
+    assert report.replay_max_abs_diff is not None and report.replay_max_abs_diff < 1e-4
+
+
+def test_gc_during_a_live_run_keeps_the_counts_exact(standalone_url: str, tmp_path: Any) -> None:
+    """Issue 12 items 1 and 9: gc trims events and tombstones while the trainer runs.
+
+    Another process runs ``gc`` with no retention at all every 0.2 s during
+    a disaggregated run (the consumer groups of the workers' holders still
+    bound the event trimming). The trainer's accounting reads the run's
+    counters, which trimming never changes: the run ends with exact counts
+    and no violation (the CLI exits 0 exactly then).
+    """
+    cfg = _cfg(standalone_url, str(tmp_path), "disaggregated")
+    stop = threading.Event()
+    reports: list[Any] = []
+
+    def collector() -> None:
+        with TraceStore.connect(standalone_url, run=cfg.run) as st:
+            while not stop.is_set():
+                reports.append(st.gc(tombstone_retention_s=0, event_retention_s=0))
+                time.sleep(0.2)
+
+    t = threading.Thread(target=collector)
+    t.start()
+    try:
+        report = run(cfg)
+    finally:
+        stop.set()
+        t.join()
+    # gc did trim what the old accounting counted (tombstones and events) during the run
+    assert sum(r.tombstones_trimmed for r in reports) > 0
+    assert sum(r.events_trimmed for r in reports) > 0
+    assert report.violations() == []
+    _check_nothing_leaked(report, standalone_url)
+    with TraceStore.connect(standalone_url, run=cfg.run) as store:
+        st = store.stats()
+        assert (st.sessions_opened, st.sessions_released, st.release_events) == (
+            report.sessions_opened, report.sessions_opened, report.sessions_opened
+        )
+        assert st.turns_recorded > 0 and st.groups_taken > 0
+        # the server's own structures were trimmed below those counts
+        assert store.redis.zcard(store.keys.released) < st.sessions_released
 
 
 def test_routing_replay_reproduces_rollout_logprobs(standalone_url: str, tmp_path: Any) -> None:

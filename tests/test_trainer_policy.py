@@ -9,11 +9,10 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from tracestore.trainer.chat import render, render_after_response, strip_stop  # noqa: E402
-from tracestore.trainer.grpo import (  # noqa: E402
+from tracestore.trainer.chat import render, render_after_response, strip_stop
+from tracestore.trainer.grpo import (
     IGNORE,
     TrainSample,
     collate,
@@ -21,9 +20,9 @@ from tracestore.trainer.grpo import (  # noqa: E402
     grpo_loss,
     train_step,
 )
-from tracestore.trainer.policy import new_policy, replay_logprobs, set_determinism  # noqa: E402
-from tracestore.trainer.task import Episode, Problem, make_problem, parse_action, score  # noqa: E402
-from tracestore.trainer.tokenizer import TOKENIZER, ToyTokenizer  # noqa: E402
+from tracestore.trainer.policy import new_policy, replay_logprobs, set_determinism
+from tracestore.trainer.task import Episode, Problem, make_problem, parse_action, score
+from tracestore.trainer.tokenizer import TOKENIZER, ToyTokenizer
 
 tok = TOKENIZER
 

@@ -44,6 +44,7 @@ trips).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,10 +53,10 @@ from typing import Any
 import orjson
 
 from . import validate
-from .context import Context
-from .errors import InvalidInput, ScriptError
+from .context import Context, OpId, mutating
+from .errors import CorruptData, InvalidInput, ScriptError
 from .purge import purge_sessions
-from .replies import Reply, field_map, pairs, text
+from .replies import Reply, field_map, pairs, stored, text
 from .scripts import Batch, Cmd, Eval, Op, script
 from .twin import AsyncPart, SyncPart, op
 from .validate import int_in, one_of, validate_id, validate_ids
@@ -333,23 +334,52 @@ def _group(gid: str, rec: Any, sids: Any, payload: Any) -> Group:
     )
 
 
-def _decode_groups(r: Reply) -> list[Group]:
+def _corrupt(ctx: Context, gid: str, rec: Any, sids: Any, payload: Any, exc: Exception) -> CorruptData:
+    """The CorruptData of a stored group the client cannot decode: which hash, the gid as the field."""
+    k = ctx.keys
+    checks = ((k.rb_groups, rec, dict), (k.rb_sids, sids, list), (k.rb_payloads, payload, dict))
+    for key, value, kind in checks:
+        try:
+            if value is None or not isinstance(orjson.loads(value), kind):
+                return CorruptData(key, f"not a JSON {kind.__name__}", gid)
+        except orjson.JSONDecodeError as err:  # (a UnicodeDecodeError too)
+            return CorruptData(key, f"{type(err).__name__}: {err}", gid)
+    return CorruptData(k.rb_groups, f"{type(exc).__name__}: {exc}", gid)
+
+
+def _groups_of(ctx: Context, rows: Sequence[tuple[str, Any, Any, Any]]) -> list[Group]:
+    """Groups from ``(gid, record, sids, payload)`` rows; CorruptData naming the first malformed one."""
+    try:
+        return [_group(*row) for row in rows]
+    except (ValueError, TypeError, KeyError):  # off the hot path: find the culprit
+        for row in rows:
+            try:
+                _group(*row)
+            except (ValueError, TypeError, KeyError) as err:
+                raise _corrupt(ctx, *row, err) from None
+        raise
+
+
+def _decode_groups(ctx: Context, r: Reply) -> list[Group]:
     """A count ``m``, then ``m`` groups of :data:`_GROUP_FIELDS` fields: gid, record, sids, payload.
 
     The hot path of a take (512 groups are 2,048 items): one pass, no per-item cursor calls.
+    The scripts hand out only groups that pass their decoding check (``lua/_lib/rb.lua``);
+    CorruptData all the same if one does not decode.
     """
     m = r.int()
     items = r.take(_GROUP_FIELDS * m)
-    return [
-        _group(text(items[i]), items[i + 1], items[i + 2], items[i + 3])
-        for i in range(0, _GROUP_FIELDS * m, _GROUP_FIELDS)
-    ]
+    return _groups_of(
+        ctx,
+        [(text(items[i]), items[i + 1], items[i + 2], items[i + 3]) for i in range(0, _GROUP_FIELDS * m, _GROUP_FIELDS)],
+    )
 
 
 def read_groups(ctx: Context, gids: Sequence[str]) -> Op[list[Group]]:
     """The stored groups ``gids`` (those still stored), in that order; one round trip.
 
     For inspection and checkpoints: O(len(gids)), three pipelined HMGETs.
+    CorruptData (naming the hash and the gid) for a group that does not decode.
     """
     if not gids:
         return []
@@ -357,11 +387,14 @@ def read_groups(ctx: Context, gids: Sequence[str]) -> Op[list[Group]]:
     recs, sids, pays = yield Batch(
         tuple(Cmd(("HMGET", key, *gids), key=key) for key in (k.rb_groups, k.rb_sids, k.rb_payloads))
     )
-    return [
-        _group(g, rec, js, pay)
-        for g, rec, js, pay in zip(gids, recs, sids, pays, strict=True)
-        if rec is not None and js is not None and pay is not None
-    ]
+    return _groups_of(
+        ctx,
+        [
+            (g, rec, js, pay)
+            for g, rec, js, pay in zip(gids, recs, sids, pays, strict=True)
+            if rec is not None or js is not None or pay is not None
+        ],
+    )
 
 
 # -- keys of the groups a script picks -------------------------------------------------------------
@@ -487,15 +520,17 @@ def put_request(
         raise InvalidInput("member_versions", f"{len(mv)} versions for {len(c.sids)} sessions")
     for v in mv:
         int_in("member_versions", v, 0, MAX_VERSION)
-    return _put_eval(ctx, group, c, owner, c.min_version, mv, _cutoff(current_version, max_staleness), per_member)
+    return _put_eval(
+        ctx, group, c, owner, c.min_version, mv, _cutoff(current_version, max_staleness), per_member,
+        ctx.op(None, "put"),
+    )
 
 
 def _put_eval(
     ctx: Context, group: Group, c: _Checked, owner: str, minv: int, mv: Sequence[int], cutoff: str,
-    per_member: bool,
+    per_member: bool, op: OpId,
 ) -> Eval:
     k = ctx.keys
-    op_id, op_key = ctx.new_op()
     keys = (
         k.rb_groups,
         k.rb_sids,
@@ -511,7 +546,8 @@ def _put_eval(
         k.owner(REPLAY_OWNER),
         k.released,
         k.events,
-        op_key,
+        op.key,
+        k.stats,
         *(k.session(s) for s in c.sids),
     )
     args = (
@@ -531,7 +567,7 @@ def _put_eval(
         int(_flag("per_member", per_member)),
         *c.sids,
     )
-    return Eval(script("rb_put"), keys, args, op_id=op_id)
+    return Eval(script("rb_put"), keys, args, op_id=op.id)
 
 
 def put_result(gid: str, minv: int | None, reply: Sequence[Any]) -> PutResult:
@@ -544,6 +580,7 @@ def put_result(gid: str, minv: int | None, reply: Sequence[Any]) -> PutResult:
     return PutResult(gid, False, None, released, None, minv)
 
 
+@mutating
 def put(
     ctx: Context,
     group: Group,
@@ -552,6 +589,7 @@ def put(
     current_version: int | None = None,
     max_staleness: int | None = None,
     per_member: bool = False,
+    op_id: str | None = None,
 ) -> Op[PutResult]:
     """Store ``group`` and move its sessions from ``owner`` to the buffer, atomically.
 
@@ -575,11 +613,13 @@ def put(
     no sids, min_version out of 0..2**21-1; after reading the traces: a
     min_version newer than they are), GroupExists (gid already stored),
     NotOwner (a session is not live or not owned by ``owner``),
-    SessionReleased. Idempotent under client retries. Two round trips (the
-    traces' versions, then the put; one for a group that is never stored),
-    plus the purge when sessions are released.
+    SessionReleased; OutcomeUnknown when the reply was lost (call again
+    with its ``op_id``: the first reply, not GroupExists). Two round trips
+    (the traces' versions, then the put; one for a group that is never
+    stored), plus the purge when sessions are released.
     """
     c = _check_group(ctx, group, owner)
+    op = ctx.op(op_id, "put")
     cutoff = _cutoff(current_version, max_staleness)
     if current_version is not None:
         validate.version("current_version", current_version)
@@ -592,7 +632,7 @@ def put(
         minv, versions = yield from _group_versions(ctx, c, current_version)
         shown = minv
     mv = [v if v is not None else minv for v in versions]
-    reply = yield _put_eval(ctx, group, c, owner, minv, mv, cutoff, per_member)
+    reply = yield _put_eval(ctx, group, c, owner, minv, mv, cutoff, per_member, op)
     res = put_result(c.gid, shown, reply)
     if res.released:
         yield from purge_sessions(ctx, list(res.released))
@@ -602,6 +642,7 @@ def put(
 # -- take -------------------------------------------------------------------------------------------
 
 
+@mutating
 def take_many(
     ctx: Context,
     wants: Mapping[str, int],
@@ -612,6 +653,7 @@ def take_many(
     max_staleness: int | None = None,
     at_most: bool = False,
     per_member: bool = False,
+    op_id: str | None = None,
 ) -> Op[TakenMany]:
     """Take ``wants[task]`` completed groups of each task for ``owner``, in one atomic script.
 
@@ -631,8 +673,11 @@ def take_many(
 
     Raises InvalidId/InvalidInput before I/O (n outside 0..2000 or more
     than 2000 in all: :data:`MAX_TAKE`), OwnerLost (gc declared ``owner``
-    lost). Idempotent under client retries. One round trip (two with
-    declared keys; more under contention or with released sessions).
+    lost), CorruptData (a group the client could not decode; nothing
+    taken), OutcomeUnknown when a reply was lost: calling again with the
+    same arguments and ``op_id=err.op_id`` returns the groups the first call
+    took (its commit replays), never a second take. One round trip (two
+    with declared keys; more under contention or with released sessions).
     """
     if not isinstance(wants, Mapping):
         raise InvalidInput("wants", f"must be a mapping task -> n, got {type(wants).__name__}")
@@ -648,7 +693,7 @@ def take_many(
     if not tasks:
         return TakenMany({t: () for t in asked})
     k = ctx.keys
-    op_id, op_key = ctx.new_op()
+    op = ctx.op(op_id, "take")
     fixed: tuple[str, ...] = (
         k.owner(REPLAY_OWNER),
         k.owner(owner),
@@ -658,8 +703,9 @@ def take_many(
         k.rb_sids,
         k.rb_payloads,
         k.rb_bytes,
-        op_key,
+        op.key,
         k.owners_lost,
+        k.stats,
     )
     for t in tasks:
         fixed += (
@@ -676,11 +722,13 @@ def take_many(
         args += (t, asked[t])
     expired: list[str] = []
     released: list[str] = []
-    for _ in range(MAX_ROUNDS):
-        r = Reply((yield from _with_keys(ctx, "rb_take", fixed, args, op_id)), "rb_take")
+    for rnd in range(MAX_ROUNDS):
+        r = Reply((yield from _with_keys(ctx, "rb_take", fixed, args, op.id)), "rb_take")
         tag = r.text()
         if tag == "EXPIRE_FIRST":
-            rep = yield from _expire_cells(ctx, [(t, "completed") for t in tasks], cutoff, "", per_member)
+            rep = yield from _expire_cells(
+                ctx, [(t, "completed") for t in tasks], cutoff, "", per_member, op.sub("x", rnd)
+            )
             expired += rep.kept
             released += rep.released_sids
             continue
@@ -695,7 +743,7 @@ def take_many(
         rel = r.counted()
         got: dict[str, tuple[Group, ...]] = {t: () for t in asked}
         for t in tasks:
-            got[t] = tuple(_decode_groups(r))
+            got[t] = tuple(_decode_groups(ctx, r))
         yield from purge_sessions(ctx, rel)
         released += rel
         return TakenMany(got, tuple(expired), tuple(released))
@@ -713,6 +761,7 @@ def take(
     max_staleness: int | None = None,
     at_most: bool = False,
     per_member: bool = False,
+    op_id: str | None = None,
 ) -> Op[Taken]:
     """Take ``n`` completed groups of ``task`` for ``owner``: :func:`take_many` of one task.
 
@@ -722,18 +771,20 @@ def take(
     with ``if not taken``). ``at_most``: up to ``n``. ``n=0`` is a no-op
     without I/O. Otherwise as :func:`take_many` (expiry first, policy order,
     sessions to ``owner``); ``n`` is at most 2,000 (:data:`MAX_TAKE`).
-    Raises InvalidId/InvalidInput before I/O, OwnerLost. Idempotent under
-    client retries. One round trip (two with declared keys).
+    Raises InvalidId/InvalidInput before I/O, OwnerLost, CorruptData,
+    OutcomeUnknown (call again with ``op_id=err.op_id``: the groups the
+    first call took). One round trip (two with declared keys).
     """
     validate_id("task", task)
     got = yield from take_many(
         ctx, {task: n}, owner=owner, current_version=current_version, policy=policy,
-        max_staleness=max_staleness, at_most=at_most, per_member=per_member,
+        max_staleness=max_staleness, at_most=at_most, per_member=per_member, op_id=op_id,
     )
     return Taken(got.tasks[task], got.expired, got.released, None if got.ready is None else got.ready[task])
 
 
-def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
+@mutating
+def claim_retry(ctx: Context, task: str, n: int, owner: str, *, op_id: str | None = None) -> Op[list[Group]]:
     """Claim up to ``n`` retryable groups of ``task`` (``aborted`` or ``expired``) for a producer.
 
     Oldest put first across both statuses. Their sessions move from the
@@ -743,15 +794,17 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
     the released ones in ``reroll`` (roll those out again under new session
     ids). Returns the claimed groups (possibly fewer than ``n``, or none;
     ``n=0`` is a no-op without I/O; ``n`` at most 2,000). Raises
-    InvalidId/InvalidInput before I/O, OwnerLost. Idempotent under client
-    retries. One round trip (two with declared keys and something to claim).
+    InvalidId/InvalidInput before I/O, OwnerLost, CorruptData (nothing
+    claimed), OutcomeUnknown (call again with its ``op_id``: the groups the
+    first call claimed). One round trip (two with declared keys and
+    something to claim).
     """
     k = ctx.keys
     validate_id("task", task)
     validate_id("owner tag", owner)
     if _n(n) == 0:
         return []
-    op_id, op_key = ctx.new_op()
+    op = ctx.op(op_id, "claim")
     fixed = (
         k.rb_queue(task, "aborted"),
         k.rb_versions(task, "aborted"),
@@ -763,36 +816,41 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
         k.rb_sids,
         k.rb_payloads,
         k.rb_bytes,
-        op_key,
+        op.key,
         k.owners_lost,
+        k.stats,
     )
     args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms)
-    r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op_id)), "rb_claim")
+    r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op.id)), "rb_claim")
     r.raw()  # OK
-    return sorted(_decode_groups(r), key=lambda g: g.seq or 0)  # oldest put first
+    return sorted(_decode_groups(ctx, r), key=lambda g: g.seq or 0)  # oldest put first
 
 
 # -- expiry ------------------------------------------------------------------------------------------
 
 
 def _expire_cells(
-    ctx: Context, cells: Sequence[tuple[str, str]], cutoff: str, keep: str, per_member: bool
+    ctx: Context, cells: Sequence[tuple[str, str]], cutoff: str, keep: str, per_member: bool, op: OpId
 ) -> Op[ExpireReport]:
     """Expire the stale groups of (task, status) queues, up to 1,000 per atomic call.
 
     Each round calls ``rb_expire`` once per cell that may have more, all
     pipelined in one round trip (with declared keys, one call after the
-    other), then purges the released sessions in one more.
+    other), then purges the released sessions in one more. Call ``j`` of a
+    cell runs under its part of ``op`` (a digest of the cell names it, so
+    that any task name fits in an op id), so the calls of a retry replay.
     """
     k = ctx.keys
     kept: list[str] = []
     rel_g: list[str] = []
     rel_s: list[str] = []
     pending = list(cells)
+    rounds = 0
     while pending:
         calls = []
         for task, status in pending:
-            op_id, op_key = ctx.new_op()
+            tag = hashlib.blake2b(f"{task} {status}".encode(), digest_size=8).hexdigest()
+            part = op.sub(tag, rounds)
             fixed = (
                 k.rb_queue(task, status),
                 k.rb_versions(task, status),
@@ -805,10 +863,11 @@ def _expire_cells(
                 k.rb_sids,
                 k.rb_payloads,
                 k.rb_bytes,
-                op_key,
+                part.key,
+                k.stats,
             )
             args = (task, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms, int(per_member))
-            calls.append((fixed, args, op_id))
+            calls.append((fixed, args, part.id))
         if ctx.config.replay_declared_keys:
             replies = []
             for fixed, args, op_id in calls:
@@ -828,9 +887,11 @@ def _expire_cells(
         yield from purge_sessions(ctx, released)
         rel_s += released
         pending = more
+        rounds += 1
     return ExpireReport(tuple(kept), tuple(rel_g), tuple(rel_s))
 
 
+@mutating
 def expire(
     ctx: Context,
     current_version: int,
@@ -840,6 +901,7 @@ def expire(
     task: str | None = None,
     statuses: Sequence[str] = EXPIRABLE_STATUSES,
     per_member: bool = False,
+    op_id: str | None = None,
 ) -> Op[ExpireReport]:
     """Expire every stored group with ``current_version - min_version > max_staleness``.
 
@@ -855,8 +917,9 @@ def expire(
     order of the remaining groups is unchanged. ``task``: only this task
     (default: every task).
 
-    Raises InvalidId/InvalidInput before I/O. Idempotent under client
-    retries (each call of up to 1,000 groups). Round trips: the task list
+    Raises InvalidId/InvalidInput before I/O, CorruptData (that call wrote
+    nothing), OutcomeUnknown (call again with its ``op_id``: each atomic
+    call of the first one replays). Round trips: the task list
     (without ``task``), then one per 1,000 groups of the largest cell (the
     calls of every task and status are pipelined; with declared keys they
     run one after the other, two round trips each), plus the purge.
@@ -870,7 +933,8 @@ def expire(
     _flag("per_member", per_member)
     keep = "" if retryable is None else str(int(retryable))
     tasks = yield from _tasks(ctx, task)
-    return (yield from _expire_cells(ctx, [(t, s) for t in tasks for s in sts], cutoff, keep, per_member))
+    cells = [(t, s) for t in tasks for s in sts]
+    return (yield from _expire_cells(ctx, cells, cutoff, keep, per_member, ctx.op(op_id, "expire")))
 
 
 # -- reads -------------------------------------------------------------------------------------------
@@ -961,7 +1025,8 @@ def stats(ctx: Context, task: str | None = None) -> Op[list[StatusStats]]:
         cmds.append(Cmd(("ZRANGE", k.rb_versions(t, s), 0, 0, "WITHSCORES"), key=k.rb_versions(t, s)))
     cmds.append(Cmd(("HGETALL", k.rb_bytes), key=k.rb_bytes))
     replies = yield Batch(tuple(cmds))
-    nbytes = {f: int(v) for f, v in field_map(replies[-1]).items()}
+    with stored(k.rb_bytes):
+        nbytes = {f: int(v) for f, v in field_map(replies[-1]).items()}
     out = []
     for j, (t, s) in enumerate(cells):
         n = int(replies[2 * j])

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .errors import ServerError
 from .replies import text
@@ -136,6 +138,10 @@ class TlsFiles:
         return cls(d / "cert.pem", d / "key.pem", d / "cert.pem")
 
 
+class _PortTaken(ServerError):
+    """The free port chosen was taken by another process before the server bound it."""
+
+
 class EmbeddedServer:
     """One standalone (or cluster-enabled) server process.
 
@@ -228,18 +234,33 @@ class EmbeddedServer:
         return self.dir / "server.log" if self.dir else None
 
     def start(self) -> EmbeddedServer:
-        """Start the process and wait until it answers PING."""
+        """Start the process and wait until it answers PING.
+
+        A port found free can be taken by another process before the server
+        binds it; with no port requested, start tries again on a new free port
+        (up to 5 times). Raises ServerError.
+        """
         if self.proc is not None:
             raise ServerError(f"server on {self.where} is already running")
         if not self.tcp:
             self.port = 0
-        elif self.requested_port:
+            return self._launch()
+        if self.requested_port:
             if not port_is_free(self.requested_port, self.host):
                 raise ServerError(f"port {self.requested_port} on {self.host} is already in use")
             self.port = self.requested_port
-        else:
+            return self._launch()
+        for attempt in range(5):
             self.port = free_port(self.host)
-        if self._own_dir:
+            try:
+                return self._launch()
+            except _PortTaken:
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _launch(self) -> EmbeddedServer:
+        if self._own_dir and self.dir is None:  # a killed server keeps its directory
             self.dir = Path(tempfile.mkdtemp(prefix=f"tracestore-{self.port}-"))
         assert self.dir is not None
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -295,16 +316,27 @@ class EmbeddedServer:
     def _wait_ready(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout_s
-        client = self.client(socket_timeout=1.0)
+        # One try per probe: redis-py's default retries (10, with backoff) would keep a
+        # probe of a port someone else holds going past the deadline.
+        client = self.client(
+            socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+        )
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise ServerError(
+                    tail = self._log_tail()
+                    error = _PortTaken if "in use" in tail else ServerError
+                    raise error(
                         f"{Path(self.binary).name} on {self.where} exited with code "
-                        f"{self.proc.returncode}: {self._log_tail()}"
+                        f"{self.proc.returncode}: {tail}"
                     )
                 try:
                     if client.ping():
+                        pid = int(client.info("server").get("process_id", -1))
+                        if pid != self.proc.pid:  # another process took the port first
+                            raise _PortTaken(
+                                f"port {self.port} answered from process {pid}, not ours ({self.proc.pid})"
+                            )
                         if self.aof:
                             # AOF loading answers PING with LOADING; wait for it.
                             info = client.info("persistence")
@@ -313,7 +345,7 @@ class EmbeddedServer:
                         return
                 except redis.exceptions.RedisError:
                     pass
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and self.proc.poll() is None:
                     raise ServerError(
                         f"server on {self.where} not ready after "
                         f"{self.startup_timeout_s}s: {self._log_tail()}"
@@ -349,17 +381,43 @@ class EmbeddedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the process (crash simulation); the directory is kept."""
+        """SIGKILL the process (crash simulation); the directory is kept (see :meth:`restart`)."""
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGKILL)
+                self.proc.send_signal(signal.SIGKILL)  # kills a paused process too
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def restart(self) -> EmbeddedServer:
+        """Start a killed server again on the same port and directory.
+
+        It finds its data files (RDB, AOF) and, as a cluster node, its
+        ``nodes.conf`` (same node id) there. Raises ServerError while it runs
+        or when it never ran.
+        """
+        if self.proc is not None:
+            raise ServerError(f"server on port {self.port} is still running; kill() it first")
+        if self.dir is None or not self.port:
+            raise ServerError("restart() of a server that never ran; use start()")
+        self.requested_port = self.port
+        return self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP the process: a hung node (connections stay open, nothing is answered)."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused process."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the process (SIGTERM, then SIGKILL) and remove an owned temp dir."""
         if self.proc is not None:
             if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGCONT)  # a paused server must see SIGTERM
                 self.proc.terminate()
                 try:
                     self.proc.wait(timeout=timeout_s)
@@ -393,7 +451,8 @@ class LocalCluster:
     Started from the same binary as :class:`EmbeddedServer`; slots are split
     evenly with ``CLUSTER ADDSLOTSRANGE``, nodes meet each other, replicas
     attach with ``CLUSTER REPLICATE``; ``start`` returns once every node
-    reports ``cluster_state:ok``.
+    reports ``cluster_state:ok`` and every replica is in sync with its primary.
+    ``extra_args`` are given to every node (e.g. ``["--appendonly", "yes"]``).
     """
 
     def __init__(
@@ -405,6 +464,7 @@ class LocalCluster:
         host: str = "127.0.0.1",
         ports: Sequence[int] | None = None,
         startup_timeout_s: float = 30.0,
+        extra_args: Sequence[str] = (),
     ) -> None:
         if primaries < 1:
             raise ServerError("a cluster needs at least one primary")
@@ -424,6 +484,8 @@ class LocalCluster:
                 binary=self.binary,
                 cluster_enabled=True,
                 port=ports[i] if ports else None,
+                # a replica syncs at once (the default waits 5 s for more replicas)
+                extra_args=["--repl-diskless-sync-delay", "0", *extra_args],
             )
             for i in range(n)
         ]
@@ -473,9 +535,161 @@ class LocalCluster:
         finally:
             for c in clients:
                 c.close()
+        if self.replicas:
+            self.wait_replicas_online()
 
-    def _wait(self, ok: Any, what: str) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+    def server_at(self, port: int) -> EmbeddedServer:
+        """The node listening on ``port``."""
+        for s in self.servers:
+            if s.port == port:
+                return s
+        raise ServerError(f"no node of this cluster listens on port {port}")
+
+    def shards(self) -> list[tuple[list[tuple[int, int]], EmbeddedServer, list[EmbeddedServer]]]:
+        """``(slot ranges, primary, replicas)`` per primary that serves slots, as a live node sees it.
+
+        Read from ``CLUSTER NODES`` of the first node that answers (``CLUSTER
+        SLOTS`` hides replicas that never received a write); replicas marked
+        ``fail`` are left out.
+        """
+        for s in self.servers:
+            if not s.running:
+                continue
+            c = s.client(socket_timeout=2.0)
+            try:
+                raw = text(c.execute_command("CLUSTER", "NODES"))
+            except redis.exceptions.RedisError:
+                continue
+            finally:
+                c.close()
+            rows = [line.split() for line in raw.splitlines() if line.strip()]
+            by_id = {r[0]: r for r in rows}
+            out = []
+            for r in rows:
+                flags = r[2].split(",")
+                ranges = [_slot_range(x) for x in r[8:] if not x.startswith("[")]
+                if "master" not in flags or not ranges:
+                    continue
+                reps = [
+                    self.server_at(_node_port(x))
+                    for x in by_id.values()
+                    if x[3] == r[0] and "fail" not in x[2].split(",")
+                ]
+                out.append((ranges, self.server_at(_node_port(r)), reps))
+            return out
+        raise ServerError("no node of the cluster answers CLUSTER NODES")
+
+    def primary_of(self, key: str) -> EmbeddedServer:
+        """The node serving ``key``'s hash slot now (after failovers too)."""
+        from .keys import key_slot
+
+        slot = key_slot(key)
+        for ranges, primary, _ in self.shards():
+            if any(lo <= slot <= hi for lo, hi in ranges):
+                return primary
+        raise ServerError(f"slot {slot} of {key!r} is not covered")
+
+    def replicas_of(self, primary: EmbeddedServer) -> list[EmbeddedServer]:
+        """The replicas of ``primary`` (as CLUSTER SLOTS lists them)."""
+        for _, p, reps in self.shards():
+            if p is primary:
+                return reps
+        return []
+
+    def cut_replica(self, primary: EmbeddedServer) -> EmbeddedServer:
+        """Freeze ``primary``'s replica and drop its link; returns the replica (paused).
+
+        First waits until the replica has every write the primary made so
+        far; then SIGSTOPs it and kills the replication connection on the
+        primary, so the primary's later writes reach no replica (a replica
+        lagging at the moment its primary dies, made deterministic). Resume
+        it with ``resume()``; :meth:`takeover` promotes it.
+        """
+        replicas = self.replicas_of(primary)
+        if not replicas:
+            raise ServerError(f"the primary on port {primary.port} has no replica")
+        replica = replicas[0]
+        pc, rc = primary.client(socket_timeout=2.0), replica.client(socket_timeout=2.0)
+        try:
+            def synced() -> bool:
+                want = int(pc.info("replication")["master_repl_offset"])
+                return int(rc.info("replication").get("slave_repl_offset", -1)) >= want
+
+            self._wait(synced, f"replica {replica.port} in sync with {primary.port}")
+            replica.pause()
+            pc.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        finally:
+            pc.close()
+            rc.close()
+        return replica
+
+    def takeover(self, replica: EmbeddedServer, timeout_s: float | None = None) -> None:
+        """Promote ``replica`` now (``CLUSTER FAILOVER TAKEOVER``: no vote, no agreement of its primary).
+
+        Returns when every running node sees it serving its slots. Whatever
+        its old primary wrote after the replica's last sync is lost: this is
+        the failover to a lagging replica that asynchronous replication allows.
+        """
+        c = replica.client(socket_timeout=2.0)
+        try:
+            c.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        except redis.exceptions.RedisError as exc:
+            raise ServerError(f"takeover by {replica.port} refused: {exc}") from exc
+        finally:
+            c.close()
+
+        def agreed() -> bool:
+            for s in self.servers:
+                if not s.running:
+                    continue
+                sc = s.client(socket_timeout=2.0)
+                try:
+                    rows = [r.split() for r in text(sc.execute_command("CLUSTER", "NODES")).splitlines()]
+                except redis.exceptions.RedisError:
+                    return False
+                finally:
+                    sc.close()
+                me = [r for r in rows if _node_port(r) == replica.port]
+                if not me or "master" not in me[0][2] or len(me[0]) < 9:
+                    return False
+            return True
+
+        self._wait(agreed, f"every node to see {replica.port} as a primary", timeout_s)
+
+    def wait_replicas_online(self, timeout_s: float | None = None) -> None:
+        """Wait until every primary has its replicas in sync and acknowledging.
+
+        Each primary needs as many ``online`` replicas as the cluster was
+        built with (or as ``CLUSTER NODES`` lists, if more): right after a
+        restart the rejoining node is still marked ``fail`` there, so the
+        listing alone would let this return before it has synced. Each of
+        them must also have acknowledged the primary's offset (a ``WAIT``).
+        Raises ServerError on timeout. A WAIT for replicas succeeds once this returns.
+        """
+
+        def online() -> bool:
+            for _, primary, reps in self.shards():
+                if not primary.running:
+                    return False
+                want = max(len(reps), self.replicas)
+                c = primary.client(socket_timeout=2.0)
+                try:
+                    info = c.info("replication")
+                    states = [v.get("state") for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                    if states.count("online") < want:
+                        return False
+                    if want and int(c.execute_command("WAIT", want, 200)) < want:
+                        return False
+                except redis.exceptions.RedisError:
+                    return False
+                finally:
+                    c.close()
+            return True
+
+        self._wait(online, "replicas in sync with their primaries", timeout_s)
+
+    def _wait(self, ok: Any, what: str, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (self.startup_timeout_s if timeout_s is None else timeout_s)
         while not ok():
             if time.monotonic() > deadline:
                 raise ServerError(f"local cluster: timed out waiting for {what}")
@@ -518,6 +732,16 @@ def node_status(host: str, port: int, password: str | None = None) -> dict[str, 
     finally:
         c.close()
     return row
+
+
+def _node_port(row: list[str]) -> int:
+    """Port of a ``CLUSTER NODES`` row (``host:port@bus``)."""
+    return int(row[1].split("@")[0].rsplit(":", 1)[1])
+
+
+def _slot_range(item: str) -> tuple[int, int]:
+    lo, _, hi = item.partition("-")
+    return int(lo), int(hi or lo)
 
 
 def _known_nodes(c: redis.Redis) -> int:

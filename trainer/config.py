@@ -8,10 +8,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 MODES = ("colocated", "disaggregated")
+#: How agents reach the policy: ``local`` (in the rollout worker's process) or ``http``
+#: (the openai SDK through a session gateway in front of the workers' engines).
+AGENTS = ("local", "http")
 TASK = "calc"
 #: Options of ``tracestore train`` (the others are set from Python only).
 CLI_OPTIONS = frozenset(
-    {"mode", "steps", "url", "run", "out", "resume", "seed", "workers", "sync_every", "checkpoint_every"}
+    {"mode", "agents", "steps", "url", "run", "out", "resume", "seed", "workers", "sync_every", "checkpoint_every"}
 )
 #: What ``--resume`` takes from the checkpoint: a flag that disagrees is an error ...
 FROM_CHECKPOINT = ("url", "run", "mode")
@@ -33,6 +36,7 @@ class TrainConfig:
     """Everything a run needs; defaults give a 1-2 minute run on 2 cores."""
 
     mode: str = "colocated"
+    agents: str = "local"
     steps: int = 20
     url: str | None = None
     run: str = field(default_factory=lambda: f"train-{int(time.time())}")
@@ -58,6 +62,8 @@ class TrainConfig:
     lease_ttl_s: float = 30.0
     drain_timeout_s: float = 30.0
     holder_drain_s: float = 15.0
+    #: HTTP agents: SDK retries of a request answered 503 (a weight update under way).
+    http_retries: int = 30
     #: Tests: after the checkpoint of this step, kill every actor without cleanup.
     crash_after_step: int | None = None
 
@@ -72,6 +78,8 @@ class TrainConfig:
             validate_run(self.run)
         except InvalidId as exc:
             raise ConfigError(f"--run {self.run!r} is not a run id: {exc.rule}") from None
+        if self.agents not in AGENTS:
+            raise ConfigError(f"unknown agents {self.agents!r}: choose one of {', '.join(AGENTS)}")
         if self.steps < 1:
             raise ConfigError(f"--steps must be at least 1, got {self.steps}")
         for name in (

@@ -33,12 +33,15 @@ class Evaluator:
         router: Router,
         workers: Workers,
         store_time: Stopwatch,
+        gateway_url: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.store = store
         self.router = router
         self.workers = workers
         self.store_time = store_time
+        #: With --agents http: evaluate through the session gateway, as agents.
+        self.gateway_url = gateway_url
 
     def samples(self, step: int) -> list[Sample]:
         """Fresh samples of the evaluation problems (the same problems for every step)."""
@@ -57,9 +60,16 @@ class Evaluator:
         try:
             with self.store_time():
                 self.store.open_sessions(sids, owner, version=version)
-                by_worker = route(self.router, samples)
-            out = run_on_workers(self.workers, by_worker, self.cfg.eval_temperature)
-            rewards = [s.reward for ss in out.values() for s in ss]
+            if self.gateway_url is not None:
+                from .http_agents import run_over_http
+
+                done, _ = run_over_http(self.gateway_url, samples, self.cfg, owner, self.cfg.eval_temperature)
+                rewards = [s.reward for s in done]
+            else:
+                with self.store_time():
+                    by_worker = route(self.router, samples)
+                out = run_on_workers(self.workers, by_worker, self.cfg.eval_temperature)
+                rewards = [s.reward for ss in out.values() for s in ss]
             return float(np.mean(rewards))
         finally:
             with self.store_time():

@@ -21,13 +21,14 @@ import torch
 from tracestore import Group, TraceStore
 from tracestore.router import Router
 
-from .actors import Workers
+from .actors import Handle, Workers
 from .batch import Batch, BatchBuilder
 from .checkpoint import CheckpointState, load_model, write_checkpoint
 from .clock import Stopwatch
 from .config import TASK, TrainConfig
 from .evaluation import Evaluator
 from .grpo import collate, train_step
+from .http_agents import GATEWAY_HOLDER
 from .policy import new_policy, replay_logprobs, set_determinism, state_to_numpy
 from .report import StepRecord
 from .tokenizer import TOKENIZER as TOK
@@ -49,16 +50,20 @@ class LearnerStats:
 class Learner:
     """A Ray actor (one thread)."""
 
-    def __init__(self, cfg: TrainConfig, workers: Workers) -> None:
+    def __init__(
+        self, cfg: TrainConfig, workers: Workers, gateway: Handle | None = None, gateway_url: str | None = None
+    ) -> None:
         self.cfg = cfg
         self.workers = workers
+        # where routed experts are borrowed from: the workers, and the gateway with --agents http
+        holders: Workers = {**workers, GATEWAY_HOLDER: gateway} if gateway is not None else workers
         set_determinism(cfg.seed)
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
         self.router: Router = self.store.router(sorted(workers))
         self.store_time = Stopwatch()
         self.busy = Stopwatch()
-        self.evaluate = Evaluator(cfg, self.store, self.router, workers, self.store_time)
-        self.batches = BatchBuilder(self.store, workers, self.store_time)
+        self.evaluate = Evaluator(cfg, self.store, self.router, workers, self.store_time, gateway_url)
+        self.batches = BatchBuilder(self.store, holders, self.store_time)
         self.model = new_policy(TOK.vocab_size, seed=cfg.seed, max_len=256)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.version = 0

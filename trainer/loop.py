@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -27,6 +28,9 @@ from .learner import Learner
 from .producer import Producer
 from .report import EndState, Phases, Report, Start, StepRecord, build_report
 from .rollout import RolloutWorker, WorkerStats
+
+if TYPE_CHECKING:
+    from .gateway_actor import GatewayActorStats
 
 Progress = Callable[[StepRecord], None]
 
@@ -167,15 +171,17 @@ def unreachable(cfg: TrainConfig) -> str | None:
 
 @dataclass(frozen=True)
 class Actors:
-    """The run's Ray actors."""
+    """The run's Ray actors (``gateway``: the session gateway, with ``--agents http``)."""
 
     workers: Workers
     learner: Handle
     producer: Handle
+    gateway: Handle | None = None
 
     def all(self) -> list[Handle]:
         """Every actor, producer first."""
-        return [self.producer, self.learner, *self.workers.values()]
+        gw = [self.gateway] if self.gateway is not None else []
+        return [self.producer, self.learner, *gw, *self.workers.values()]
 
 
 class Driver:
@@ -237,10 +243,17 @@ class Driver:
         # threaded: the learner borrows refs and pushes weights while a rollout runs (safe: a
         # weight push happens with the gate sealed and drained, so no generation is in flight)
         workers = {f"w{i}": self._spawn(RolloutWorker, 3, cfg, f"w{i}") for i in range(cfg.workers)}
-        learner = self._spawn(Learner, 1, cfg, workers)
+        gateway, url = None, None
+        if cfg.agents == "http":  # the workers serve engines; agents reach them through the gateway
+            from .gateway_actor import GatewayActor
+
+            engines = ray.get([w.serve_http.remote() for w in workers.values()])
+            gateway = self._spawn(GatewayActor, 4, cfg, engines)
+            url = ray.get(gateway.url.remote())
+        learner = self._spawn(Learner, 1, cfg, workers, gateway, url)
         first: int = ray.get(learner.init.remote(self.state))
-        producer = self._spawn(Producer, 2, cfg, workers, first)
-        return Actors(workers, learner, producer), first
+        producer = self._spawn(Producer, 2, cfg, workers, first, url)
+        return Actors(workers, learner, producer, gateway), first
 
     def _spawn(self, cls: type, concurrency: int, *args: object) -> Handle:
         handle = remote(cls, concurrency).remote(*args)
@@ -281,7 +294,7 @@ class Driver:
         learner = ray.get(actors.learner.stats.remote())
         producer = ray.get(actors.producer.stats.remote())
         drained = drain_run(self.store)
-        workers, plasma_used = self._wait_for_holders(actors.workers)
+        workers, gateway, plasma_used = self._wait_for_holders(actors.workers, actors.gateway)
         return EndState(
             counts=store_counts(self.store),
             gate=self.store.gate.status(),
@@ -291,10 +304,13 @@ class Driver:
             drained=drained,
             object_store_bytes=plasma_used,
             object_store_bytes_max=plasma_max,
+            gateway=gateway,
         )
 
-    def _wait_for_holders(self, workers: Workers) -> tuple[list[WorkerStats], int]:
-        """The workers' stats once their holders hold no ref and Ray's object store is empty.
+    def _wait_for_holders(
+        self, workers: Workers, gateway: Handle | None
+    ) -> tuple[list[WorkerStats], GatewayActorStats | None, int]:
+        """The workers' (and gateway's) stats once their holders hold no ref and Ray's object store is empty.
 
         The holders drop refs as their event consumers see the releases, and
         the raylet's view of the object store catches up within a few
@@ -303,15 +319,17 @@ class Driver:
         deadline = time.monotonic() + self.cfg.holder_drain_s
         while True:
             stats: list[WorkerStats] = ray.get([w.stats.remote() for w in workers.values()])
+            gw: GatewayActorStats | None = ray.get(gateway.stats.remote()) if gateway is not None else None
             used = object_store_used()
-            if sum(w.holder.refs for w in stats) == 0 and used == 0:
-                return stats, used
-            if time.monotonic() > deadline:
-                return stats, used
+            refs = sum(w.holder.refs for w in stats) + (gw.holder.refs if gw is not None else 0)
+            if (refs == 0 and used == 0) or time.monotonic() > deadline:
+                return stats, gw, used
             time.sleep(0.1)
 
     def close(self, actors: Actors) -> None:
         """Close every role (holders remove their consumer groups), then end the actors."""
+        if actors.gateway is not None:  # before the engines it serves
+            ray.get(actors.gateway.close.remote())
         ray.get([w.close.remote() for w in actors.workers.values()])
         ray.get(actors.producer.close.remote())
         ray.get(actors.learner.close.remote())

@@ -15,7 +15,7 @@ the router keeps learning while the expert choice matches the rollout.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -174,21 +174,30 @@ class MoEPolicy(nn.Module):
         prompt_ids: Sequence[int],
         *,
         max_new_tokens: int,
-        stop_id: int,
+        stop_id: int | Collection[int],
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
         should_abort: Callable[[], bool] | None = None,
+        on_token: Callable[[int, float], bool | None] | None = None,
     ) -> Generation:
-        """Sample up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after ``stop_id``).
+        """Sample up to ``max_new_tokens`` ids after ``prompt_ids`` (stops after a stop id).
 
-        Log-probabilities are those of the sampling distribution (softmax of
-        logits / temperature). ``should_abort`` is checked before every token
-        (an engine's abort request): when it returns True, generation stops
-        with ``finish_reason == "abort"``. Raises ValueError when the prompt is
-        empty or the result would not fit ``max_len``.
+        ``stop_id``: one id or several (empty: never stop early). Log-probabilities
+        are those of the sampling distribution (softmax of logits / temperature);
+        ``temperature == 0`` decodes greedily and reports the model's own
+        log-probabilities. ``should_abort`` is checked before every token (an
+        engine's abort request): when it returns True, generation stops with
+        ``finish_reason == "abort"``. ``on_token(id, logprob)`` is called after
+        each sampled token (an engine streams it); returning True ends the
+        generation there with ``finish_reason == "stop"`` (a stop string
+        matched). Raises ValueError when the prompt is empty, the temperature
+        negative or the result would not fit ``max_len``.
         """
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        stops = {stop_id} if isinstance(stop_id, int) else set(stop_id)
         budget = min(max_new_tokens, self.cfg.max_len - len(prompt_ids))
         if budget <= 0:
             raise ValueError(
@@ -207,11 +216,17 @@ class MoEPolicy(nn.Module):
                 if should_abort is not None and should_abort():
                     finish = "abort"
                     break
-                logp = torch.log_softmax(logits[0, -1] / temperature, dim=-1)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=generator).item())
+                if temperature == 0:
+                    logp = torch.log_softmax(logits[0, -1], dim=-1)
+                    tok = int(logp.argmax().item())
+                else:
+                    logp = torch.log_softmax(logits[0, -1] / temperature, dim=-1)
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=generator).item())
+                lp = float(logp[tok].item())
                 out_ids.append(tok)
-                out_lp.append(float(logp[tok].item()))
-                if tok == stop_id:
+                out_lp.append(lp)
+                matched = on_token is not None and bool(on_token(tok, lp))
+                if matched or tok in stops:
                     finish = "stop"
                     break
                 if step == budget - 1:

@@ -9,6 +9,7 @@ the sessions back and puts each group into the buffer with its status
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -23,9 +24,12 @@ from .actors import Workers
 from .clock import Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import route, run_on_workers
+from .http_agents import GATEWAY_HOLDER, HttpStats
 from .sample import Sample, from_payload, group_status, to_payload
 from .task import make_problem
 
+#: The rollout "worker" of HTTP agents: their sessions are owned by ``rollout:http.<nonce>``.
+HTTP = "http"
 #: Owner tags of long-lived roles heartbeat: gc reclaims them when a dead trainer is not resumed.
 HEARTBEAT_TTL_S = 120.0
 
@@ -47,14 +51,19 @@ class ProducerStats:
     claimed: int
     store_s: float
     busy_s: float
+    #: HTTP agents: what the SDK clients saw (None with local agents).
+    http: HttpStats | None = None
 
 
 class Producer:
     """A Ray actor (two threads: :meth:`run_forever` and :meth:`stop` run at once)."""
 
-    def __init__(self, cfg: TrainConfig, workers: Workers, start_step: int) -> None:
+    def __init__(self, cfg: TrainConfig, workers: Workers, start_step: int, gateway_url: str | None = None) -> None:
         self.cfg = cfg
         self.workers = workers
+        #: With --agents http: the session gateway the agents call (else workers run them).
+        self.gateway_url = gateway_url
+        self.http = HttpStats()
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
         self.router: Router = self.store.router(sorted(workers))
         self.rng = random.Random(cfg.seed * 7919 + start_step)
@@ -123,6 +132,8 @@ class Producer:
 
     def _roll_out(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
         """Run ``samples`` on their workers, each owned by the worker's tag meanwhile."""
+        if self.gateway_url is not None:
+            return self._roll_out_http(samples, version)
         with self.store_time():
             by_worker = route(self.router, samples)
             for w, ss in by_worker.items():
@@ -132,6 +143,24 @@ class Producer:
             for w, out in results.items():
                 self.store.transfer([s.sid for s in out], self._rollout_tag(w), self.tag)
         return {s.sid: s for out in results.values() for s in out}
+
+    def _roll_out_http(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
+        """Run ``samples`` as HTTP agents through the gateway, owned by ``rollout:http.<nonce>`` meanwhile.
+
+        The gateway routes each session to an engine (sticky) and keeps its
+        routed experts, so the samples carry the gateway's holder as ``worker``.
+        """
+        from .http_agents import run_over_http
+
+        assert self.gateway_url is not None
+        placed = [dataclasses.replace(s, worker=GATEWAY_HOLDER) for s in samples]
+        with self.store_time():
+            self._hand_over(HTTP, placed, version)
+        out, seen = run_over_http(self.gateway_url, placed, self.cfg, self._rollout_tag(HTTP))
+        self.http.add(seen)
+        with self.store_time():
+            self.store.transfer([s.sid for s in out], self._rollout_tag(HTTP), self.tag)
+        return {s.sid: s for s in out}
 
     def _hand_over(self, worker: str, samples: Sequence[Sample], version: int) -> None:
         """Open new sessions for the worker's tag; move continued ones to it from ours."""
@@ -171,7 +200,8 @@ class Producer:
 
     def _heartbeat(self) -> None:
         with self.store_time():
-            for tag in (self.tag, *(self._rollout_tag(w) for w in self.workers)):
+            rollouts = [HTTP] if self.gateway_url is not None else list(self.workers)
+            for tag in (self.tag, *(self._rollout_tag(w) for w in rollouts)):
                 self.store.heartbeat(tag, HEARTBEAT_TTL_S)
 
     def _ready(self) -> int:
@@ -196,6 +226,7 @@ class Producer:
             claimed=self.claimed,
             store_s=self.store_time.seconds,
             busy_s=self.busy.seconds,
+            http=self.http if self.gateway_url is not None else None,
         )
 
     def close(self) -> None:

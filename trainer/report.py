@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tracestore import GateStatus
 
     from .config import TrainConfig
+    from .gateway_actor import GatewayActorStats
     from .housekeeping import StoreCounts
     from .learner import LearnerStats
     from .producer import ProducerStats
@@ -83,6 +84,8 @@ class EndState:
     drained: dict[str, int]
     object_store_bytes: int
     object_store_bytes_max: int
+    #: With ``--agents http``: the gateway's counters and holder.
+    gateway: GatewayActorStats | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Report:
     """The end-of-run report (``report.json``); see docs/trainer.md for each field."""
 
     mode: str
+    agents: str
     run: str
     steps: int
     steps_this_process: int
@@ -137,6 +141,12 @@ class Report:
     aborted_groups_claimed: int
     aborted_requests: int
     invalid_responses: int
+    # HTTP agents (None with local agents)
+    gateway_requests: int | None
+    gateway_503s_retried: int | None
+    gateway_410s: int | None
+    agent_turns_given_up: int | None
+    gateway_overhead_p50_ms: float | None
     # resume and end of run
     reclaimed_after_crash: dict[str, int]
     store_restored: bool
@@ -180,9 +190,17 @@ def build_report(
     evals = [h.eval_reward for h in history if h.eval_reward is not None]
     aligns = [h.replay_max_abs_diff for h in history if h.replay_max_abs_diff is not None]
     turn_s = [t for w in end.workers for t in w.turn_s]
+    http = end.producer.http
+    gw = end.gateway
+    if http is not None:  # HTTP agents: a turn's latency as the agent saw it
+        turn_s += http.turn_s
+    holders = [w.holder for w in end.workers] + ([gw.holder] if gw is not None else [])
+    by_status = gw.gateway.by_status if gw is not None else {}
+    overhead = gw.gateway.overhead_p50_s if gw is not None else None
     steps_done = cfg.steps + 1 - start.step
     return Report(
         mode=cfg.mode,
+        agents=cfg.agents,
         run=cfg.run,
         steps=cfg.steps,
         steps_this_process=steps_done,
@@ -204,8 +222,8 @@ def build_report(
         sessions_released=end.counts.released,
         sessions_leaked=end.counts.live,
         release_events=end.counts.events,
-        refs_held_at_end=sum(w.holder.refs for w in end.workers),
-        expert_bytes_held_at_end=sum(w.holder.bytes for w in end.workers),
+        refs_held_at_end=sum(h.refs for h in holders),
+        expert_bytes_held_at_end=sum(h.bytes for h in holders),
         object_store_bytes_at_end=end.object_store_bytes,
         object_store_bytes_max_seen=end.object_store_bytes_max,
         gate_cycles=end.learner.gate_cycles,
@@ -215,6 +233,11 @@ def build_report(
         aborted_groups_claimed=end.producer.claimed,
         aborted_requests=sum(w.aborted_requests for w in end.workers),
         invalid_responses=sum(w.invalid for w in end.workers),
+        gateway_requests=gw.gateway.requests if gw is not None else None,
+        gateway_503s_retried=(by_status.get("503", 0) - http.gave_up) if gw is not None and http is not None else None,
+        gateway_410s=by_status.get("410", 0) if gw is not None else None,
+        agent_turns_given_up=http.gave_up if http is not None else None,
+        gateway_overhead_p50_ms=1000 * overhead if overhead is not None else None,
         reclaimed_after_crash=start.reclaimed,
         store_restored=start.restored,
         drained_at_end=end.drained,
@@ -256,6 +279,12 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("routing replay max |dlogp|", "replay_max_abs_diff"),
     ("requests aborted in flight", "aborted_requests"),
     ("aborted groups claimed back", "aborted_groups_claimed"),
+    ("agents", "agents"),
+    ("gateway requests", "gateway_requests"),
+    ("gateway 503s retried by the SDK", "gateway_503s_retried"),
+    ("gateway 410s", "gateway_410s"),
+    ("agent turns given up after retries", "agent_turns_given_up"),
+    ("p50 gateway overhead (ms)", "gateway_overhead_p50_ms"),
 ]
 
 

@@ -142,6 +142,28 @@ class RolloutWorker:
         self.holder = RefHolder(self.store, name=f"holder-{name}")
         self.model = LocalModel(self.store, self.holder, name, cfg)
         self.busy = Stopwatch()
+        self.engine: Any = None  # a PolicyEngine over the same policy, with --agents http
+        self._server: Any = None
+
+    def serve_http(self) -> str:
+        """Serve this worker's policy over HTTP (SGLang's /generate shape); returns its URL.
+
+        With ``--agents http`` the gateway sends every turn here; weights and
+        aborts then go through the engine (its worker thread, between generations).
+        """
+        from tracestore.gateway._http import BackgroundServer
+
+        from .engine import PolicyEngine
+
+        if self._server is None:
+            self.engine = PolicyEngine(self.model.policy, seed=self.cfg.seed + sum(map(ord, self.model.name)))
+
+            async def make() -> Any:
+                return self.engine.app()
+
+            self._server = BackgroundServer(make)
+            self._server.start()
+        return str(self._server.url)
 
     def run(self, samples: list[Sample], temperature: float = 1.0) -> list[Sample]:
         """Continue every unfinished sample until it ends, aborts (gate sealed) or fails."""
@@ -157,10 +179,15 @@ class RolloutWorker:
         continued after the update.
         """
         self.model.abort()
+        if self.engine is not None:
+            self.engine.abort_all()
 
     def set_weights(self, state: dict[str, np.ndarray], version: int) -> int:
         """Load weights of ``version`` (the gate is sealed and drained); returns ``version``."""
-        self.model.load(state)
+        if self.engine is not None:  # the engine's thread: never under a generation
+            self.engine.set_weights(state, version)
+        else:
+            self.model.load(state)
         return version
 
     def get_refs(self, keys: list[str]) -> list[Any]:
@@ -176,10 +203,12 @@ class RolloutWorker:
             store_s=self.model.store_time.seconds + rec.store_s + rec.holder_s,
             busy_s=self.busy.seconds,
             invalid=rec.invalid,
-            aborted_requests=self.model.aborted_requests,
+            aborted_requests=self.model.aborted_requests + (self.engine.aborted if self.engine else 0),
         )
 
     def close(self) -> None:
-        """Stop the holder's consumer, remove its consumer group, close the store."""
+        """Stop the engine (if served), the holder's consumer (its group removed), close the store."""
+        if self._server is not None:
+            self._server.stop()
         self.holder.close(destroy_group=True)
         self.store.close()

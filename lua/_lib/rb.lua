@@ -41,6 +41,16 @@
 --   oreplay     KEYS: ts:{R}:o:<replay>     replay   ARGV: the buffer's owner tag
 --   to, oto     the taker's owner tag and its owner set (rb_hand_over)
 --   qe, ve, released, events, now, rel_s   (rb_expire_group)
+--   st          the script's counters (lua/_lib/stats.lua): the script flushes
+--               them into ts:{R}:stats at its end, after sessions_release_flush
+--               (rb_expire_group counts groups_expired and, through
+--               sessions_release, the releases)
+--
+-- A group the client could not decode (a record that is not the JSON object
+-- rb_rec writes, sids that are not a JSON list of strings, a payload that is
+-- not a JSON object, text that is not UTF-8) is never handed out: rb_load
+-- checks every group it loads, before the script's first write, and the
+-- script answers CORRUPT naming the hash and the gid, with nothing written.
 --
 local RB_TWO32 = 4294967296
 -- Values per redis.call of a variadic command (Lua's unpack limit is ~8000).
@@ -125,8 +135,9 @@ local function rb_need(rb, gids, npicked)
   local js = rb_call_chunked('HMGET', rb.sidskey, gids)
   local need, missing = {}, false
   for i = 1, #gids do
-    if js[i] then
-      for _, sid in ipairs(cjson.decode(js[i])) do
+    local ok, members = pcall(cjson.decode, js[i] or '')
+    if ok and type(members) == 'table' then  -- else rb_load reports the group CORRUPT
+      for _, sid in ipairs(members) do
         if not rb.smap[sid] then
           need[#need + 1] = sid
           if i <= npicked then missing = true end
@@ -159,6 +170,64 @@ local function rb_bytes_add(bkey, status, task, delta)
   if delta ~= 0 then redis.call('HINCRBY', bkey, status .. ' ' .. task, delta) end
 end
 
+-- True when s is valid UTF-8 without surrogates or overlong forms (what the
+-- client's JSON decoder accepts); ASCII is checked with one pattern search.
+local function rb_utf8(s)
+  if not string.find(s, '[\128-\255]') then return true end
+  local i, n = 1, #s
+  while i <= n do
+    local c = string.byte(s, i)
+    local len, lo, hi = 1, 0x80, 0xBF
+    if c < 0x80 then len = 1
+    elseif c >= 0xC2 and c <= 0xDF then len = 2
+    elseif c >= 0xE0 and c <= 0xEF then
+      len = 3
+      if c == 0xE0 then lo = 0xA0 elseif c == 0xED then hi = 0x9F end
+    elseif c >= 0xF0 and c <= 0xF4 then
+      len = 4
+      if c == 0xF0 then lo = 0x90 elseif c == 0xF4 then hi = 0x8F end
+    else return false end
+    for j = i + 1, i + len - 1 do
+      local cc = string.byte(s, j)
+      if not cc or cc < lo or cc > hi then return false end
+      lo, hi = 0x80, 0xBF
+    end
+    i = i + len
+  end
+  return true
+end
+
+local RB_STATUSES = {completed = true, aborted = true, expired = true}
+
+-- nil when group gid's record (rec), sids JSON (js) and payload (p) are what
+-- the client decodes; else the CORRUPT reply naming the hash and the gid.
+-- The record is decoded (it is small); the payload, handed out verbatim, is
+-- checked for the shape put stores (a JSON object, valid UTF-8).
+local function rb_check(rb, gid, rec, js, p)
+  local function bad(key, what) return {1, 'CORRUPT', key, gid, what} end
+  if type(rec) ~= 'string' then return bad(rb.groups, 'the group has no record') end
+  local ok, r = pcall(cjson.decode, rec)
+  if not ok or type(r) ~= 'table' or string.sub(rec, 1, 1) ~= '{' or not rb_utf8(rec) then
+    return bad(rb.groups, 'the record is not a JSON object')
+  end
+  if type(r.task) ~= 'string' or not RB_STATUSES[r.status] or type(r.min_version) ~= 'number'
+      or type(r.seq) ~= 'number' or type(r.mv) ~= 'table' or type(r.reroll) ~= 'table' then
+    return bad(rb.groups, 'the record lacks task, a stored status, min_version, seq, mv or reroll')
+  end
+  if type(js) ~= 'string' then return bad(rb.sidskey, 'the group has no session list') end
+  local oks, sids = pcall(cjson.decode, js)
+  if not oks or type(sids) ~= 'table' or string.sub(js, 1, 1) ~= '[' or not rb_utf8(js) then
+    return bad(rb.sidskey, 'not a JSON list of session ids')
+  end
+  for _, sid in ipairs(sids) do
+    if type(sid) ~= 'string' then return bad(rb.sidskey, 'not a list of session ids') end
+  end
+  if type(p) ~= 'string' or not string.find(p, '^%s*{') or not string.find(p, '}%s*$') or not rb_utf8(p) then
+    return bad(rb.payloads, 'the payload is not a JSON object')
+  end
+  return nil, sids
+end
+
 -- Read stored groups `gids` for a hand-over, as flat arrays (every value Lua
 -- creates costs; a take of 512 groups must create few): gids, recs, js
 -- (sids JSON), ps (payloads): one HMGET each; sids and skeys: every session
@@ -172,7 +241,12 @@ local function rb_load(rb, gids)
     sids = {}, skeys = {}, bytes = 0}
   local sids, skeys, js = L.sids, L.skeys, L.js
   for i = 1, #gids do
-    for _, sid in ipairs(cjson.decode(js[i])) do
+    local bad, members = rb_check(rb, gids[i], L.recs[i], js[i], L.ps[i])
+    if bad then
+      L.corrupt = bad
+      return L
+    end
+    for _, sid in ipairs(members) do
       sids[#sids + 1] = sid
       skeys[#skeys + 1] = rb_skey(rb, sid)
     end
@@ -188,11 +262,13 @@ end
 -- Read stored groups for expiry: a table per group (gid, the fields of its
 -- record: task, status, min_version, seq, retryable and agentic as '0'/'1',
 -- mv, reroll, put_ms, producer; sids, skey[j], payload, bytes), the session
--- keys touched first as in rb_load. Reads only.
+-- keys touched first as in rb_load; and the CORRUPT reply of the first group
+-- that fails rb_check (then no table). Reads only.
 local function rb_load_groups(rb, gids)
   local out = {}
   if #gids == 0 then return out end
   local L = rb_load(rb, gids)
+  if L.corrupt then return out, L.corrupt end
   local at = 0
   for i, gid in ipairs(gids) do
     local r = cjson.decode(L.recs[i])
@@ -236,7 +312,9 @@ end
 -- sessions are released (one event each, reason 'expired'), the fresh ones
 -- keep their order, and the group lists the released sids in `reroll`.
 -- Released: every session released (one event each), the group deleted.
--- Appends the released sids to rb.rel_s. Returns true if kept.
+-- Appends the released sids to rb.rel_s; counts groups_expired in rb.st. The
+-- releases are queued in rb.rel: the script runs sessions_release_flush(rb.rel)
+-- and stats_flush once, before it returns. Returns true if kept.
 local function rb_expire_group(rb, g, q, v, opts)
   local vs = redis.call('ZSCORE', v, g.gid)
   redis.call('ZREM', q, g.gid)
@@ -245,11 +323,10 @@ local function rb_expire_group(rb, g, q, v, opts)
   local keep
   if opts.keep == '' then keep = (g.retryable == '1') else keep = (opts.keep == '1') end
   rb.rel = rb.rel or {owner = rb.replay, okey = rb.oreplay, released = rb.released,
-    events = rb.events, reason = 'expired', now = rb.now}
+    events = rb.events, reason = 'expired', now = rb.now, st = rb.st}
+  stats_add(rb.st, 'groups_expired', 1)
   if not keep then
-    for j, sid in ipairs(g.sids) do
-      if session_release(g.skey[j], sid, rb.rel) then rb.rel_s[#rb.rel_s + 1] = sid end
-    end
+    sessions_release(rb.rel, g.skey, g.sids, rb.rel_s)
     redis.call('HDEL', rb.groups, g.gid)
     redis.call('HDEL', rb.sidskey, g.gid)
     redis.call('HDEL', rb.payloads, g.gid)
@@ -258,16 +335,19 @@ local function rb_expire_group(rb, g, q, v, opts)
   local sids, mv = g.sids, g.mv
   if opts.per_member == '1' and g.agentic ~= '1' then
     local stale = rb_stale_members(g.mv, opts.cutoff)
+    local rkeys, rsids = {}, {}
     sids, mv = {}, {}
     for j, sid in ipairs(g.sids) do
       if stale[j] then
-        if session_release(g.skey[j], sid, rb.rel) then rb.rel_s[#rb.rel_s + 1] = sid end
+        rkeys[#rkeys + 1] = g.skey[j]
+        rsids[#rsids + 1] = sid
         g.reroll[#g.reroll + 1] = sid
       else
         sids[#sids + 1] = sid
         mv[#mv + 1] = g.mv[j]
       end
     end
+    sessions_release(rb.rel, rkeys, rsids, rb.rel_s)
   end
   g.status, g.mv_json, g.reroll_json = 'expired', rb_json_list(mv), rb_json_list(g.reroll)
   local rec, sids_json = rb_rec(g), rb_json_list(sids)
@@ -280,11 +360,12 @@ local function rb_expire_group(rb, g, q, v, opts)
 end
 
 -- Hand groups loaded by rb_load to rb.to: their sessions move from the buffer
--- to the taker, the groups leave their queue q / version index v (status
--- `status` of `task`) and the three hashes; appends RB_FIELDS reply fields
+-- to the taker, the groups leave their queue cell.q / version index cell.v
+-- (status cell.status of task cell.task) and the three hashes; appends RB_FIELDS reply fields
 -- per group (gid, rec, sids, payload) to `out`, in the order loaded.
 -- One command per key (and chunk), plus one HSET per session.
-local function rb_hand_over(rb, L, q, v, status, task, out)
+local function rb_hand_over(rb, L, cell, out)
+  local q, v, status, task = cell.q, cell.v, cell.status, cell.task
   if #L.gids == 0 then return end
   local moved = {}
   for i, skey in ipairs(L.skeys) do

@@ -179,6 +179,13 @@ def train_options(f: Any) -> Any:
             default=None,
             help="colocated (generate, then train; the default) or disaggregated (overlapped).",
         ),
+        click.option(
+            "--agents",
+            default=None,
+            help="local (each worker runs its agents against its policy in process; the default) or "
+            "http (agents are asyncio tasks of the openai SDK calling a session gateway in front of "
+            "the workers' engines, with tool calls; needs tracestore[gateway]; make train uses it).",
+        ),
         click.option("--steps", type=int, default=None, help="Training steps (default 20)."),
         url_option,
         click.option(

@@ -1,0 +1,84 @@
+"""Routed experts through the gateway: engine -> gateway's RefHolder -> expert keys in the trace.
+
+A gateway embedded in this process (``start_gateway``, as a Ray actor would
+run it) with a real :class:`~tracestore.ray.RefHolder` on a real local Ray,
+in front of a real ``tracestore engine`` process; the official ``openai`` SDK
+as the agent.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import ray
+
+from tests._gateway import CliServer, http
+from tracestore import TraceStore
+from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
+from tracestore.ray import RefHolder
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_runtime() -> Iterator[None]:
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[CliServer]:
+    e = CliServer("engine", "--port", "0", "--seed", "3").start()
+    yield e
+    e.stop()
+
+
+def test_routed_experts_go_to_the_holder_and_the_trace(url: str, run_id: str, engine: CliServer) -> None:
+    store = TraceStore.connect(url, run=run_id)
+    holder = RefHolder(store, reconcile_s=1.0)
+    server = start_gateway(GatewayConfig(engines=(engine.url,), url=url, run=run_id), holder=holder)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        sid = f"x-{uuid.uuid4().hex[:8]}"
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "reach 7 from 3"}]
+        completions = 0
+        for turn in range(3):
+            kw: dict[str, Any] = dict(model="tracestore-reference", messages=messages, max_tokens=5, extra_headers={"X-Session-Id": sid, "X-Tracestore-Owner": "agents:r3"})
+            if turn == 1:  # one streamed turn: the experts come with the last chunk
+                chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                answer: dict[str, Any] = {"role": "assistant", "content": text}
+                completions += next(c.usage.completion_tokens for c in chunks if c.usage is not None)
+            else:
+                r = client.chat.completions.create(**kw)
+                completions += r.usage.completion_tokens
+                answer = r.choices[0].message.model_dump(exclude_none=True)
+            messages += [answer, {"role": "user", "content": f"then {turn}"}]
+        assert server.app is not None and server.app[GATEWAY].holder is holder
+        tr = http("GET", f"{server.url}/v1/sessions/{sid}/trace").json()
+        assert sum(1 for x in tr["labels"] if x != -100) == completions
+        keys = tr["expert_keys"]
+        assert keys is not None and len(keys) == 6  # a delta node and a response node per turn, each with its part
+        parts = ray.get(holder.get(keys))
+        routing = np.concatenate([np.asarray(p) for p in parts])[1:]  # the dummy row dropped
+        assert routing.shape == (len(tr["input_ids"]) - 1, 2, 2)  # [tokens - 1, layers, top_k]
+        assert routing.dtype == np.int32 and routing.min() >= 0 and routing.max() < 4
+        assert holder.stats().sessions == 1 and holder.stats().bytes > 0
+
+        store.release([sid], "agents:r3", "test")  # the release event frees the refs
+        deadline = time.monotonic() + 15
+        while holder.stats().refs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holder.stats().refs == 0
+    finally:
+        server.stop()
+        holder.close()
+        store.close()
+

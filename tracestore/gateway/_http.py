@@ -1,0 +1,147 @@
+"""Serving an aiohttp application: from the CLI (foreground) or from a background thread.
+
+Shared by the gateway and the reference engine (``trainer/engine.py``):
+:func:`serve_forever` prints ``listening on http://H:P`` once the socket is
+bound (``--port 0`` picks a free port, and the line tells which) and stops
+cleanly on SIGINT/SIGTERM; :class:`BackgroundServer` runs an app on its own
+event loop in a daemon thread (tests, benchmarks, a Ray actor).
+
+Handlers are cancelled when their client disconnects
+(``handler_cancellation``): that is how the gateway learns a client left
+mid-request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+AppFactory = Callable[[], Awaitable[web.Application]]
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Bind ``app`` on ``host:port``; returns the runner and the URL actually bound."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    shown = f"[{host}]" if ":" in host else host
+    return runner, f"http://{shown}:{bound}"
+
+
+def serve_forever(make_app: AppFactory, host: str, port: int, announce: Callable[[str], None]) -> None:
+    """Run the app until SIGINT/SIGTERM; ``announce(url)`` is called once it listens."""
+
+    async def main() -> None:
+        app = await make_app()
+        runner, url = await start_site(app, host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        announce(url)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    run_loop(main())
+
+
+def run_loop(coro: Awaitable[None]) -> None:
+    """``asyncio.run``, on uvloop when it is installed (unless ``TRACESTORE_UVLOOP=0``)."""
+    import os
+
+    if os.environ.get("TRACESTORE_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            uvloop.run(coro)  # type: ignore[arg-type]
+            return
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+class BackgroundServer:
+    """An aiohttp app served from a daemon thread with its own event loop.
+
+    ``start()`` returns the bound URL once the app listens (re-raising a
+    startup error); ``stop()`` shuts it down and joins the thread. Also a
+    context manager.
+    """
+
+    def __init__(self, make_app: AppFactory, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._make_app = make_app
+        self.host = host
+        self.port = port
+        self.url = ""
+        self.app: web.Application | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        """Start serving; returns ``http://host:port``. Raises what the startup raised."""
+        self._thread = threading.Thread(target=self._run, name="aiohttp-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"server did not start within {timeout_s}s")
+        if self._error is not None:
+            raise self._error
+        return self.url
+
+    def call(self, coro: Awaitable[object], timeout_s: float = 60.0) -> object:
+        """Run ``coro`` on the server's loop from another thread; return its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)  # type: ignore[arg-type]
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            try:
+                self.app = await self._make_app()
+                runner, self.url = await start_site(self.app, self.host, self.port)
+            except BaseException as exc:
+                self._error = exc
+                self._ready.set()
+                return
+            self._ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await runner.cleanup()
+
+        asyncio.run(main())
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop serving (in-flight handlers are cancelled) and join the thread."""
+        if self._loop is not None and self._stop is not None and self._thread is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout_s)
+        self._thread = None
+
+    def __enter__(self) -> BackgroundServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["BackgroundServer", "serve_forever", "start_site"]

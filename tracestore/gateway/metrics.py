@@ -1,0 +1,68 @@
+"""Prometheus metrics of one gateway (``GET /metrics``), in a registry of their own.
+
+Every name starts with ``tracestore_gateway_``:
+
+==============================  =========  ==============================================
+metric                          type       labels / meaning
+==============================  =========  ==============================================
+``requests_total``              counter    ``route``, ``status``: requests answered
+``in_flight``                   gauge      requests being served now
+``sealed_total``                counter    ``reason``: 503s (``gate_sealed`` refused at
+                                           admission, ``weight_update`` aborted in flight)
+``gone_total``                  counter    ``reason``: 410s (``retired``, ``released``)
+``aborted_total``               counter    ``reason``: turns not recorded because
+                                           ``client_disconnect`` or ``weight_update``
+``engine_errors_total``         counter    ``kind``: ``refused``, ``lost``, ``rejected``
+``latency_seconds``             histogram  ``part``: ``engine`` (engine call),
+                                           ``tracestore`` (store calls on the request's
+                                           path), ``total`` (request in, answer out)
+``tokens_total``                counter    ``kind``: ``prompt``, ``prompt_new`` (tokenised
+                                           this turn, the rest came from the trie),
+                                           ``completion``
+``turns_recorded_total``        counter    turns written with ``record_turn``
+``gate_polls_total``            counter    gate status reads of the seal watcher
+==============================  =========  ==============================================
+
+A registry per gateway keeps several gateways in one process (tests,
+benchmarks) apart.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_BUCKETS = (
+    0.0002, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+
+
+class Metrics:
+    """The gateway's metrics (attributes are prometheus_client collectors)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        ns = "tracestore_gateway"
+        r = self.registry
+        self.requests = Counter(f"{ns}_requests", "Requests answered.", ["route", "status"], registry=r)
+        self.in_flight = Gauge(f"{ns}_in_flight", "Requests being served.", registry=r)
+        self.sealed = Counter(f"{ns}_sealed", "503 answers: the gate was sealed.", ["reason"], registry=r)
+        self.gone = Counter(f"{ns}_gone", "410 answers: the session was retired or released.", ["reason"], registry=r)
+        self.aborted = Counter(f"{ns}_aborted", "Turns aborted, nothing recorded.", ["reason"], registry=r)
+        self.engine_errors = Counter(f"{ns}_engine_errors", "Failed engine calls.", ["kind"], registry=r)
+        self.latency = Histogram(
+            f"{ns}_latency_seconds", "Request latency by part.", ["part"], buckets=_BUCKETS, registry=r
+        )
+        self.tokens = Counter(f"{ns}_tokens", "Tokens in and out.", ["kind"], registry=r)
+        self.turns = Counter(f"{ns}_turns_recorded", "Turns recorded.", registry=r)
+        self.gate_polls = Counter(f"{ns}_gate_polls", "Gate status reads of the seal watcher.", registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return bytes(generate_latest(self.registry))
+
+
+__all__ = ["Metrics"]

@@ -1,0 +1,64 @@
+"""The session gateway as a Ray actor, for ``tracestore train --agents http``.
+
+The gateway serves the agents (``url``) in front of the rollout workers'
+engines and keeps the routed experts the engines return in its own
+:class:`~tracestore.ray.RefHolder` (so they live in this actor's object
+store and are dropped when their session is released); the learner borrows
+them with :meth:`GatewayActor.get_refs`, as it does from local workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tracestore import TraceStore
+from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
+from tracestore.gateway.server import GatewayStats
+from tracestore.ray import HolderStats, RefHolder
+
+from .config import TrainConfig
+
+
+@dataclass(frozen=True)
+class GatewayActorStats:
+    """The gateway's request counters and its holder."""
+
+    gateway: GatewayStats
+    holder: HolderStats
+
+
+class GatewayActor:
+    """A Ray actor (threaded: the learner borrows refs while agents are served)."""
+
+    def __init__(self, cfg: TrainConfig, engines: list[str]) -> None:
+        self.store = TraceStore.connect(cfg.url, run=cfg.run)
+        self.holder = RefHolder(self.store, name="holder-gateway")
+        config = GatewayConfig(
+            engines=tuple(engines),
+            url=cfg.url,
+            run=cfg.run,
+            owner="rollout:gateway",
+            name="gateway",
+            lease_ttl_s=cfg.lease_ttl_s,
+        )
+        self.server = start_gateway(config, holder=self.holder)
+
+    def url(self) -> str:
+        """The gateway's base URL (agents use ``<url>/v1``)."""
+        return self.server.url
+
+    def get_refs(self, keys: list[str]) -> list[Any]:
+        """Lend the ObjectRefs of ``keys`` (the caller borrows them; Ray counts the borrow)."""
+        return self.holder.get(keys)
+
+    def stats(self) -> GatewayActorStats:
+        """The gateway's counters and its holder's."""
+        assert self.server.app is not None
+        return GatewayActorStats(self.server.app[GATEWAY].stats(), self.holder.stats())
+
+    def close(self) -> None:
+        """Stop serving, stop the holder (its consumer group removed), close the store."""
+        self.server.stop()
+        self.holder.close(destroy_group=True)
+        self.store.close()

@@ -1,0 +1,150 @@
+"""The calculator agent over HTTP: each episode an asyncio task of the official ``openai`` SDK.
+
+``tracestore train --agents http`` rolls samples out the way real agents
+run: :func:`run_over_http` drives :func:`~tracestore.trainer.agent.play` for
+every sample at once, one task per sample, each turn a chat completion
+through the session gateway (``X-Session-Id``: the sample's session;
+``X-Tracestore-Owner``: the tag that owns it during the rollout) with the
+calculator as tools (``add``/``sub``/``mul`` with one integer ``n``). The
+builtin template renders a tool call as ``add 3``, exactly what the policy
+writes, so the conversation the SDK sends back stays on one trie path.
+
+A weight update answers 503 with ``Retry-After``: the SDK waits and retries
+(``http_retries`` times), and the turn is generated under the new weights.
+Only when the retries run out does the turn come back aborted (the group
+goes back to the buffer, as with local agents).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .agent import NoReply, Outcome, Reply, TurnRequest, play
+from .config import TrainConfig
+from .sample import Message, Sample
+from .task import parse_action
+
+MODEL = "tracestore-reference"
+#: The name samples carry as ``worker`` when their routed experts are in the gateway's holder.
+GATEWAY_HOLDER = "gateway"
+#: The calculator, as OpenAI function tools.
+CALC_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": op,
+            "description": f"{op} a one-digit number to the current value",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        },
+    }
+    for op in ("add", "sub", "mul")
+]
+
+
+@dataclass
+class HttpStats:
+    """What the agents saw: requests sent, turns that came back, each turn's latency."""
+
+    requests: int = 0
+    turns: int = 0
+    turn_s: list[float] = field(default_factory=list)
+    gave_up: int = 0
+
+    def add(self, other: HttpStats) -> None:
+        """Fold ``other`` into these counters."""
+        self.requests += other.requests
+        self.turns += other.turns
+        self.turn_s += other.turn_s
+        self.gave_up += other.gave_up
+
+
+def to_openai(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The episode's conversation as OpenAI messages: calculator turns as tool calls and results.
+
+    An assistant turn that is a call (``add 3``) becomes a ``tool_calls``
+    message, the tool message after it names the call's id; ``done`` and
+    anything else stay content. Rendered by the builtin template, both forms
+    are the same text.
+    """
+    out: list[dict[str, Any]] = []
+    last_call = ""
+    for i, m in enumerate(messages):
+        action = parse_action(m["content"]) if m["role"] == "assistant" else None
+        if action is not None and action[0] != "done":
+            last_call = f"call_{i}"
+            fn = {"name": action[0], "arguments": f'{{"n": {action[1]}}}'}
+            out.append({"role": "assistant", "content": None, "tool_calls": [{"id": last_call, "type": "function", "function": fn}]})
+        elif m["role"] == "tool":
+            out.append({"role": "tool", "tool_call_id": last_call, "content": m["content"]})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+async def _turn(client: Any, req: TurnRequest, cfg: TrainConfig, owner: str, temperature: float, stats: HttpStats) -> Outcome:
+    import openai
+
+    t0 = time.perf_counter()
+    stats.requests += 1
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=to_openai(req.messages),
+            tools=CALC_TOOLS,
+            max_tokens=cfg.max_new_tokens,
+            temperature=temperature,
+            extra_headers={"X-Session-Id": req.sid, "X-Tracestore-Owner": owner},
+        )
+    except openai.APIStatusError as exc:
+        stats.gave_up += 1
+        detail = f"HTTP {exc.status_code}: {exc.message}"
+        return NoReply("aborted", detail) if exc.status_code == 503 else NoReply("failed", detail)
+    except openai.APIError as exc:
+        stats.gave_up += 1
+        return NoReply("failed", f"{type(exc).__name__}: {exc}")
+    r = raw.parse()
+    choice = r.choices[0]
+    calls = choice.message.tool_calls or []
+    if calls:
+        fn = calls[0].function
+        import json
+
+        content = " ".join([fn.name, *(str(v) for v in json.loads(fn.arguments).values())])
+    else:
+        content = choice.message.content or ""
+    stats.turns += 1
+    stats.turn_s.append(time.perf_counter() - t0)
+    return Reply(content, choice.finish_reason != "length", int(raw.headers["x-tracestore-version"]))
+
+
+async def _episode(client: Any, sample: Sample, cfg: TrainConfig, owner: str, temperature: float, stats: HttpStats) -> Sample:
+    agent = play(sample, cfg.max_calls)
+    try:
+        request = next(agent)
+        while True:
+            request = agent.send(await _turn(client, request, cfg, owner, temperature, stats))
+    except StopIteration as end:
+        done: Sample = end.value
+        return done
+
+
+def run_over_http(
+    url: str, samples: Sequence[Sample], cfg: TrainConfig, owner: str, temperature: float = 1.0
+) -> tuple[list[Sample], HttpStats]:
+    """Continue every sample through the gateway at ``url``, all at once; the samples and what was seen."""
+    import openai
+
+    stats = HttpStats()
+
+    async def main() -> list[Sample]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=cfg.http_retries, timeout=120) as client:
+            return list(await asyncio.gather(*(_episode(client, s, cfg, owner, temperature, stats) for s in samples)))
+
+    return asyncio.run(main()), stats
+
+
+__all__ = ["CALC_TOOLS", "GATEWAY_HOLDER", "HttpStats", "run_over_http", "to_openai"]
