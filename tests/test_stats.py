@@ -111,7 +111,7 @@ def test_a_retried_script_counts_once(store: TraceStore) -> None:
     """The op record replays a retried call's reply before anything is written or counted."""
     sids = [f"s{i}" for i in range(5)]
     store.open_sessions(sids, "train:1")
-    evals = release_evals(store.context, sids, "train:1", "consumed")
+    evals = release_evals(store.context, sids, "train:1", "consumed", store.context.op(None, "release"))
     first = store.execute(Batch(tuple(evals)))
     again = store.execute(Batch(tuple(evals)))  # the same op ids: what redis-py sends on a retry
     assert first == again
