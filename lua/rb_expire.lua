@@ -49,6 +49,8 @@ local early = rb_open(rb, opkey, nil, 13, 8)
 if early then return early end
 
 local stale = rb_stale(v, cutoff, limit)
+-- nothing stale: nothing to write, not even the op record (a retry finds the same or acts now)
+if #stale == 0 then return {0, 'OK', 0, 0, 0, 0} end
 local need = rb_need(rb, stale, #stale)
 if need then return need end
 local groups, corrupt = rb_load_groups(rb, stale)

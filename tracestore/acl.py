@@ -33,13 +33,14 @@ CONNECTION = ("ping", "info", "client|setname", "client|setinfo", "cluster|slots
 #: Commands called by the scripts in lua/ (writer).
 LUA = (
     "del", "exists", "get", "hdel", "hexists", "hget", "hgetall", "hincrby", "hkeys", "hlen",
-    "hmget", "hscan", "hset", "hsetnx", "incr", "llen", "pexpire", "pttl", "rpush", "sadd", "scard",
+    "hmget", "hscan", "hset", "hsetnx", "hvals", "incr", "llen", "pexpire", "pttl", "rpush", "sadd", "scard",
     "set", "smismember", "srem", "time", "xadd", "zadd", "zcard", "zcount", "zincrby", "zrange",
     "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
 )
 #: Commands called by the ``no-writes`` scripts (observer).
 LUA_RO = (
-    "exists", "hget", "hgetall", "hlen", "hmget", "hscan", "time", "zcount", "zrange", "zrangebyscore", "zscore",
+    "exists", "hget", "hgetall", "hlen", "hmget", "hscan", "hvals", "time", "zcount", "zrange", "zrangebyscore",
+    "zscore",
 )
 
 #: Commands the client sends itself (writer): reads, purges, the release event
@@ -49,12 +50,12 @@ CLIENT = (
     "memory|usage", "mget", "mset", "pexpire", "pttl", "rpush", "sadd", "scan", "scard", "set", "smembers", "time", "type",
     "unlink", "xack", "xadd", "xgroup|create", "xgroup|createconsumer", "xgroup|destroy",
     "xinfo|consumers", "xinfo|groups", "xpending", "xrange", "xreadgroup", "xrevrange", "xtrim",
-    "zadd", "zcard", "zmscore", "zrange", "zrangebyscore", "zrem",
+    "zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem",
 )
 #: Commands the client sends for the observer's reads.
 CLIENT_RO = (
     "exists", "get", "hget", "hgetall", "hmget", "lrange", "memory|usage", "mget", "pttl", "scan", "scard",
-    "smembers", "time", "type", "xrange", "xrevrange", "zcard", "zrange",
+    "smembers", "time", "type", "xrange", "xrevrange", "zcard", "zcount", "zrange",
 )
 
 ROLES = ("writer", "observer")

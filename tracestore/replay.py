@@ -325,12 +325,25 @@ def _check_group(ctx: Context, group: object, owner: str) -> _Checked:
 
 
 def _group(gid: str, rec: Any, sids: Any, payload: Any) -> Group:
-    """A group from its three fields: record (JSON object), sids and payload (JSON)."""
+    """A group from its three fields: record (JSON object), sids and payload (JSON).
+
+    ValueError/TypeError/KeyError when a field is not what put stores (the caller names the key).
+    """
     loads = orjson.loads
     r = loads(rec)
+    ids = loads(sids)
+    body = loads(payload)
+    if (
+        type(ids) is not list
+        or type(body) is not dict
+        or r["status"] not in STORED_STATUSES
+        or type(r["task"]) is not str
+        or not all(type(x) is str for x in ids)
+    ):
+        raise ValueError("not the shape put stores")
     return Group(
-        gid, r["task"], tuple(loads(sids)), r["status"], int(r["min_version"]), bool(r["retryable"]),
-        loads(payload), bool(r["agentic"]), tuple(r["reroll"]), tuple(r["mv"]), int(r["seq"]),
+        gid, r["task"], tuple(ids), r["status"], int(r["min_version"]), bool(r["retryable"]),
+        body, bool(r["agentic"]), tuple(r["reroll"]), tuple(r["mv"]), int(r["seq"]),
     )
 
 
@@ -344,6 +357,8 @@ def _corrupt(ctx: Context, gid: str, rec: Any, sids: Any, payload: Any, exc: Exc
                 return CorruptData(key, f"not a JSON {kind.__name__}", gid)
         except orjson.JSONDecodeError as err:  # (a UnicodeDecodeError too)
             return CorruptData(key, f"{type(err).__name__}: {err}", gid)
+    if not all(isinstance(x, str) for x in orjson.loads(sids)):
+        return CorruptData(k.rb_sids, "not a list of session ids", gid)
     return CorruptData(k.rb_groups, f"{type(exc).__name__}: {exc}", gid)
 
 
