@@ -1,24 +1,33 @@
 -- script: rb_put
 -- Store a replay group and move its sessions from the putter to the buffer in
--- one atomic step (DESIGN section 7, invariant 1). A `failed` or `filtered`
--- group is never stored: its sessions are released at once (reason = status,
--- one event each). Nothing is written unless every session is live and owned
--- by the putter and the group id is not stored yet. Idempotent under retry.
--- KEYS: 13+
--- KEYS[1] = ts:{R}:rb:g:<gid>            hash: the group
--- KEYS[2] = ts:{R}:rb:q:<task>:<status>  zset gid -> seq (FIFO)
--- KEYS[3] = ts:{R}:rb:v:<task>:<status>  zset gid -> min_version + seq/2^32
--- KEYS[4] = ts:{R}:rb:seq                counter of put groups
--- KEYS[5] = ts:{R}:rb:tasks              set of task names
--- KEYS[6] = ts:{R}:rb:sids               hash gid -> sids (json)
--- KEYS[7] = ts:{R}:rb:bytes              hash "<status> <task>" -> bytes
--- KEYS[8] = ts:{R}:o:<owner>             set: sessions of the putter
--- KEYS[9] = ts:{R}:o:<replay>            set: sessions of the buffer
--- KEYS[10] = ts:{R}:released             zset tombstones
--- KEYS[11] = ts:{R}:events               stream of release events
--- KEYS[12] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
--- KEYS[13] = ts:{R}:stats               hash of the run's counters (groups_put, releases)
--- KEYS[14..13+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
+-- one atomic step (DESIGN section 7, invariant 1). Never stored, its sessions
+-- released at once (one event each): a `failed` or `filtered` group (reason =
+-- status), a non-retryable `expired` group and a non-retryable group already
+-- stale at put (reason 'expired'). A retryable group stale at put is stored as
+-- `expired`; with per-member expiry (not for agentic groups) only its stale
+-- members are released and listed in `reroll`. Nothing is written unless
+-- every session is live and owned by the putter and the group id is not
+-- stored yet. Idempotent under retry. Group layout: lua/_lib/rb.lua.
+-- Counted in ts:{R}:stats: groups_put for a stored group (and groups_expired
+-- when it is stored as `expired` at put), the released sessions.
+-- KEYS: 16+
+-- KEYS[1] = ts:{R}:rb:groups             hash gid -> record (json)
+-- KEYS[2] = ts:{R}:rb:sids               hash gid -> sids (json)
+-- KEYS[3] = ts:{R}:rb:payloads           hash gid -> payload (json)
+-- KEYS[4] = ts:{R}:rb:q:<task>:<status>  zset gid -> seq (FIFO)
+-- KEYS[5] = ts:{R}:rb:v:<task>:<status>  zset gid -> min_version + seq/2^32
+-- KEYS[6] = ts:{R}:rb:q:<task>:expired   zset gid -> seq (a group expired at put)
+-- KEYS[7] = ts:{R}:rb:v:<task>:expired   zset gid -> min_version + seq/2^32
+-- KEYS[8] = ts:{R}:rb:seq                counter of put groups
+-- KEYS[9] = ts:{R}:rb:tasks              set of task names
+-- KEYS[10] = ts:{R}:rb:bytes             hash "<status> <task>" -> bytes
+-- KEYS[11] = ts:{R}:o:<owner>            set: sessions of the putter
+-- KEYS[12] = ts:{R}:o:<replay>           set: sessions of the buffer
+-- KEYS[13] = ts:{R}:released             zset tombstones
+-- KEYS[14] = ts:{R}:events               stream of release events
+-- KEYS[15] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
+-- KEYS[16] = ts:{R}:stats                hash of the run's counters
+-- KEYS[17..16+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
 -- ARGV[1] = gid
 -- ARGV[2] = task
 -- ARGV[3] = status: completed | aborted | expired | failed | filtered
@@ -29,28 +38,38 @@
 -- ARGV[8] = owner tag of the putter
 -- ARGV[9] = owner tag of the buffer ("replay")
 -- ARGV[10] = op reply TTL (ms)
--- ARGV[11..10+n] = sid_i
--- returns: {0, 1, seq}               stored
---          {0, 0, 0, sid...}         failed/filtered: not stored, these sessions released
+-- ARGV[11] = agentic (0|1)
+-- ARGV[12] = member versions (json array of ints, one per sid: oldest token version of each)
+-- ARGV[13] = cutoff: the group is stale when min_version < cutoff ("" = no expiry at put)
+-- ARGV[14] = per-member expiry (0|1)
+-- ARGV[15..14+n] = sid_i
+-- returns: {0, stored (0|1), seq (0 when not stored), status stored ("" when not), released sid...}
 -- errors: GROUP_EXISTS (gid, status), NOT_OWNER (sid, owner, actual), SESSION_RELEASED (sid, detail),
 --         INVALID_INPUT (field, message)
 -- include: clock
 -- include: op
 -- include: stats
 -- include: sessions
-local gk, q, v, seqkey, tasks, sidskey, bkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local oown, oreplay, released, events, opkey = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-local gid, task, status, sids_json = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local owner, replay = ARGV[8], ARGV[9]
+-- include: rb
+local groups, sidskey, payloads = KEYS[1], KEYS[2], KEYS[3]
+local q, v, qe, ve = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local seqkey, tasks, bkey = KEYS[8], KEYS[9], KEYS[10]
+local oown, oreplay, released, events, opkey = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
+local statskey = KEYS[16]
+local K0, A0 = 16, 14
+local gid, task, status = ARGV[1], ARGV[2], ARGV[3]
+local minv, retryable = tonumber(ARGV[5]), ARGV[6]
+local owner, replay, ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
+local agentic, cutoff, per_member = ARGV[11], ARGV[13], ARGV[14]
 local cached = op_replay(opkey)
 if cached then return cached end
 
-local existing = redis.call('HGET', gk, 'status')
-if existing then return {1, 'GROUP_EXISTS', gid, existing} end
-local n = #KEYS - 13
+local existing = redis.call('HGET', groups, gid)
+if existing then return {1, 'GROUP_EXISTS', gid, cjson.decode(existing).status} end
+local n = #KEYS - K0
 for i = 1, n do
-  local sid = ARGV[10 + i]
-  local cur = redis.call('HMGET', KEYS[13 + i], 'owner', 'state')
+  local sid = ARGV[A0 + i]
+  local cur = redis.call('HMGET', KEYS[K0 + i], 'owner', 'state')
   if cur[2] == 'released' or redis.call('ZSCORE', released, sid) then
     return {1, 'SESSION_RELEASED', sid, 'a released session cannot join a replay group'}
   end
@@ -59,40 +78,75 @@ for i = 1, n do
   end
 end
 
+local stale = cutoff ~= '' and (status == 'completed' or status == 'aborted') and minv < tonumber(cutoff)
+local reason = nil
 if status == 'failed' or status == 'filtered' then
-  local rel = {owner = owner, okey = oown, released = released, events = events, reason = status,
-    now = now_ms(), st = {}}
-  local out = {0, 0, 0}
+  reason = status
+elseif (status == 'expired' or stale) and retryable ~= '1' then
+  reason = 'expired'
+end
+local st = {}
+local rel = {owner = owner, okey = oown, released = released, events = events, now = now_ms(), st = st}
+if reason then
+  rel.reason = reason
+  local out = {0, 0, 0, ''}
   local skeys, sids = {}, {}
   for i = 1, n do
-    skeys[i] = KEYS[13 + i]
-    sids[i] = ARGV[10 + i]
+    skeys[i] = KEYS[K0 + i]
+    sids[i] = ARGV[A0 + i]
   end
   sessions_release(rel, skeys, sids, out)
   sessions_release_flush(rel)
-  stats_flush(KEYS[13], rel.st)
-  return op_record(opkey, tonumber(ARGV[10]), out)
+  stats_flush(statskey, st)
+  return op_record(opkey, ttl, out)
 end
 
 local seq = tonumber(redis.call('GET', seqkey) or '0') + 1
-if seq >= 4294967296 then
+if seq >= RB_TWO32 then
   return {1, 'INVALID_INPUT', 'seq', 'the replay buffer of this run has used all 2^32 sequence numbers'}
 end
 redis.call('SET', seqkey, seq)
-local minv = tonumber(ARGV[5])
-local bytes = #ARGV[7] + #sids_json
-redis.call('HSET', gk, 'task', task, 'status', status, 'sids', sids_json, 'min_version', minv,
-  'seq', seq, 'retryable', ARGV[6], 'payload', ARGV[7], 'bytes', bytes, 'put_ms', now_ms(),
-  'producer', owner)
-redis.call('ZADD', q, seq, gid)
-redis.call('ZADD', v, minv + seq / 4294967296, gid)
-redis.call('SADD', tasks, task)
-redis.call('HSET', sidskey, gid, sids_json)
-redis.call('HINCRBY', bkey, status .. ' ' .. task, bytes)
-for i = 1, n do
-  local sid = ARGV[10 + i]
-  session_move(KEYS[13 + i], sid, owner, replay, oown, oreplay)
-  redis.call('HSET', KEYS[13 + i], 'group', gid)
+if stale then
+  status, q, v = 'expired', qe, ve
 end
-redis.call('HINCRBY', KEYS[13], 'groups_put', 1)
-return op_record(opkey, tonumber(ARGV[10]), {0, 1, seq})
+-- members kept (moved to the buffer) and released (per-member expiry at put)
+local mv = cjson.decode(ARGV[12])
+local drop = {}
+if stale and per_member == '1' and agentic ~= '1' then
+  drop = rb_stale_members(mv, tonumber(cutoff))
+end
+rel.reason = 'expired'
+local keep, keep_mv, reroll, out_rel = {}, {}, {}, {}
+local rkeys = {}
+for i = 1, n do
+  local sid = ARGV[A0 + i]
+  if drop[i] then
+    reroll[#reroll + 1] = sid
+    rkeys[#rkeys + 1] = KEYS[K0 + i]
+  else
+    keep[#keep + 1] = sid
+    keep_mv[#keep_mv + 1] = mv[i]
+    session_move(KEYS[K0 + i], sid, owner, replay, oown, oreplay)
+    redis.call('HSET', KEYS[K0 + i], 'group', gid)
+  end
+end
+sessions_release(rel, rkeys, reroll, out_rel)
+sessions_release_flush(rel)
+local sids_json, mv_json = ARGV[4], ARGV[12]
+if #reroll > 0 then sids_json, mv_json = rb_json_list(keep), rb_json_list(keep_mv) end
+local rec = rb_rec({task = task, status = status, min_version = minv, seq = seq, retryable = retryable,
+  agentic = agentic, mv_json = mv_json, reroll_json = rb_json_list(reroll), put_ms = rel.now,
+  producer = owner})
+redis.call('HSET', groups, gid, rec)
+redis.call('HSET', sidskey, gid, sids_json)
+redis.call('HSET', payloads, gid, ARGV[7])
+redis.call('ZADD', q, seq, gid)
+redis.call('ZADD', v, minv + seq / RB_TWO32, gid)
+redis.call('SADD', tasks, task)
+redis.call('HINCRBY', bkey, status .. ' ' .. task, #rec + #sids_json + #ARGV[7])
+stats_add(st, 'groups_put', 1)
+if stale then stats_add(st, 'groups_expired', 1) end
+stats_flush(statskey, st)
+local out = {0, 1, seq, status}
+for _, sid in ipairs(out_rel) do out[#out + 1] = sid end
+return op_record(opkey, ttl, out)

@@ -1,99 +1,159 @@
 -- script: rb_take
--- Take n completed groups of a task, atomically and all-or-nothing (DESIGN
--- section 7, invariant 2): first expire the stale groups (min_version <
--- cutoff; retryable ones move to `expired` and keep their sessions, the others
--- are released, one event per session), then remove n groups in policy order
--- (fifo: by seq; staleness: oldest min_version first, then seq) and move their
--- sessions from the buffer to the taker. Fewer than n ready: nothing changes.
--- Keys protocol (lua/_lib/rb.lua): a call that lacks a group or session key
--- it needs returns NEED and writes nothing; the client calls again with them.
--- KEYS: 13+
--- KEYS[1] = ts:{R}:rb:q:<task>:completed   zset gid -> seq
--- KEYS[2] = ts:{R}:rb:v:<task>:completed   zset gid -> min_version + seq/2^32
--- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
--- KEYS[4] = ts:{R}:rb:v:<task>:expired     zset gid -> min_version + seq/2^32
--- KEYS[5] = ts:{R}:o:<replay>              set: sessions of the buffer
--- KEYS[6] = ts:{R}:o:<taker>               set: sessions of the taker
--- KEYS[7] = ts:{R}:released                zset tombstones
--- KEYS[8] = ts:{R}:events                  stream of release events
--- KEYS[9] = ts:{R}:rb:sids                 hash gid -> sids (json)
--- KEYS[10] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
--- KEYS[11] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
--- KEYS[12] = ts:{R}:owners:lost            zset owner -> lost ms
--- KEYS[13] = ts:{R}:stats                 hash of the run's counters
--- KEYS[14..13+g] = ts:{R}:rb:g:<gid>       group hashes of the gids in ARGV
--- KEYS[14+g..13+g+s] = ts:{R}:s:<sid>      session hashes of the sids in ARGV
--- ARGV[1] = task
--- ARGV[2] = n (int >= 1)
--- ARGV[3] = cutoff: a group is stale when min_version < cutoff ("" = no bound)
--- ARGV[4] = policy: fifo | staleness
--- ARGV[5] = taker owner tag
--- ARGV[6] = buffer owner tag ("replay")
--- ARGV[7] = op reply TTL (ms)
--- ARGV[8] = window: groups to name in a NEED reply (>= n; more absorbs concurrent takers)
--- ARGV[9] = max stale groups expired inside this call (more: EXPIRE_FIRST)
--- ARGV[10] = g, ARGV[11..10+g] = gids, ARGV[11+g] = s, ARGV[12+g..] = sids
--- returns: {0, 'NEED', g, gid..., sid...}   missing keys; nothing written
---          {0, 'SHORT', ready}              fewer than n ready; nothing written
---          {0, 'EXPIRE_FIRST', stale}       too many stale groups for one call; nothing written
---          {0, 'OK', k, kept gid..., r, released sid..., m, m x (gid, status, sids, min_version,
---              seq, retryable, payload)}
+-- Take completed groups of one or more tasks for a learner, atomically
+-- (DESIGN section 7, invariant 2): first expire each task's stale groups
+-- (min_version < cutoff; retryable ones move to `expired` and keep their
+-- sessions, or only their fresh members with per-member expiry; the others
+-- are released, one event per session), then remove n_i groups of task i in
+-- policy order (fifo: by seq; staleness: oldest min_version first, then seq)
+-- and move their sessions from the buffer to the taker. All or nothing across
+-- the tasks: unless every task has its n_i ready groups nothing changes, not
+-- even the expiry. With at_most, each task gives up to n_i (never SHORT).
+-- Session keys: in-script or declared (lua/_lib/rb.lua); with declared keys a
+-- call that lacks a session key returns NEED and writes nothing.
+-- KEYS: 11+
+-- KEYS[1] = ts:{R}:o:<replay>              set: sessions of the buffer
+-- KEYS[2] = ts:{R}:o:<taker>               set: sessions of the taker
+-- KEYS[3] = ts:{R}:released                zset tombstones
+-- KEYS[4] = ts:{R}:events                  stream of release events
+-- KEYS[5] = ts:{R}:rb:groups               hash gid -> record (json)
+-- KEYS[6] = ts:{R}:rb:sids                 hash gid -> sids (json)
+-- KEYS[7] = ts:{R}:rb:payloads             hash gid -> payload (json)
+-- KEYS[8] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
+-- KEYS[9] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
+-- KEYS[10] = ts:{R}:owners:lost            zset owner -> lost ms
+-- KEYS[11] = ts:{R}:stats                  hash of the run's counters
+-- KEYS[12+4(i-1)..15+4(i-1)] = for task i of T: ts:{R}:rb:q:<task>:completed,
+--     ts:{R}:rb:v:<task>:completed, ts:{R}:rb:q:<task>:expired, ts:{R}:rb:v:<task>:expired
+-- KEYS[12+4T..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
+-- ARGV[1] = cutoff: a group is stale when min_version < cutoff ("" = no bound)
+-- ARGV[2] = policy: fifo | staleness
+-- ARGV[3] = taker owner tag
+-- ARGV[4] = buffer owner tag ("replay")
+-- ARGV[5] = op reply TTL (ms)
+-- ARGV[6] = max stale groups expired inside this call (more: EXPIRE_FIRST)
+-- ARGV[7] = at_most (0|1)
+-- ARGV[8] = per-member expiry (0|1)
+-- ARGV[9] = T (tasks), ARGV[10..9+2T] = task_i, n_i (int >= 1)
+-- ARGV[10+2T] = session key prefix "ts:{R}:s:" ("" = declared keys only)
+-- ARGV[11+2T] = s, then s sids (those of the declared session keys)
+-- returns: {0, 'NEED', sid...}                declared session keys missing; nothing written
+--          {0, 'SHORT', T, ready_1..ready_T}   a task has fewer than n_i ready (ready_i: how
+--                                              many task i has); nothing written
+--          {0, 'EXPIRE_FIRST', stale}          too many stale groups for one call; nothing written
+--          {0, 'OK', k, kept gid..., r, released sid..., then per task: m, m x (gid, record,
+--              sids, payload)}
 -- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message),
---         CORRUPT (key, field, detail): a group the client could not decode; nothing written
+--         CORRUPT (key, gid, detail): a group the client could not decode; nothing written
 -- include: clock
 -- include: op
 -- include: stats
 -- include: sessions
 -- include: rb
-local rb = {qc = KEYS[1], vc = KEYS[2], qe = KEYS[3], ve = KEYS[4], oreplay = KEYS[5], oto = KEYS[6],
-  released = KEYS[7], events = KEYS[8], sidskey = KEYS[9], bkey = KEYS[10],
-  to = ARGV[5], replay = ARGV[6], rel_s = {}, st = {}}
-local opkey = KEYS[11]
-local n, cutoff, policy = tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local window, max_stale = tonumber(ARGV[8]), tonumber(ARGV[9])
-local early = rb_open(rb, opkey, KEYS[12], 13, 10)
+local rb = {oreplay = KEYS[1], oto = KEYS[2], released = KEYS[3], events = KEYS[4],
+  groups = KEYS[5], sidskey = KEYS[6], payloads = KEYS[7], bkey = KEYS[8],
+  to = ARGV[3], replay = ARGV[4], rel_s = {}, st = {}}
+local opkey = KEYS[9]
+local cutoff, policy = ARGV[1], ARGV[2]
+local max_stale, at_most = tonumber(ARGV[6]), ARGV[7] == '1'
+local ntasks = tonumber(ARGV[9])
+local tasks = {}
+for i = 1, ntasks do
+  local k = 11 + 4 * (i - 1)
+  tasks[i] = {name = ARGV[8 + 2 * i], n = tonumber(ARGV[9 + 2 * i]),
+    qc = KEYS[k + 1], vc = KEYS[k + 2], qe = KEYS[k + 3], ve = KEYS[k + 4]}
+end
+local early = rb_open(rb, opkey, KEYS[10], 11 + 4 * ntasks, 10 + 2 * ntasks)
 if early then return early end
+-- with declared keys a NEED names a window of spare candidates beyond n, so
+-- a retry survives other takers removing the head; in-script keys need none
+local spare = rb.spre == ''
 
 -- plan (reads only)
-local nstale = rb_count_stale(rb.vc, cutoff)
+local nstale = 0
+for _, t in ipairs(tasks) do nstale = nstale + rb_count_stale(t.vc, cutoff) end
 if nstale > max_stale then return {0, 'EXPIRE_FIRST', nstale} end
-local stale = rb_stale(rb.vc, cutoff, 0)
-local cand
-if policy == 'staleness' then
-  if cutoff == '' then
-    cand = redis.call('ZRANGE', rb.vc, 0, window - 1)
+local short = false
+for _, t in ipairs(tasks) do
+  local window = t.n
+  if spare then window = 2 * t.n + 8 end
+  t.stale = rb_stale(t.vc, cutoff, 0)
+  if policy == 'staleness' then
+    if cutoff == '' then
+      t.cand = redis.call('ZRANGE', t.vc, 0, window - 1)
+    else
+      t.cand = redis.call('ZRANGEBYSCORE', t.vc, cutoff, '+inf', 'LIMIT', 0, window)
+    end
+  elseif #t.stale == 0 then
+    t.cand = redis.call('ZRANGE', t.qc, 0, window - 1)
   else
-    cand = redis.call('ZRANGEBYSCORE', rb.vc, cutoff, '+inf', 'LIMIT', 0, window)
+    local is_stale = {}
+    for _, g in ipairs(t.stale) do is_stale[g] = true end
+    t.cand = {}
+    for _, g in ipairs(redis.call('ZRANGE', t.qc, 0, window + #t.stale - 1)) do
+      if not is_stale[g] and #t.cand < window then t.cand[#t.cand + 1] = g end
+    end
   end
-else
-  local is_stale = {}
-  for _, g in ipairs(stale) do is_stale[g] = true end
-  cand = {}
-  for _, g in ipairs(redis.call('ZRANGE', rb.qc, 0, window + #stale - 1)) do
-    if not is_stale[g] then cand[#cand + 1] = g end
+  t.pick = t.n
+  if #t.cand < t.n then
+    if at_most then t.pick = #t.cand else short = true end
   end
 end
-if #cand < n then return {0, 'SHORT', #cand} end
-local need = {g = {}, s = {}}
-rb_missing(rb, stale, need)
-local need_reply = rb_need_window(rb, cand, n, need)
-if need_reply then return need_reply end
-local corrupt = rb_check_groups(rb, stale, #stale) or rb_check_groups(rb, cand, n)
-if corrupt then return corrupt end
+if short then
+  local out = {0, 'SHORT', ntasks}
+  for _, t in ipairs(tasks) do
+    if cutoff == '' then
+      out[#out + 1] = redis.call('ZCARD', t.vc)
+    else
+      out[#out + 1] = redis.call('ZCOUNT', t.vc, cutoff, '+inf')
+    end
+  end
+  return out
+end
+if spare then
+  local picked, extra = {}, {}
+  for _, t in ipairs(tasks) do
+    for _, g in ipairs(t.stale) do picked[#picked + 1] = g end
+    for i = 1, #t.cand do
+      if i <= t.pick then picked[#picked + 1] = t.cand[i] else extra[#extra + 1] = t.cand[i] end
+    end
+  end
+  local npicked = #picked
+  for _, g in ipairs(extra) do picked[#picked + 1] = g end
+  local need = rb_need(rb, picked, npicked)
+  if need then return need end
+end
+for _, t in ipairs(tasks) do
+  local corrupt
+  t.stale_groups, corrupt = rb_load_groups(rb, t.stale)
+  if corrupt then return corrupt end
+  if t.pick < #t.cand then
+    local picked = {}
+    for i = 1, t.pick do picked[i] = t.cand[i] end
+    t.cand = picked
+  end
+  t.loaded = rb_load(rb, t.cand)
+  if t.loaded.corrupt then return t.loaded.corrupt end
+end
 
 -- commit
 rb.now = now_ms()
 local kept = {}
-for _, gid in ipairs(stale) do
-  if rb_expire_group(rb, gid, '') then kept[#kept + 1] = gid end
+local opts = {keep = '', per_member = ARGV[8], cutoff = tonumber(cutoff)}
+for _, t in ipairs(tasks) do
+  rb.qe, rb.ve = t.qe, t.ve
+  for _, g in ipairs(t.stale_groups) do
+    if rb_expire_group(rb, g, t.qc, t.vc, opts) then kept[#kept + 1] = g.gid end
+  end
 end
 local out = {0, 'OK', #kept}
 for _, g in ipairs(kept) do out[#out + 1] = g end
 out[#out + 1] = #rb.rel_s
 for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
-out[#out + 1] = n
-for i = 1, n do rb_hand_over(rb, cand[i], rb.qc, rb.vc, out) end
-stats_add(rb.st, 'groups_taken', n)
+for _, t in ipairs(tasks) do
+  out[#out + 1] = #t.loaded.gids
+  rb_hand_over(rb, t.loaded, {q = t.qc, v = t.vc, status = 'completed', task = t.name}, out)
+  stats_add(rb.st, 'groups_taken', #t.loaded.gids)
+end
 sessions_release_flush(rb.rel)
-stats_flush(KEYS[13], rb.st)
-return op_record(opkey, tonumber(ARGV[7]), out)
+stats_flush(KEYS[11], rb.st)
+return op_record(opkey, tonumber(ARGV[5]), out)

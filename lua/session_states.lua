@@ -10,7 +10,8 @@
 -- KEYS[1] = ts:{R}:released     zset sid -> released ms (tombstones)
 -- KEYS[2..1+n] = ts:{R}:s:<sid>  hash per session (all in the run's slot)
 -- ARGV[1..n] = sid of each session key, same order
--- returns: {0, owner_1, state_1, ..., owner_n, state_n}; "", "" for an unknown session
+-- returns: {0, owner_1, state_1, ..., owner_n, state_n}; "", "" for an unknown session;
+--          a hash whose state is neither live nor released: its owner and state as stored
 -- errors: none
 local out = {0}
 for i = 2, #KEYS do
@@ -18,6 +19,10 @@ for i = 2, #KEYS do
   if v[2] == 'live' then
     out[#out + 1] = v[1] or ''
     out[#out + 1] = 'live'
+  elseif v[2] and v[2] ~= 'released' then
+    -- a state tracestore never writes: handed out as is, the client reports the key corrupt
+    out[#out + 1] = v[1] or ''
+    out[#out + 1] = v[2]
   elseif v[2] == 'released' or redis.call('ZSCORE', KEYS[1], ARGV[i - 1]) then
     out[#out + 1] = ''
     out[#out + 1] = 'released'

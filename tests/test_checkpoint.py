@@ -21,7 +21,7 @@ from tracestore.servers import EmbeddedServer
 PRODUCER = "rollout:p"
 
 
-def _turns(st: TraceStore, sid: str, n: int, *, expert: bool) -> str:
+def _turns(st: TraceStore, sid: str, n: int, *, expert: bool, version: int = 0) -> str:
     prompt = f"<sys>{sid}</sys><user>q</user>"
     for t in range(n):
         match = st.lookup(sid, prompt)
@@ -29,7 +29,7 @@ def _turns(st: TraceStore, sid: str, n: int, *, expert: bool) -> str:
         st.record_turn(
             sid, prompt, resp, prefix=match,
             delta_token_ids=[7 + t, 8 + t], response_token_ids=[100 + t, 101 + t, 102 + t],
-            response_logprobs=[-0.25, -0.5, -1.0], version=t,
+            response_logprobs=[-0.25, -0.5, -1.0], version=version + t,
             delta_expert_key=f"ek-{sid}-d{t}" if expert else None,
             response_expert_key=f"ek-{sid}-r{t}" if expert else None,
         )
@@ -45,14 +45,15 @@ def _build(st: TraceStore) -> dict[str, str]:
         sids = [f"{gid}.s{j}" for j in range(2)]
         st.open_sessions(sids, PRODUCER)
         for sid in sids:
-            finals[sid] = _turns(st, sid, 2 + i % 2, expert=i % 3 != 0)
+            finals[sid] = _turns(st, sid, 2 + i % 2, expert=i % 3 != 0, version=i % 4)
         status = "aborted" if i == 5 else "completed"
         st.replay.put(
-            Group(gid, "math" if i % 2 else "code", tuple(sids), status=status, min_version=i % 4,
+            Group(gid, "math" if i % 2 else "code", tuple(sids), status=status,  # min_version i % 4
                   retryable=i % 2 == 1, payload={"rewards": [i, -i], "why": ["stop", "length"]}),
             PRODUCER,
         )
-    st.replay.expire(4, 2)  # min_version < 2: g1 (retryable) kept as expired; g0, g4 released
+    # min_version < 2: g1 (retryable) kept as expired; g0, g4 released (g5 stays aborted)
+    st.replay.expire(4, 2, statuses=("completed",))
     st.replay.take("code", 1, owner="train:0")
     st.open_session("loose", "eval:0")
     finals["loose"] = _turns(st, "loose", 1, expert=True)

@@ -9,6 +9,7 @@ over a corrupted group changes nothing (every key of the run byte-identical).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -76,33 +77,43 @@ def _groups(store: TraceStore, n: int, **kw: Any) -> list[Group]:
     return out
 
 
+def _rec_with(store: TraceStore, gid: str, **fields: Any) -> bytes:
+    """Group ``gid``'s stored record with ``fields`` replaced (a value put never writes)."""
+    rec = json.loads(store.redis.hget(store.keys.rb_groups, gid))
+    rec.update(fields)
+    return json.dumps(rec).encode()
+
+
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("part", "value"),
     [
-        ("payload", "not json"),
-        ("payload", "[1, 2]"),
-        ("payload", b'{"x": "\xff"}'),
+        ("payloads", "not json"),
+        ("payloads", "[1, 2]"),
+        ("payloads", b'{"x": "\xff"}'),
         ("sids", '{"a": 1}'),
         ("sids", "[1, 2]"),
-        ("min_version", "old"),
-        ("status", "lost"),
+        ("groups", "not json"),
+        ("groups", {"min_version": "old"}),
+        ("groups", {"status": "lost"}),
     ],
 )
-def test_take_never_commits_a_group_the_client_cannot_decode(store: TraceStore, field: str, value: Any) -> None:
+def test_take_never_commits_a_group_the_client_cannot_decode(store: TraceStore, part: str, value: Any) -> None:
     r, k = _raw(store), store.keys
     _groups(store, 3)
-    r.hset(k.rb_group("g1"), field, value)
+    key = {"payloads": k.rb_payloads, "sids": k.rb_sids, "groups": k.rb_groups}[part]
+    r.hset(key, "g1", _rec_with(store, "g1", **value) if isinstance(value, dict) else value)
     before = dump_run(store)
     with pytest.raises(CorruptData) as ei:
         store.replay.take("math", 2, owner="train:0")
-    assert (ei.value.key, ei.value.field) == (k.rb_group("g1"), field)
+    assert (ei.value.key, ei.value.field) == (key, "g1")
     assert dump_run(store) == before  # nothing taken, moved or released
-    with pytest.raises(CorruptData):
+    with pytest.raises(CorruptData) as ei:
         store.replay.groups("math")
-    # the groups before it can still be taken; the operator repairs or deletes the key
+    assert ei.value.field == "g1"
+    # the groups before it can still be taken; the operator repairs or deletes the group
     assert [g.gid for g in store.replay.take("math", 1, owner="train:0")] == ["g0"]
-    r.delete(k.rb_group("g1"))
-    r.hdel(k.rb_sids, "g1")
+    for h in (k.rb_groups, k.rb_sids, k.rb_payloads):
+        r.hdel(h, "g1")
     r.zrem(k.rb_queue("math", "completed"), "g1")
     r.zrem(k.rb_versions("math", "completed"), "g1")
     assert [g.gid for g in store.replay.take("math", 1, owner="train:0")] == ["g2"]
@@ -111,15 +122,13 @@ def test_take_never_commits_a_group_the_client_cannot_decode(store: TraceStore, 
 def test_claim_and_expire_refuse_corrupt_groups_without_writing(store: TraceStore) -> None:
     r, k = _raw(store), store.keys
     _groups(store, 2, status="aborted", retryable=True)
-    r.hset(k.rb_group("g0"), "payload", "{")
+    r.hset(k.rb_payloads, "g0", "{")
     before = dump_run(store)
     with pytest.raises(CorruptData) as ei:
         store.replay.claim_retry("math", 2, "rollout:q")
-    assert ei.value.key == k.rb_group("g0")
+    assert (ei.value.key, ei.value.field) == (k.rb_payloads, "g0")
     assert dump_run(store) == before
 
-    _groups_done = _groups(store, 0)
-    assert _groups_done == []
     sids = ("c.a",)
     store.open_sessions(list(sids), "rollout:p")
     store.replay.put(Group(gid="c", task="code", sids=sids, min_version=0), "rollout:p")

@@ -34,7 +34,7 @@ def test_layout_matches_design() -> None:
 
 def test_control_plane_shares_one_slot_and_sessions_their_own() -> None:
     k = Keys("ts", "run-7")
-    control = [k.meta, k.session("a"), k.owner("replay"), k.events, k.gate, k.rb_group("g"), k.route]
+    control = [k.meta, k.session("a"), k.owner("replay"), k.events, k.gate, k.rb_groups, k.rb_payloads, k.rb_sids, k.route]
     assert len({key_slot(x) for x in control}) == 1
     assert same_slot(control)
     data = k.data_keys("sess/1") + [k.dead("sess/1")]

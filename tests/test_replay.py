@@ -12,6 +12,7 @@ from tests.conftest import connect_async
 from tracestore import InvalidId, InvalidInput, NotOwner, SessionReleased, TraceStore
 from tracestore.errors import GroupExists
 from tracestore.replay import REPLAY_OWNER, Group
+from tracestore.replies import text
 
 PRODUCER = "rollout:p"
 
@@ -39,10 +40,13 @@ def _events(store: TraceStore) -> list[dict[str, str]]:
 
 
 def _snapshot(store: TraceStore) -> dict[str, Any]:
-    """Everything a replay call may change, to prove that a refused call wrote nothing."""
+    """Everything a replay call may change, to prove that a refused (or no-op) call wrote nothing."""
     r = store.redis
     k = store.keys
-    snap: dict[str, Any] = {"events": r.xlen(k.events), "seq": r.get(k.rb_seq), "sids": r.hgetall(k.rb_sids)}
+    snap: dict[str, Any] = {
+        "events": r.xlen(k.events), "seq": r.get(k.rb_seq), "bytes": r.hgetall(k.rb_bytes),
+        "groups": r.hgetall(k.rb_groups), "sids": r.hgetall(k.rb_sids), "payloads": r.hgetall(k.rb_payloads),
+    }
     for owner in (PRODUCER, REPLAY_OWNER, "train:0"):
         snap[owner] = sorted(r.smembers(k.owner(owner)))
     for t in sorted(x.decode() for x in r.smembers(k.rb_tasks)):
@@ -66,8 +70,8 @@ def test_put_then_take_moves_sessions(store: TraceStore) -> None:
     assert all(store.owner_of(s) == REPLAY_OWNER for s in g2.sids)
     assert store.replay.count() == 1
     # a taken gid is gone from the buffer; nothing else changed
-    assert store.redis.exists(store.keys.rb_group("g1")) == 0
-    assert store.redis.hkeys(store.keys.rb_sids) == [b"g2"]
+    for h in (store.keys.rb_groups, store.keys.rb_sids, store.keys.rb_payloads):
+        assert store.redis.hkeys(h) == [b"g2"]
 
 
 def test_concurrent_producers_and_learners(store_factory: Any) -> None:
@@ -135,7 +139,7 @@ VERSIONS = {"v8": 8, "v7": 7, "v5": 5, "v4": 4, "v3": 3, "v0": 0}
 )
 def test_staleness_boundaries(store: TraceStore, max_staleness: int, ready: list[str]) -> None:
     for gid, v in VERSIONS.items():
-        _put(store, gid, min_version=v)
+        _put(store, gid, min_version=v, retryable=False)
     before = _snapshot(store)
     short = store.replay.take("math", len(ready) + 1, owner="train:0", current_version=8,
                               max_staleness=max_staleness)
@@ -218,7 +222,7 @@ def test_non_retryable_expiry_releases_with_one_event_each(store: TraceStore) ->
 
 def test_take_expires_first(store: TraceStore) -> None:
     _put(store, "stale-r", min_version=1, retryable=True)
-    _put(store, "stale-n", min_version=1)
+    _put(store, "stale-n", min_version=1, retryable=False)
     _put(store, "fresh", min_version=6)
     events0 = len(_events(store))
     got = store.replay.take("math", 1, owner="train:0", current_version=6, max_staleness=2)
@@ -239,7 +243,7 @@ def test_failed_and_filtered_put_release_at_once(store: TraceStore) -> None:
         assert all(store.owner_of(s) is None for s in g.sids)
         assert not store.redis.exists(store.keys.idx(g.sids[0]))
     assert store.replay.count() == 0
-    assert store.redis.exists(store.keys.rb_group("g-failed")) == 0
+    assert store.redis.hlen(store.keys.rb_groups) == 0
 
 
 def test_claim_retry_of_aborted_groups(store: TraceStore) -> None:
@@ -280,7 +284,19 @@ def test_bad_input_writes_nothing(store_factory: Any) -> None:
             store.replay.put(group, owner)
         assert _snapshot(store) == before, group
     with pytest.raises(InvalidInput):
-        store.replay.take("math", 0, owner="train:0")
+        store.replay.take("math", -1, owner="train:0")
+    with pytest.raises(InvalidInput):
+        store.replay.take("math", 2001, owner="train:0")  # MAX_TAKE per call
+    with pytest.raises(InvalidInput):
+        store.replay.take_many({"math": 1500, "code": 501}, owner="train:0")  # in all
+    with pytest.raises(InvalidInput):
+        store.replay.claim_retry("math", 2001, PRODUCER)
+    with pytest.raises(InvalidInput):
+        store.replay.expire(5, 1, statuses=("expired",))
+    with pytest.raises(InvalidInput):
+        store.replay.put(Group("g1", "math", g.sids, retryable="yes"), PRODUCER)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        store.replay.put(Group("g1", "math", g.sids, agentic=1), PRODUCER)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         store.replay.take("math", 1, owner="train:0", policy="lifo")
     with pytest.raises(InvalidInput):
@@ -325,22 +341,30 @@ def test_stats(store: TraceStore) -> None:
     assert cells["math", "completed"].bytes == 0
 
 
-def test_retried_calls_replay_their_reply(store: TraceStore) -> None:
+def test_retried_calls_replay_their_reply(store_factory: Any) -> None:
+    """A call redis-py resends after a lost reply gets the first reply back, with no second effect."""
     from tracestore import replay as rb
 
-    g = _group(store, "g1")
-    gen = rb.put(store.context, g, PRODUCER)
-    ev = next(gen)
-    first = store.execute(ev)
-    assert store.execute(ev) == first  # redis-py resent the same call: same reply, no GroupExists
-    assert store.replay.count() == 1 and store.redis.get(store.keys.rb_seq) == b"1"
-    gen = rb.take(store.context, "math", 1, owner="train:0")
-    plan = store.execute(next(gen))
-    assert plan[0] == b"NEED" or plan[0] == "NEED"
-    commit = gen.send(plan)
-    done = store.execute(commit)
-    assert store.execute(commit) == done
-    assert store.owner_of(g.sids[0]) == "train:0" and store.replay.count() == 0
+    for declared in (False, True):
+        store = store_factory(replay_declared_keys=declared)
+        g = _group(store, f"g{int(declared)}", min_version=0)
+        gen = rb.put(store.context, g, PRODUCER)
+        store.execute(next(gen))  # the traces' versions (read only)
+        ev = gen.send([[0, -1, 0]] * len(g.sids))
+        first = store.execute(ev)
+        assert store.execute(ev) == first  # resent: same reply, no GroupExists, no second seq
+        assert store.replay.count() == 1
+        gen = rb.take(store.context, "math", 1, owner=f"train:{int(declared)}")
+        req = next(gen)
+        if declared:  # with declared keys the first call only plans
+            plan = store.execute(req)
+            assert text(plan[0]) == "NEED"
+            req = gen.send(plan)
+        done = store.execute(req)
+        assert text(done[0]) == "OK"
+        assert store.execute(req) == done
+        assert store.owner_of(g.sids[0]) == f"train:{int(declared)}" and store.replay.count() == 0
+    assert store.redis.get(store.keys.rb_seq) == b"2"
 
 
 def test_lost_owner_cannot_take_or_claim(store: TraceStore) -> None:
@@ -368,7 +392,7 @@ def test_take_behind_a_large_stale_backlog(store: TraceStore) -> None:
 
     stale = [Group(f"old{i}", "math", (f"old{i}.s",), min_version=0, retryable=i % 2 == 0) for i in range(2100)]
     store.open_sessions([g.sids[0] for g in stale], PRODUCER)
-    store.execute(Batch(tuple(next(rb.put(store.context, g, PRODUCER)) for g in stale)))
+    store.execute(Batch(tuple(rb.put_request(store.context, g, PRODUCER) for g in stale)))
     _put(store, "fresh", min_version=9)
     got = store.replay.take("math", 1, owner="train:0", current_version=9, max_staleness=1)
     assert [g.gid for g in got] == ["fresh"]
@@ -393,11 +417,11 @@ def test_cut_connection_retries_replay_the_first_reply(backend: str, url: str, r
                 _put(st, f"g{i}")
             st.replay.take("math", 1, owner="train:0")  # warm-up: scripts loaded
             g = _group(st, "g9")
-            proxy.arm()  # put runs on the server, its reply is lost
+            proxy.arm(skip=1)  # the traces' versions arrive; put runs on the server, its reply is lost
             res = st.replay.put(g, PRODUCER)
             assert proxy.cuts == 1 and res.stored and res.seq == 5
             events0 = len(_events(st))
-            proxy.arm(skip=1)  # the plan's reply arrives, the commit's reply is lost
+            proxy.arm()  # take is one script: its reply is lost
             got = st.replay.take("math", 2, owner="train:1")
             assert proxy.cuts == 2
             assert [x.gid for x in got] == ["g1", "g2"]

@@ -68,7 +68,7 @@ def test_every_counter_follows_its_state(store: TraceStore) -> None:
     # the replay buffer: a stored put, a failed put (released, not stored), take, expire, claim
     rb = store.replay
     rb.put(Group("g3", "calc", ("s7",), "completed", min_version=5), owner="rollout:0")
-    rb.put(Group("g1", "calc", ("s4", "s5"), "completed", min_version=0), owner="rollout:0")
+    rb.put(Group("g1", "calc", ("s4", "s5"), "completed", min_version=0, retryable=False), owner="rollout:0")
     rb.put(Group("g2", "calc", ("s6",), "completed", min_version=0, retryable=True), owner="rollout:0")
     rb.put(Group("g4", "calc", ("s8",), "failed"), owner="rollout:0")
     assert [g.gid for g in rb.take("calc", 1, owner="train:2", current_version=5)] == ["g3"]
@@ -111,7 +111,7 @@ def test_a_retried_script_counts_once(store: TraceStore) -> None:
     """The op record replays a retried call's reply before anything is written or counted."""
     sids = [f"s{i}" for i in range(5)]
     store.open_sessions(sids, "train:1")
-    evals = release_evals(store.context, sids, "train:1", "consumed")
+    evals = release_evals(store.context, sids, "train:1", "consumed", store.context.op(None, "release"))
     first = store.execute(Batch(tuple(evals)))
     again = store.execute(Batch(tuple(evals)))  # the same op ids: what redis-py sends on a retry
     assert first == again

@@ -14,7 +14,7 @@ import pytest
 
 from tracestore.trainer.agent import NoReply, Outcome, Reply, TurnRequest, drive, drive_many, play
 from tracestore.trainer.chat import render
-from tracestore.trainer.sample import Sample, from_payload, group_status, min_version, to_payload
+from tracestore.trainer.sample import Sample, from_payload, group_status, to_payload
 from tracestore.trainer.task import Problem
 
 
@@ -78,14 +78,13 @@ def test_group_status_priority_and_payload_round_trip() -> None:
         Sample.from_json({**s.to_json(), "status": "completed", "reward": r, "versions": [v]})
         for r, v in ((1.0, 3), (0.2, 2))
     ]
-    assert group_status(ok) == "completed" and min_version(ok, 9) == 2
+    assert group_status(ok) == "completed"
     same = [ok[0], ok[0]]
     assert group_status(same) == "filtered"  # no reward spread: nothing to learn
     aborted = [ok[0], Sample.from_json({**s.to_json(), "status": "aborted"})]
     assert group_status(aborted) == "aborted"
     failed = [*aborted, Sample.from_json({**s.to_json(), "status": "failed"})]
     assert group_status(failed) == "failed"
-    assert min_version([s], 9) == 9
     payload = json.loads(json.dumps(to_payload(ok)))
     assert from_payload(payload) == ok
     with pytest.raises(ValueError, match="unknown sample status"):

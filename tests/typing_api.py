@@ -14,7 +14,7 @@ from typing_extensions import assert_type, reveal_type
 
 from tracestore import AsyncTraceStore, TraceStore
 from tracestore.gate import AsyncGate, DrainResult, Gate, GateStatus, Lease, SettlementReceipt
-from tracestore.replay import AsyncReplay, Group, PutResult, Replay, Taken
+from tracestore.replay import AsyncReplay, Group, PutResult, Replay, Taken, TakenMany
 from tracestore.router import AsyncRouter, Route, Router, RouteTable, route_table
 from tracestore.run import RunInfo
 from tracestore.session import AsyncTurnRecorder, Request, TurnRecorder
@@ -50,6 +50,9 @@ async def async_results(s: AsyncTraceStore) -> None:
     assert_type(s.replay, AsyncReplay)
     assert_type(await s.replay.put(Group("g", "t", ("sid",)), "owner"), PutResult)
     assert_type(await s.replay.take("t", 1, owner="o"), Taken)
+    assert_type(await s.replay.take_many({"t": 1}, owner="o", at_most=True), TakenMany)
+    assert_type(await s.replay.ready_many({"t": 1}), bool)
+    assert_type(await s.trace_keys("sid"), list[str])
     r = s.router(["ep-a", "ep-b"], retention_s=60.0)
     assert_type(r, AsyncRouter)
     assert_type(await r.acquire("sid"), str)
@@ -77,6 +80,11 @@ def sync_results(s: TraceStore, rec: TurnRecorder) -> None:
         assert_type(drained, DrainResult)
     assert_type(s.replay, Replay)
     assert_type(s.replay.count(), int)
+    assert_type(s.replay.ready("t", 1, current_version=3, max_staleness=1), bool)
+    assert_type(s.replay.take_many({"t": 1}, owner="o"), TakenMany)
+    assert_type(s.replay.claim_retry("t", 0, "o"), list[Group])
+    assert_type(s.trace_keys("sid"), list[str])
+    s.replay.take_many(["t"], owner="o")  # type: ignore[arg-type]
     assert_type(s.router(["ep-a"]), Router)
     assert_type(s.router(["ep-a"]).table(), RouteTable)
     assert_type(s.run(route_table(s.context)), RouteTable)

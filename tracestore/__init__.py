@@ -39,7 +39,7 @@ from .errors import (
 from .gate import DrainResult, GateStatus, Lease, SettlementReceipt
 from .gc import GcReport
 from .keys import Keys
-from .replay import ExpireReport, Group, PutResult, Taken
+from .replay import ExpireReport, Group, PutResult, Taken, TakenMany
 from .router import Route, RouteTable
 from .runs import RunDeleted, RunSummary
 from .session import AsyncTurnRecorder, TurnRecorder
@@ -59,6 +59,7 @@ __all__ = [
     "RunDeleted",
     "RunSummary",
     "Taken",
+    "TakenMany",
     "expert_key_lost",
     "AsyncTraceStore",
     "ConfigError",

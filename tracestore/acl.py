@@ -33,37 +33,39 @@ CONNECTION = ("ping", "info", "client|setname", "client|setinfo", "cluster|slots
 #: Commands called by the scripts in lua/ (writer).
 LUA = (
     "del", "exists", "get", "hdel", "hexists", "hget", "hgetall", "hincrby", "hkeys", "hlen",
-    "hmget", "hscan", "hset", "hsetnx", "llen", "pexpire", "rpush", "sadd", "set", "srem", "time",
-    "xadd", "zadd", "zcard", "zcount", "zincrby", "zrange", "zrangebyscore", "zrem",
-    "zremrangebyscore", "zscore",
+    "hmget", "hscan", "hset", "hsetnx", "hvals", "incr", "llen", "pexpire", "pttl", "rpush", "sadd", "scard",
+    "set", "smismember", "srem", "time", "xadd", "zadd", "zcard", "zcount", "zincrby", "zrange",
+    "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
 )
 #: Commands called by the ``no-writes`` scripts (observer).
 LUA_RO = (
-    "exists", "hget", "hgetall", "hlen", "hmget", "hscan", "time", "zcount", "zrange", "zrangebyscore", "zscore",
+    "exists", "hget", "hgetall", "hlen", "hmget", "hscan", "hvals", "time", "zcount", "zrange", "zrangebyscore",
+    "zscore",
 )
 
 #: Commands the client sends itself (writer): reads, purges, the release event
 #: consumer (RefHolder), gc, checkpoint and restore, run listing and deletion.
 CLIENT = (
-    "blpop", "del", "exists", "get", "hget", "hgetall", "hmget", "hset", "lrange", "memory|usage",
-    "mset", "pexpire", "pttl", "rpush", "sadd", "scan", "scard", "set", "smembers", "time", "type",
+    "blpop", "del", "exists", "get", "hget", "hgetall", "hmget", "hset", "incrby", "lrange",
+    "memory|usage", "mget", "mset", "pexpire", "pttl", "rpush", "sadd", "scan", "scard", "set", "smembers", "time", "type",
     "unlink", "xack", "xadd", "xgroup|create", "xgroup|createconsumer", "xgroup|destroy",
     "xinfo|consumers", "xinfo|groups", "xpending", "xrange", "xreadgroup", "xrevrange", "xtrim",
-    "zadd", "zcard", "zmscore", "zrange", "zrangebyscore", "zrem",
+    "zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem",
 )
 #: Commands the client sends for the observer's reads.
 CLIENT_RO = (
-    "exists", "get", "hget", "hgetall", "hmget", "lrange", "memory|usage", "pttl", "scan", "scard",
-    "smembers", "time", "type", "xrange", "xrevrange", "zcard", "zrange",
+    "exists", "get", "hget", "hgetall", "hmget", "lrange", "memory|usage", "mget", "pttl", "scan", "scard",
+    "smembers", "time", "type", "xrange", "xrevrange", "zcard", "zcount", "zrange",
 )
 
 ROLES = ("writer", "observer")
 
 
-def key_patterns(run: str, prefix: str = "ts") -> tuple[str, str]:
-    """The run's two key patterns: its control plane ``ts:{R}:*`` and its sessions' data ``ts:{R/*``."""
+def key_patterns(run: str, prefix: str = "ts") -> tuple[str, str, str]:
+    """The run's three key patterns: its control plane ``ts:{R}:*``, its sessions' data
+    ``ts:{R/*`` and its turn counter shards ``ts:{R|*`` (one per hash slot, beside the data)."""
     k = Keys(validate_prefix(prefix), validate_run(run))
-    return k.control_pattern, f"{prefix}:{{{run}/*"
+    return k.control_pattern, f"{prefix}:{{{run}/*", f"{prefix}:{{{run}|*"
 
 
 def commands(role: str) -> tuple[str, ...]:
@@ -81,7 +83,7 @@ def grant(run: str, role: str = "writer", *, user: str, password: str, prefix: s
     """The ``ACL SETUSER`` arguments that give ``user`` the ``role`` on run ``run``.
 
     ``reset`` first, so the rules are exactly these: the password, the run's
-    two key patterns (read-only ``%R~`` for an observer), no pub/sub channel,
+    three key patterns (read-only ``%R~`` for an observer), no pub/sub channel,
     no command but those of :func:`commands`.
     """
     mark = "~" if role == "writer" else "%R~"

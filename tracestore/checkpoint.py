@@ -40,6 +40,7 @@ from .replay import STORED_STATUSES
 from .replies import pairs, text
 from .run import server_ms, stats
 from .scripts import Batch, Blocking, Cmd, Op, ScanAll, chunks
+from .validate import validate_id
 
 #: Identifies a tracestore checkpoint file (first line, ``format``).
 FORMAT = "tracestore-checkpoint"
@@ -188,8 +189,9 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
     found = yield ScanAll(k.control_pattern)
     op_head = k.control_suffix(k.op("x"))
     assert op_head is not None
-    skip = (op_head[:-1], "rb:g:")  # retry caches; group hashes are written as group records
-    keys = sorted({key for key in found if not (k.control_suffix(key) or "").startswith(skip)})
+    skip = op_head[:-1]  # retry caches
+    groups = {k.rb_groups, k.rb_sids, k.rb_payloads}  # written as group records
+    keys = sorted({key for key in found if not (k.control_suffix(key) or "").startswith(skip)} - groups)
     now = yield from server_ms(ctx)
     w.line(
         {
@@ -262,11 +264,13 @@ def _write_groups(ctx: Context, w: _Writer, tasks: list[str]) -> Op[int]:
             members = yield Cmd(("ZRANGE", q, 0, -1), key=q)
             gids = [text(g) for g in members]
             for part in chunks(gids, BATCH):
-                hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in part))
-                for gid, h in zip(part, hashes, strict=True):
-                    fields = pairs(h)
-                    if fields:
-                        w.line({"k": "group", "gid": gid, "fields": [[enc(f), enc(v)] for f, v in fields]})
+                cols = yield Batch(
+                    tuple(Cmd(("HMGET", h, *part), key=h) for h in (k.rb_groups, k.rb_sids, k.rb_payloads))
+                )
+                for gid, rec, sids, payload in zip(part, *cols, strict=True):
+                    if rec is not None and sids is not None and payload is not None:
+                        fields = [["rec", enc(rec)], ["sids", enc(sids)], ["payload", enc(payload)]]
+                        w.line({"k": "group", "gid": gid, "fields": fields})
                         ngroups += 1
                 yield w.flush()
     return ngroups
@@ -344,6 +348,20 @@ def _lost(record: bytes) -> tuple[bytes, bool]:
     return record, False
 
 
+def _group_fields_v0(f: dict[str, bytes]) -> dict[str, bytes]:
+    """A group written by a tracestore whose groups were hashes ``ts:{R}:rb:g:<gid>`` (task,
+    status, sids, min_version, seq, retryable, payload, ...), as today's record, sids, payload."""
+    sids = orjson.loads(f["sids"])
+    minv = int(f["min_version"])
+    rec = {
+        "task": f["task"].decode(), "status": f["status"].decode(), "min_version": minv,
+        "seq": int(f["seq"]), "retryable": int(f.get("retryable", b"0") == b"1"), "agentic": 0,
+        "mv": [minv] * len(sids), "reroll": [], "put_ms": int(f.get("put_ms", b"0")),
+        "producer": f.get("producer", b"").decode(),
+    }
+    return {"rec": orjson.dumps(rec), "sids": f["sids"], "payload": f.get("payload", b"{}")}
+
+
 def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
     """The commands that write one record, and how many expert keys it marked lost."""
     k = ctx.keys
@@ -387,9 +405,12 @@ def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
         shard = k.turn_shard_of_slot(k.control_slot)
         return ([Cmd(("INCRBY", shard, recorded), key=shard)] if recorded else []), 0
     if kind == "group":
-        key = k.rb_group(rec["gid"])
-        flat = [dec(x) for pair in rec["fields"] for x in pair]
-        return [Cmd(("HSET", key, *flat), key=key)], 0
+        gid = validate_id("group id", rec["gid"])
+        f = {dec(a).decode(): dec(b) for a, b in rec["fields"]}
+        if "rec" not in f:
+            f = _group_fields_v0(f)
+        return [Cmd(("HSET", h, gid, f[name]), key=h)
+                for h, name in ((k.rb_groups, "rec"), (k.rb_sids, "sids"), (k.rb_payloads, "payload"))], 0
     if kind == "trace":
         sid = rec["sid"]
         lost = 0

@@ -38,9 +38,14 @@ class StoreConfig:
     ``cache_bytes``: bound of the client-side cache of immutable nodes.
     ``op_ttl_s``: how long the reply of a mutating script (and a settled
     lease's receipt) is kept for retries: 60 s covers redis-py's retries
-    (3, backoff up to 0.5 s, 10 s socket timeout) and a caller's retry after
+    (3, backoff up to 0.5 s, 1 s socket timeout) and a caller's retry after
     a failover, and bounds what a run leaves behind (docs/capacity.md).
     ``replay_payload_bytes``: refuse a replay group whose payload JSON is larger.
+    ``replay_declared_keys``: replay scripts get every key they touch in KEYS
+    (a take or claim costs two round trips: plan, then commit), for servers
+    that refuse undeclared keys in scripts (e.g. Dragonfly without
+    ``allow-undeclared-keys``); off, they reach the group and session keys
+    of their own slot by id (one round trip; docs/replay.md).
     """
 
     store_text: bool = True
@@ -48,6 +53,7 @@ class StoreConfig:
     cache_bytes: int = 64 * 1024 * 1024
     op_ttl_s: int = 60
     replay_payload_bytes: int = 64 * 1024
+    replay_declared_keys: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store_text, bool):
@@ -56,6 +62,8 @@ class StoreConfig:
         _int_option("cache_bytes", self.cache_bytes, 0, 2**48)
         _int_option("replay_payload_bytes", self.replay_payload_bytes, 1, 2**31 - 1)
         _int_option("op_ttl_s", self.op_ttl_s, 1, 366 * 86400)
+        if not isinstance(self.replay_declared_keys, bool):
+            raise ConfigError(f"replay_declared_keys must be a bool, got {self.replay_declared_keys!r:.80}")
 
     def to_json(self) -> bytes:
         """The configuration as JSON (stored, informational, in ``ts:{R}:meta``)."""

@@ -112,10 +112,12 @@ class OwnerLost(TracestoreError):
         )
 
 
-class NodeConflict(TracestoreError):
+class NodeConflict(TracestoreError, ValueError):
     """A node with this key exists with a different payload; nothing was written.
 
     The caller should drop the expert ref it created for the rejected write.
+    A ValueError too (a bad value for that key), like the other errors that
+    describe bad values: InvalidId, InvalidInput, PromptMismatch.
     """
 
     def __init__(self, sid: str, digest: str, detail: str = "") -> None:
@@ -127,8 +129,8 @@ class NodeConflict(TracestoreError):
         )
 
 
-class PromptMismatch(TracestoreError):
-    """``export_training_trace`` found no stored node whose key equals the prompt."""
+class PromptMismatch(TracestoreError, ValueError):
+    """``export_training_trace`` found no stored node whose key equals the prompt (a ValueError too)."""
 
     def __init__(
         self,

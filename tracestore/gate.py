@@ -577,8 +577,12 @@ def _install(ctx: Context, version: int, op: OpId) -> Op[int]:
     )
     r = Reply(reply, "gate_install")
     installed, previous = r.int(), r.int()
-    ctx.fence.observe(previous)
+    seen = ctx.fence.seen
     ctx.fence.observe(installed)
+    if installed > seen and previous < seen:
+        # this install replaced a version older than one seen: it ran over a rolled-back state
+        # (a replayed reply of an install already seen, installed <= seen, is not checked)
+        raise StateRolledBack("gate version", seen, previous)
     return previous
 
 

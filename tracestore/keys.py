@@ -223,9 +223,24 @@ class Keys:
         """``ts:{R}:route:retired`` zset sid -> tombstone expiry ms (server clock)."""
         return f"{self._c}:route:retired"
 
-    def rb_group(self, gid: str) -> str:
-        """``ts:{R}:rb:g:<gid>`` hash: one replay group."""
-        return f"{self._c}:rb:g:{validate_id('group id', gid)}"
+    @property
+    def rb_groups(self) -> str:
+        """``ts:{R}:rb:groups`` hash gid -> the group's record (JSON: task, status, versions, seq...)."""
+        return f"{self._c}:rb:groups"
+
+    @property
+    def rb_payloads(self) -> str:
+        """``ts:{R}:rb:payloads`` hash gid -> the group's payload (JSON, as put)."""
+        return f"{self._c}:rb:payloads"
+
+    @property
+    def session_prefix(self) -> str:
+        """``ts:{R}:s:``: a replay script appends a sid to reach a session of a group it picked.
+
+        Only the replay scripts use it (``lua/_lib/rb.lua``, in-script keys);
+        every key so formed is a session hash in the control-plane slot ``{R}``.
+        """
+        return f"{self._c}:s:"
 
     def rb_queue(self, task: str, status: str) -> str:
         """``ts:{R}:rb:q:<task>:<status>`` zset gid -> seq (FIFO order)."""
@@ -247,22 +262,13 @@ class Keys:
 
     @property
     def rb_sids(self) -> str:
-        """``ts:{R}:rb:sids`` hash gid -> sids (json) of every stored group.
-
-        Lets a replay script name the session keys it will need (returned to
-        the client, which passes them in KEYS) before it holds the group's key.
-        """
+        """``ts:{R}:rb:sids`` hash gid -> the sessions (JSON array) of every stored group."""
         return f"{self._c}:rb:sids"
 
     @property
     def rb_bytes(self) -> str:
         """``ts:{R}:rb:bytes`` hash ``"<status> <task>"`` -> bytes of stored group records."""
         return f"{self._c}:rb:bytes"
-
-    @property
-    def rb_group_pattern(self) -> str:
-        """SCAN pattern of every replay group hash of the run."""
-        return f"{self._c}:rb:g:*"
 
     @property
     def session_pattern(self) -> str:

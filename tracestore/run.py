@@ -71,6 +71,8 @@ def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str
     for sid in sids:
         with stored(ctx.keys.session(sid), "owner/state"):
             owner, state = r.text(), r.text()
+            if state not in ("live", "released", ""):
+                raise ValueError(f"unknown state {state!r:.40}")
         out[sid] = (owner, state) if state else None
     return out
 

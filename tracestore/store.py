@@ -105,6 +105,7 @@ class StoreMethods:
     search = op(trace_ops.search)
     export_training_trace = op(trace_ops.export_training_trace)
     export_many = op(trace_ops.export_many)
+    trace_keys = op(trace_ops.trace_keys)
     drop_session_data = op(purge_ops.drop_session_data)
     drop_sessions_data = op(purge_ops.drop_sessions_data)
     # (end data plane)

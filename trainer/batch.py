@@ -56,7 +56,7 @@ class BatchBuilder:
         for g in groups:
             samples = from_payload(g.payload)
             scored += zip(samples, group_advantages([s.reward for s in samples]), strict=True)
-            staleness.append(version - g.min_version)
+            staleness.append(g.staleness(version))
         traces = self._export([s for s, _ in scored])
         wanted = [
             (s.worker, tr.expert_keys or []) for (s, _), tr in zip(scored, traces, strict=True)

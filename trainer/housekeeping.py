@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from tracestore import TraceStore
+from tracestore.replay import MAX_TAKE
 
 from .config import TASK
 
@@ -79,20 +80,16 @@ def reclaim_dead_owners(
     return out
 
 
-def drain_run(store: TraceStore, version: int) -> dict[str, int]:
-    """End of run: take what is left in the buffer and release every owner's sessions.
+def drain_run(store: TraceStore) -> dict[str, int]:
+    """End of run: take what is left in the buffer (stale or not) and release every owner's sessions.
 
     Returns how many groups it took (``completed``, ``retry``) and sessions
     it released per owner (``released:<owner>``).
     """
     left: dict[str, int] = {}
     try:
-        n = store.replay.count(task=TASK, status="completed")
-        if n:
-            got = store.replay.take(
-                TASK, n, owner="shutdown", current_version=version, max_staleness=10**9
-            )
-            left["completed"] = len(got)
+        while got := store.replay.take(TASK, MAX_TAKE, owner="shutdown", at_most=True):  # no staleness bound
+            left["completed"] = left.get("completed", 0) + len(got)
         for _ in range(100):
             claimed = store.replay.claim_retry(TASK, 64, "shutdown")
             if not claimed:

@@ -293,7 +293,7 @@ class Driver:
         """Take what is left in the buffer, release every owner, wait for the holders; what is left."""
         learner = ray.get(actors.learner.stats.remote())
         producer = ray.get(actors.producer.stats.remote())
-        drained = drain_run(self.store, learner.version)
+        drained = drain_run(self.store)
         workers, gateway, plasma_used = self._wait_for_holders(actors.workers, actors.gateway)
         return EndState(
             counts=store_counts(self.store),

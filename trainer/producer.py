@@ -27,7 +27,7 @@ from .clock import Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import route, run_on_workers
 from .http_agents import GATEWAY_HOLDER, HttpStats
-from .sample import Sample, from_payload, group_status, min_version, to_payload
+from .sample import Sample, from_payload, group_status, to_payload
 from .task import make_problem
 
 #: The rollout "worker" of HTTP agents: their sessions are owned by ``rollout:http.<nonce>``.
@@ -184,19 +184,20 @@ class Producer:
         for job in jobs:
             samples = [done.get(s.sid, s) for s in job.samples]
             status = group_status(samples)
+            # min_version: put reads it from the sessions' traces (each member's oldest
+            # generated token); a group none of whose samples ran a turn gets `version`
             groups.append(
                 Group(
                     gid=job.gid,
                     task=TASK,
                     sids=tuple(s.sid for s in samples),
                     status=status,
-                    min_version=min_version(samples, version),
                     retryable=status == "aborted",
                     payload=to_payload(samples),
                 )
             )
         with self.store_time():
-            self.store.replay.put_many(groups, self.tag)
+            self.store.replay.put_many(groups, self.tag, current_version=version)
         counts: dict[str, int] = {}
         for g in groups:
             counts[g.status] = counts.get(g.status, 0) + 1

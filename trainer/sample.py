@@ -122,12 +122,6 @@ def group_status(samples: Sequence[Sample]) -> GroupStatus:
     return "completed"
 
 
-def min_version(samples: Sequence[Sample], default: int) -> int:
-    """Oldest weight version of any turn of ``samples`` (``default`` when none ran a turn)."""
-    vs = [v for s in samples for v in s.versions]
-    return min(vs) if vs else default
-
-
 def to_payload(samples: Sequence[Sample]) -> dict[str, Any]:
     """A replay group's payload: its samples' JSON forms."""
     return {"samples": [s.to_json() for s in samples]}

@@ -1,43 +1,88 @@
 -- Replay-buffer helpers shared by lua/rb_*.lua (DESIGN section 7).
 --
--- Keys protocol. The groups a take/expire/claim touches are chosen inside the
--- script, so the client cannot know their keys beforehand, and keys are never
--- built in Lua. The caller therefore passes a tail of KEYS (group hashes, then
--- session hashes) whose ids are listed in ARGV. The script plans with reads
--- only; if a key it needs is missing it returns {0, 'NEED', ...} naming the
--- ids (read from the fixed index ts:{R}:rb:sids) and writes nothing. The
--- client calls again with those keys; the second call commits atomically.
--- Every key a script touches is in KEYS; every KEYS entry is in slot {R}.
+-- A stored group is three fields under its gid, one in each of three hashes
+-- of the run's control plane (so a script reads or deletes many groups in one
+-- command, and every group key is a declared key):
+--   ts:{R}:rb:groups    gid -> rec: a JSON object (rb_rec): task, status,
+--                       min_version, seq, retryable, agentic, mv (each
+--                       member's oldest token version), reroll (members
+--                       released by per-member expiry), put_ms, producer
+--   ts:{R}:rb:sids      gid -> the members' session ids (JSON array)
+--   ts:{R}:rb:payloads  gid -> the payload (JSON, verbatim as put)
+-- A take hands the three strings out undecoded (Lua pays for every value it
+-- creates; it decodes only the sids, to move their sessions).
+--
+-- The session hashes ts:{R}:s:<sid> of the groups a take, claim or expire
+-- picks are chosen inside the script. Two ways to reach them, chosen by the
+-- caller:
+--
+-- * in-script keys (the default, one round trip): ARGV carries the prefix
+--   "ts:{R}:s:" (built by tracestore/keys.py) and the script appends the sid.
+--   Every such key has the hash tag {R} of the declared keys (checked in
+--   rb_open), so it lives in the one slot the script runs on: Redis 7 and
+--   Valkey 8 let a script access an undeclared key of its own slot on a
+--   cluster (scriptVerifyClusterState refuses only a key of another slot, or
+--   of a slot the node does not serve). The EVAL docs still ask scripts to
+--   declare every key, so this is permitted, not promised; see docs/replay.md.
+-- * declared keys (StoreConfig.replay_declared_keys, two round trips): the
+--   caller passes the session keys as a tail of KEYS with their sids in ARGV.
+--   The script plans with reads only; when a session key it needs is missing
+--   it returns {0, 'NEED', sid...} and writes nothing; the client calls again
+--   with those keys and the second call commits atomically.
+--
+-- Either way a script touches every session key it will write before its
+-- first write (rb_load: one EXISTS), so a key it cannot access (a slot
+-- migrating under it) fails the call with nothing written.
 --
 -- The helpers share one table `rb` that the calling script fills in once:
---   gmap, smap  gid -> group key, sid -> session key (rb_open)
---   sidskey     KEYS: ts:{R}:rb:sids        bkey     KEYS: ts:{R}:rb:bytes
+--   groups, sidskey, payloads   KEYS: the three group hashes above
+--   bkey        KEYS: ts:{R}:rb:bytes (bytes of records per "<status> <task>")
+--   smap, spre  sid -> declared session key (rb_open); the key prefix ('' = declared only)
 --   oreplay     KEYS: ts:{R}:o:<replay>     replay   ARGV: the buffer's owner tag
 --   to, oto     the taker's owner tag and its owner set (rb_hand_over)
---   qc, vc, qe, ve, released, events, now, rel_s   (rb_expire_group)
+--   qe, ve, released, events, now, rel_s   (rb_expire_group)
 --   st          the script's counters (lua/_lib/stats.lua): the script flushes
---               them into ts:{R}:stats at its end (rb_expire_group counts
---               groups_expired and, through session_release, the releases)
-
+--               them into ts:{R}:stats at its end, after sessions_release_flush
+--               (rb_expire_group counts groups_expired and, through
+--               sessions_release, the releases)
+--
+-- A group the client could not decode (a record that is not the JSON object
+-- rb_rec writes, sids that are not a JSON list of strings, a payload that is
+-- not a JSON object, text that is not UTF-8) is never handed out: rb_load
+-- checks every group it loads, before the script's first write, and the
+-- script answers CORRUPT naming the hash and the gid, with nothing written.
+--
 local RB_TWO32 = 4294967296
+-- Values per redis.call of a variadic command (Lua's unpack limit is ~8000).
+local RB_CHUNK = 4000
+-- Reply fields per group of a take or claim: gid, rec, sids, payload.
+local RB_FIELDS = 4
 
--- Parse the tail: ARGV[a] = g, ARGV[a+1..a+g] = gids, ARGV[a+g+1] = s, then s
--- sids; KEYS[k0+1..k0+g] are the group keys, KEYS[k0+g+1..k0+g+s] the session
--- keys, in the same order. Returns gid->key and sid->key maps (nil on a
--- malformed call).
-local function rb_keymap(k0, a)
-  local gmap, smap = {}, {}
-  local ng = tonumber(ARGV[a])
-  local ns = tonumber(ARGV[a + ng + 1])
-  if #KEYS ~= k0 + ng + ns then return nil, nil end
-  for i = 1, ng do gmap[ARGV[a + i]] = KEYS[k0 + i] end
-  for i = 1, ns do smap[ARGV[a + ng + 1 + i]] = KEYS[k0 + ng + i] end
-  return gmap, smap
+-- A Lua list as a JSON array (cjson encodes an empty table as an object).
+local function rb_json_list(t)
+  if #t == 0 then return '[]' end
+  return cjson.encode(t)
+end
+
+local function rb_tag(key)
+  return string.match(key, '{(.-)}')
+end
+
+-- The record of a group (ts:{R}:rb:groups), a JSON object; mv and reroll are
+-- JSON arrays already encoded.
+local function rb_rec(g)
+  return '{"task":' .. cjson.encode(g.task) .. ',"status":' .. cjson.encode(g.status) ..
+    ',"min_version":' .. string.format('%d', g.min_version) .. ',"seq":' .. string.format('%d', g.seq) ..
+    ',"retryable":' .. g.retryable .. ',"agentic":' .. g.agentic .. ',"mv":' .. g.mv_json ..
+    ',"reroll":' .. g.reroll_json .. ',"put_ms":' .. string.format('%d', g.put_ms) ..
+    ',"producer":' .. cjson.encode(g.producer) .. '}'
 end
 
 -- The start every take, claim and expire shares: replay a retried call's
--- reply, refuse a taker that gc declared lost (lost_key nil: no taker), parse
--- the keys tail into rb.gmap / rb.smap. Returns a reply to return at once, or nil.
+-- reply, refuse a taker that gc declared lost (lost_key nil: no taker), read
+-- the session key prefix ARGV[a] and the declared session keys: ARGV[a+1] =
+-- s, then s sids, matching KEYS[k0+1..k0+s]. Returns a reply to return at
+-- once, or nil.
 local function rb_open(rb, opkey, lost_key, k0, a)
   local cached = op_replay(opkey)
   if cached then return cached end
@@ -45,52 +90,84 @@ local function rb_open(rb, opkey, lost_key, k0, a)
     local lost_ms = redis.call('ZSCORE', lost_key, rb.to)
     if lost_ms then return {1, 'OWNER_LOST', rb.to, tonumber(lost_ms)} end
   end
-  rb.gmap, rb.smap = rb_keymap(k0, a)
-  if not rb.gmap then return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the ids in ARGV'} end
+  rb.spre = ARGV[a]
+  if rb.spre ~= '' and rb_tag(rb.spre) ~= rb_tag(opkey) then
+    return {1, 'INVALID_INPUT', 'keys', 'the session key prefix is not in the slot of the declared keys'}
+  end
+  local ns = tonumber(ARGV[a + 1])
+  if #KEYS ~= k0 + ns then
+    return {1, 'INVALID_INPUT', 'keys', 'KEYS tail does not match the session ids in ARGV'}
+  end
+  rb.smap = {}
+  for i = 1, ns do rb.smap[ARGV[a + 1 + i]] = KEYS[k0 + i] end
   return nil
 end
 
--- Add to need.g the gids of `gids` whose group key is missing and to need.s
--- the sids of those groups whose session key is missing.
-local function rb_missing(rb, gids, need)
-  if #gids == 0 then return end
-  local js = redis.call('HMGET', rb.sidskey, unpack(gids))
-  for i, gid in ipairs(gids) do
-    if not rb.gmap[gid] then need.g[#need.g + 1] = gid end
-    if js[i] then
-      local ok, sids = pcall(cjson.decode, js[i])
-      if not ok or type(sids) ~= 'table' or not string.find(js[i], '^%s*%[') then
-        need.corrupt = {1, 'CORRUPT', rb.sidskey, gid, 'not a JSON list of session ids'}
-        return
-      end
-      for _, sid in ipairs(sids) do
-        if not rb.smap[sid] then need.s[#need.s + 1] = sid end
-      end
-    end
-  end
+local function rb_skey(rb, sid)
+  local k = rb.smap[sid]
+  if k == nil and rb.spre ~= '' then k = rb.spre .. sid end
+  return k
 end
 
-local function rb_need_reply(need)
-  local out = {0, 'NEED', #need.g}
-  for _, g in ipairs(need.g) do out[#out + 1] = g end
-  for _, s in ipairs(need.s) do out[#out + 1] = s end
+-- redis.call(cmd, key, items...) in chunks below Lua's unpack limit; the
+-- replies of the chunks concatenated (for HMGET, SMISMEMBER).
+local function rb_call_chunked(cmd, key, items)
+  if #items <= RB_CHUNK then
+    if #items == 0 then return {} end
+    return redis.call(cmd, key, unpack(items))
+  end
+  local out = {}
+  for i = 1, #items, RB_CHUNK do
+    local part = redis.call(cmd, key, unpack(items, i, math.min(i + RB_CHUNK - 1, #items)))
+    if type(part) == 'table' then
+      for _, x in ipairs(part) do out[#out + 1] = x end
+    end
+  end
   return out
 end
 
--- The NEED reply of a take or claim that picked cand[1..npicked] (plus what
--- `need` holds already), or nil when every key is at hand. A NEED names the
--- whole window cand[1..#cand], so a retry survives other takers removing the head.
-local function rb_need_window(rb, cand, npicked, need)
-  if need.corrupt then return need.corrupt end
-  local picked, extra = {}, {}
-  for i = 1, #cand do
-    if i <= npicked then picked[#picked + 1] = cand[i] else extra[#extra + 1] = cand[i] end
+-- Declared keys only: nil when every session of the groups `gids` (in this
+-- order, the first `npicked` picked, the rest spare candidates) has its key
+-- in the KEYS tail; else a NEED reply naming the missing sessions of every
+-- candidate, so that a retry survives other takers removing the head.
+local function rb_need(rb, gids, npicked)
+  if rb.spre ~= '' or #gids == 0 then return nil end
+  local js = rb_call_chunked('HMGET', rb.sidskey, gids)
+  local need, missing = {}, false
+  for i = 1, #gids do
+    local ok, members = pcall(cjson.decode, js[i] or '')
+    if ok and type(members) == 'table' then  -- else rb_load reports the group CORRUPT
+      for _, sid in ipairs(members) do
+        if not rb.smap[sid] then
+          need[#need + 1] = sid
+          if i <= npicked then missing = true end
+        end
+      end
+    end
   end
-  rb_missing(rb, picked, need)
-  if need.corrupt then return need.corrupt end
-  if #need.g == 0 and #need.s == 0 then return nil end
-  rb_missing(rb, extra, need)
-  return rb_need_reply(need)
+  if not missing then return nil end
+  local out = {0, 'NEED'}
+  for _, s in ipairs(need) do out[#out + 1] = s end
+  return out
+end
+
+-- Stale gids of a version index (min_version < cutoff), oldest first:
+-- ZRANGEBYSCORE, O(log n + k). cutoff '' means no staleness bound.
+local function rb_stale(vkey, cutoff, limit)
+  if cutoff == '' then return {} end
+  if limit > 0 then
+    return redis.call('ZRANGEBYSCORE', vkey, '-inf', '(' .. cutoff, 'LIMIT', 0, limit)
+  end
+  return redis.call('ZRANGEBYSCORE', vkey, '-inf', '(' .. cutoff)
+end
+
+local function rb_count_stale(vkey, cutoff)
+  if cutoff == '' then return 0 end
+  return redis.call('ZCOUNT', vkey, '-inf', '(' .. cutoff)
+end
+
+local function rb_bytes_add(bkey, status, task, delta)
+  if delta ~= 0 then redis.call('HINCRBY', bkey, status .. ' ' .. task, delta) end
 end
 
 -- True when s is valid UTF-8 without surrogates or overlong forms (what the
@@ -120,114 +197,198 @@ local function rb_utf8(s)
   return true
 end
 
--- nil when the stored group gid can be handed to a client that decodes it
--- (task, status, sids a JSON list of strings, numeric min_version and seq, a
--- JSON object payload, all valid UTF-8); else the CORRUPT error reply naming
--- its key and field. Called before any write: a take or expiry never commits
--- a group the client would fail to decode.
-local function rb_check_group(rb, gid)
-  local gk = rb.gmap[gid]
-  local f = redis.call('HMGET', gk, 'task', 'status', 'sids', 'min_version', 'seq', 'retryable', 'payload')
-  local function bad(field, what) return {1, 'CORRUPT', gk, field, what} end
-  if not f[1] or not rb_utf8(f[1]) then return bad('task', 'missing or not UTF-8') end
-  if f[2] ~= 'completed' and f[2] ~= 'aborted' and f[2] ~= 'expired' then
-    return bad('status', 'not a stored status')
+local RB_STATUSES = {completed = true, aborted = true, expired = true}
+
+-- nil when group gid's record (rec), sids JSON (js) and payload (p) are what
+-- the client decodes; else the CORRUPT reply naming the hash and the gid.
+-- The record is decoded (it is small); the payload, handed out verbatim, is
+-- checked for the shape put stores (a JSON object, valid UTF-8).
+local function rb_check(rb, gid, rec, js, p)
+  local function bad(key, what) return {1, 'CORRUPT', key, gid, what} end
+  if type(rec) ~= 'string' then return bad(rb.groups, 'the group has no record') end
+  local ok, r = pcall(cjson.decode, rec)
+  if not ok or type(r) ~= 'table' or string.sub(rec, 1, 1) ~= '{' or not rb_utf8(rec) then
+    return bad(rb.groups, 'the record is not a JSON object')
   end
-  local ok, sids = pcall(cjson.decode, f[3] or '')
-  if not ok or type(sids) ~= 'table' or not string.find(f[3], '^%s*%[') or not rb_utf8(f[3]) then
-    return bad('sids', 'not a JSON list')
+  if type(r.task) ~= 'string' or not RB_STATUSES[r.status] or type(r.min_version) ~= 'number'
+      or type(r.seq) ~= 'number' or type(r.mv) ~= 'table' or type(r.reroll) ~= 'table' then
+    return bad(rb.groups, 'the record lacks task, a stored status, min_version, seq, mv or reroll')
+  end
+  if type(js) ~= 'string' then return bad(rb.sidskey, 'the group has no session list') end
+  local oks, sids = pcall(cjson.decode, js)
+  if not oks or type(sids) ~= 'table' or string.sub(js, 1, 1) ~= '[' or not rb_utf8(js) then
+    return bad(rb.sidskey, 'not a JSON list of session ids')
   end
   for _, sid in ipairs(sids) do
-    if type(sid) ~= 'string' then return bad('sids', 'not a list of session ids') end
+    if type(sid) ~= 'string' then return bad(rb.sidskey, 'not a list of session ids') end
   end
-  if not tonumber(f[4]) then return bad('min_version', 'not a number') end
-  if not tonumber(f[5]) then return bad('seq', 'not a number') end
-  if f[6] and f[6] ~= '0' and f[6] ~= '1' then return bad('retryable', 'not 0 or 1') end
-  local payload = f[7] or '{}'
-  local okp, body = pcall(cjson.decode, payload)
-  if not okp or type(body) ~= 'table' or not string.find(payload, '^%s*{') or not rb_utf8(payload) then
-    return bad('payload', 'not a JSON object')
+  if type(p) ~= 'string' or not string.find(p, '^%s*{') or not string.find(p, '}%s*$') or not rb_utf8(p) then
+    return bad(rb.payloads, 'the payload is not a JSON object')
   end
-  return nil
+  return nil, sids
 end
 
--- The first CORRUPT reply of the groups gids[1..n], or nil.
-local function rb_check_groups(rb, gids, n)
-  for i = 1, math.min(n, #gids) do
-    local bad = rb_check_group(rb, gids[i])
-    if bad then return bad end
+-- Read stored groups `gids` for a hand-over, as flat arrays (every value Lua
+-- creates costs; a take of 512 groups must create few): gids, recs, js
+-- (sids JSON), ps (payloads): one HMGET each; sids and skeys: every session
+-- of the groups, in order; owned[i]: session i is live and owned by the
+-- buffer (a member of its owner set: one SMISMEMBER); bytes: of the records.
+-- One EXISTS touches every session key, so that a key the script cannot
+-- access fails the call before its first write. Reads only.
+local function rb_load(rb, gids)
+  local L = {gids = gids, recs = rb_call_chunked('HMGET', rb.groups, gids),
+    js = rb_call_chunked('HMGET', rb.sidskey, gids), ps = rb_call_chunked('HMGET', rb.payloads, gids),
+    sids = {}, skeys = {}, bytes = 0}
+  local sids, skeys, js = L.sids, L.skeys, L.js
+  for i = 1, #gids do
+    local bad, members = rb_check(rb, gids[i], L.recs[i], js[i], L.ps[i])
+    if bad then
+      L.corrupt = bad
+      return L
+    end
+    for _, sid in ipairs(members) do
+      sids[#sids + 1] = sid
+      skeys[#skeys + 1] = rb_skey(rb, sid)
+    end
+    L.bytes = L.bytes + #L.recs[i] + #js[i] + #L.ps[i]
   end
-  return nil
-end
-
--- Stale gids of a version index (min_version < cutoff), oldest first:
--- ZRANGEBYSCORE, O(log n + k). cutoff '' means no staleness bound.
-local function rb_stale(vkey, cutoff, limit)
-  if cutoff == '' then return {} end
-  if limit > 0 then
-    return redis.call('ZRANGEBYSCORE', vkey, '-inf', '(' .. cutoff, 'LIMIT', 0, limit)
+  L.owned = rb_call_chunked('SMISMEMBER', rb.oreplay, sids)
+  for i = 1, #skeys, RB_CHUNK do
+    redis.call('EXISTS', unpack(skeys, i, math.min(i + RB_CHUNK - 1, #skeys)))
   end
-  return redis.call('ZRANGEBYSCORE', vkey, '-inf', '(' .. cutoff)
+  return L
 end
 
-local function rb_count_stale(vkey, cutoff)
-  if cutoff == '' then return 0 end
-  return redis.call('ZCOUNT', vkey, '-inf', '(' .. cutoff)
+-- Read stored groups for expiry: a table per group (gid, the fields of its
+-- record: task, status, min_version, seq, retryable and agentic as '0'/'1',
+-- mv, reroll, put_ms, producer; sids, skey[j], payload, bytes), the session
+-- keys touched first as in rb_load; and the CORRUPT reply of the first group
+-- that fails rb_check (then no table). Reads only.
+local function rb_load_groups(rb, gids)
+  local out = {}
+  if #gids == 0 then return out end
+  local L = rb_load(rb, gids)
+  if L.corrupt then return out, L.corrupt end
+  local at = 0
+  for i, gid in ipairs(gids) do
+    local r = cjson.decode(L.recs[i])
+    local g = {gid = gid, task = r.task, status = r.status, min_version = r.min_version, seq = r.seq,
+      retryable = tostring(r.retryable), agentic = tostring(r.agentic), mv = r.mv, reroll = r.reroll,
+      put_ms = r.put_ms, producer = r.producer, payload = L.ps[i], sids = cjson.decode(L.js[i]),
+      skey = {}, bytes = #L.recs[i] + #L.js[i] + #L.ps[i]}
+    for j = 1, #g.sids do
+      g.skey[j] = L.skeys[at + j]
+      if g.mv[j] == nil then g.mv[j] = g.min_version end
+    end
+    at = at + #g.sids
+    out[i] = g
+  end
+  return out
 end
 
-local function rb_bytes_add(bkey, status, task, delta)
-  if delta ~= 0 then redis.call('HINCRBY', bkey, status .. ' ' .. task, delta) end
+-- The members of a group to re-roll at `cutoff` (per-member expiry): those
+-- whose oldest token version is below it; every member when none is (the
+-- group's min_version was declared older than any of its traces shows).
+-- Returns a list of booleans (true = stale).
+local function rb_stale_members(mv, cutoff)
+  local stale, any = {}, false
+  for i, v in ipairs(mv) do
+    stale[i] = v < cutoff
+    any = any or stale[i]
+  end
+  if not any then
+    for i = 1, #mv do stale[i] = true end
+  end
+  return stale
 end
 
--- Expire one stored group (status completed, in rb.qc/rb.vc). keep: move it
--- to `expired` (rb.qe/rb.ve), sessions stay owned by the buffer; else release
--- each of its sessions (one event each, reason 'expired') and delete the
--- group. keep_override '' uses the group's own retryable flag. Appends the
--- released sids to rb.rel_s. Returns true if kept.
-local function rb_expire_group(rb, gid, keep_override)
-  local gk = rb.gmap[gid]
-  stats_add(rb.st, 'groups_expired', 1)
-  local f = redis.call('HMGET', gk, 'task', 'seq', 'retryable', 'bytes', 'sids')
-  local task, seq, bytes = f[1], f[2], tonumber(f[4]) or 0
-  local vs = redis.call('ZSCORE', rb.vc, gid)
-  redis.call('ZREM', rb.qc, gid)
-  redis.call('ZREM', rb.vc, gid)
-  rb_bytes_add(rb.bkey, 'completed', task, -bytes)
+-- Expire one group loaded `full` out of its queue q / version index v
+-- (status completed or aborted).
+--   opts.keep: '' = the group's retryable flag, '1' keep, '0' release
+--   opts.per_member: '1' = re-roll only stale members (skipped for agentic groups)
+--   opts.cutoff: the staleness cutoff (number)
+-- Kept: the group moves to `expired` (rb.qe / rb.ve) with its order, its
+-- sessions stay with the buffer; with per-member expiry its stale members'
+-- sessions are released (one event each, reason 'expired'), the fresh ones
+-- keep their order, and the group lists the released sids in `reroll`.
+-- Released: every session released (one event each), the group deleted.
+-- Appends the released sids to rb.rel_s; counts groups_expired in rb.st. The
+-- releases are queued in rb.rel: the script runs sessions_release_flush(rb.rel)
+-- and stats_flush once, before it returns. Returns true if kept.
+local function rb_expire_group(rb, g, q, v, opts)
+  local vs = redis.call('ZSCORE', v, g.gid)
+  redis.call('ZREM', q, g.gid)
+  redis.call('ZREM', v, g.gid)
+  rb_bytes_add(rb.bkey, g.status, g.task, -g.bytes)
   local keep
-  if keep_override == '' then keep = (f[3] == '1') else keep = (keep_override == '1') end
-  if keep then
-    redis.call('HSET', gk, 'status', 'expired')
-    redis.call('ZADD', rb.qe, seq, gid)
-    redis.call('ZADD', rb.ve, vs, gid)
-    rb_bytes_add(rb.bkey, 'expired', task, bytes)
-    return true
-  end
+  if opts.keep == '' then keep = (g.retryable == '1') else keep = (opts.keep == '1') end
   rb.rel = rb.rel or {owner = rb.replay, okey = rb.oreplay, released = rb.released,
     events = rb.events, reason = 'expired', now = rb.now, st = rb.st}
-  local sids = cjson.decode(f[5])
-  local skeys = {}
-  for i, sid in ipairs(sids) do skeys[i] = rb.smap[sid] end
-  sessions_release(rb.rel, skeys, sids, rb.rel_s)
-  redis.call('DEL', gk)
-  redis.call('HDEL', rb.sidskey, gid)
-  return false
+  stats_add(rb.st, 'groups_expired', 1)
+  if not keep then
+    sessions_release(rb.rel, g.skey, g.sids, rb.rel_s)
+    redis.call('HDEL', rb.groups, g.gid)
+    redis.call('HDEL', rb.sidskey, g.gid)
+    redis.call('HDEL', rb.payloads, g.gid)
+    return false
+  end
+  local sids, mv = g.sids, g.mv
+  if opts.per_member == '1' and g.agentic ~= '1' then
+    local stale = rb_stale_members(g.mv, opts.cutoff)
+    local rkeys, rsids = {}, {}
+    sids, mv = {}, {}
+    for j, sid in ipairs(g.sids) do
+      if stale[j] then
+        rkeys[#rkeys + 1] = g.skey[j]
+        rsids[#rsids + 1] = sid
+        g.reroll[#g.reroll + 1] = sid
+      else
+        sids[#sids + 1] = sid
+        mv[#mv + 1] = g.mv[j]
+      end
+    end
+    sessions_release(rb.rel, rkeys, rsids, rb.rel_s)
+  end
+  g.status, g.mv_json, g.reroll_json = 'expired', rb_json_list(mv), rb_json_list(g.reroll)
+  local rec, sids_json = rb_rec(g), rb_json_list(sids)
+  redis.call('HSET', rb.groups, g.gid, rec)
+  redis.call('HSET', rb.sidskey, g.gid, sids_json)
+  redis.call('ZADD', rb.qe, g.seq, g.gid)
+  redis.call('ZADD', rb.ve, vs, g.gid)
+  rb_bytes_add(rb.bkey, 'expired', g.task, #rec + #sids_json + #g.payload)
+  return true
 end
 
--- Hand one stored group (in queue q, version index v) to rb.to: move its
--- sessions from the buffer, delete the group and its index entries; append
--- its 7 reply fields to `out`.
-local function rb_hand_over(rb, gid, q, v, out)
-  local gk = rb.gmap[gid]
-  local f = redis.call('HMGET', gk, 'task', 'status', 'sids', 'min_version', 'seq', 'retryable',
-    'payload', 'bytes')
-  for _, sid in ipairs(cjson.decode(f[3])) do
-    session_move(rb.smap[sid], sid, rb.replay, rb.to, rb.oreplay, rb.oto)
+-- Hand groups loaded by rb_load to rb.to: their sessions move from the buffer
+-- to the taker, the groups leave their queue cell.q / version index cell.v
+-- (status cell.status of task cell.task) and the three hashes; appends RB_FIELDS reply fields
+-- per group (gid, rec, sids, payload) to `out`, in the order loaded.
+-- One command per key (and chunk), plus one HSET per session.
+local function rb_hand_over(rb, L, cell, out)
+  local q, v, status, task = cell.q, cell.v, cell.status, cell.task
+  if #L.gids == 0 then return end
+  local moved = {}
+  for i, skey in ipairs(L.skeys) do
+    if L.owned[i] == 1 then
+      redis.call('HSET', skey, 'owner', rb.to)
+      moved[#moved + 1] = L.sids[i]
+    end
   end
-  redis.call('ZREM', q, gid)
-  redis.call('ZREM', v, gid)
-  redis.call('DEL', gk)
-  redis.call('HDEL', rb.sidskey, gid)
-  rb_bytes_add(rb.bkey, f[2], f[1], -(tonumber(f[8]) or 0))
-  out[#out + 1] = gid
-  for i = 2, 7 do out[#out + 1] = f[i] end
+  if rb.to ~= rb.replay and #moved > 0 then
+    rb_call_chunked('SREM', rb.oreplay, moved)
+    rb_call_chunked('SADD', rb.oto, moved)
+  end
+  rb_call_chunked('ZREM', q, L.gids)
+  rb_call_chunked('ZREM', v, L.gids)
+  rb_call_chunked('HDEL', rb.groups, L.gids)
+  rb_call_chunked('HDEL', rb.sidskey, L.gids)
+  rb_call_chunked('HDEL', rb.payloads, L.gids)
+  rb_bytes_add(rb.bkey, status, task, -L.bytes)
+  local recs, js, ps = L.recs, L.js, L.ps
+  for i, gid in ipairs(L.gids) do
+    out[#out + 1] = gid
+    out[#out + 1] = recs[i]
+    out[#out + 1] = js[i]
+    out[#out + 1] = ps[i]
+  end
 end

@@ -30,7 +30,8 @@ def run(store: TraceStore) -> list[tuple[str, object]]:
     v0 = store.gate.status().version
     for i in range(4):
         sids = _rollout(store, f"done{i}", v0)
-        rb.put(Group(f"done{i}", "math", sids, min_version=v0, payload={"rewards": [1.0, 0.0]}), WORKER)
+        # min_version comes from the traces; not retryable: an expired group is released
+        rb.put(Group(f"done{i}", "math", sids, retryable=False, payload={"rewards": [1.0, 0.0]}), WORKER)
     rows.append(("4 finished groups put (sessions move to 'replay')", f"{rb.count('math', 'completed')} stored"))
 
     # two rollouts are in flight when the trainer wants to push new weights
@@ -41,7 +42,7 @@ def run(store: TraceStore) -> list[tuple[str, object]]:
     store.gate.seal()  # the workers see the seal and abort their in-flight requests
     for gid, (lease, sids) in leases.items():
         store.gate.settle(lease, "aborted")
-        rb.put(Group(gid, "math", sids, status="aborted", min_version=v0, retryable=True), WORKER)
+        rb.put(Group(gid, "math", sids, status="aborted"), WORKER)  # retryable by default
     with store.gate.weight_update(v0 + 4, drain_timeout_s=5) as res:
         rows.append(("weight update: in-flight groups aborted into the buffer", f"drained={res.drained}"))
     v1 = store.gate.status().version
@@ -50,10 +51,10 @@ def run(store: TraceStore) -> list[tuple[str, object]]:
     claimed = rb.claim_retry("math", 8, "rollout:w1")
     rows.append(("producer claims the aborted groups, finishes and re-puts them", [g.gid for g in claimed]))
     for g in claimed:  # it finishes the rollouts (tokens of both versions) and puts them again
-        rb.put(Group(g.gid, g.task, g.sids, min_version=v0, retryable=True), "rollout:w1")
+        rb.put(Group(g.gid, g.task, g.sids), "rollout:w1")
     for i in range(3):
         sids = _rollout(store, f"fresh{i}", v1)
-        rb.put(Group(f"fresh{i}", "math", sids, min_version=v1), WORKER)
+        rb.put(Group(f"fresh{i}", "math", sids), WORKER)
 
     events = store.redis.xlen(store.keys.events)
     rep = rb.expire(v1, 2)  # staleness 4 > 2: every group of the old version

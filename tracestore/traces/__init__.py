@@ -38,14 +38,14 @@ The package is split by job: :mod:`~tracestore.traces.types` (value types),
 :mod:`~tracestore.traces.tokens` (TokenIds),
 :mod:`~tracestore.traces.index` (digests, the index trie, cache keys),
 :mod:`~tracestore.traces.continuation` (the per-session continuation),
-:mod:`~tracestore.traces.reads` (lookup, search, export) and
+:mod:`~tracestore.traces.reads` (lookup, search, export, trace_keys) and
 :mod:`~tracestore.traces.write` (record_turn, insert).
 """
 
 from __future__ import annotations
 
 from .index import node_id
-from .reads import export_many, export_training_trace, lookup, search
+from .reads import export_many, export_training_trace, lookup, search, trace_keys
 from .tokens import TokenIds
 from .types import Node, PrefixMatch, Segment, Trace, Turn
 from .write import insert, record_turn
@@ -64,4 +64,5 @@ __all__ = [
     "node_id",
     "record_turn",
     "search",
+    "trace_keys",
 ]

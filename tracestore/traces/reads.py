@@ -15,7 +15,7 @@ from ..context import Context
 from ..errors import CorruptData, InvalidInput, PromptMismatch, SessionReleased
 from ..nodecache import node_cache
 from ..replies import Reply
-from ..scripts import Cmd, Eval, Op, gather, script
+from ..scripts import Batch, Cmd, Eval, Op, gather, script
 from ..validate import validate_id
 from .continuation import Checkpoint, Continuation, cont_key
 from .index import SessionIndex, as_bytes, cache_payload, idx_key, node_id, tok_key, utf8
@@ -264,6 +264,49 @@ def export_many(ctx: Context, items: Sequence[tuple[str, str]]) -> Op[list[Trace
     return (yield from gather([export_training_trace(ctx, sid, key) for sid, key in items]))
 
 
+def trace_keys(ctx: Context, sid: str) -> Op[list[str]]:
+    """Every stored key of session ``sid``'s trie (XTuner's ``Trie.keys``), shortest first.
+
+    A node's key is the full text from the start of the conversation to its
+    end: the texts of the nodes on its path, joined. Needs the node texts
+    (``StoreConfig.store_text``, on by default). An unknown session has no
+    keys (reads never create one).
+
+    Raises InvalidId before I/O; SessionReleased when the data was purged;
+    InvalidInput('store_text') when a node's text was not stored. One round
+    trip (index and texts of the session's slot, pipelined).
+    """
+    validate_id("session id", sid)
+    k = ctx.keys
+    dead, idx, txt = yield Batch(
+        (
+            Cmd(("EXISTS", k.dead(sid)), key=k.dead(sid)),
+            Cmd(("HGETALL", k.idx(sid)), key=k.idx(sid)),
+            Cmd(("HGETALL", k.txt(sid)), key=k.txt(sid)),
+        )
+    )
+    if int(dead):
+        raise SessionReleased(sid, "its trace data was purged")
+    ix = SessionIndex.from_pairs("", 0, idx, k.idx(sid))
+    texts = replies.field_map(txt)
+    keys: dict[str, str] = {}
+
+    def key_of(node: Node) -> str:
+        if node.id not in keys:
+            seg = texts.get(node.id)
+            if seg is None:
+                raise InvalidInput(
+                    "store_text",
+                    f"session {sid!r}: node {node.id} has no stored text (written with "
+                    "store_text=False); its keys cannot be listed",
+                )
+            parent = ix.nodes.get(node.parent) if node.parent else None
+            keys[node.id] = (key_of(parent) if parent is not None else "") + replies.text(seg)
+        return keys[node.id]
+
+    return sorted((key_of(n) for n in ix.nodes.values()), key=lambda t: (len(t), t))
+
+
 def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[PromptMismatch]:
     best = snap.longest(prompt, "prompt_text")
     m = best.end if best else 0
@@ -304,4 +347,4 @@ def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[Pro
     return PromptMismatch(sid, m, n, nearest, window)
 
 
-__all__ = ["export_many", "export_training_trace", "lookup", "read_path", "search"]
+__all__ = ["export_many", "export_training_trace", "lookup", "read_path", "search", "trace_keys"]
