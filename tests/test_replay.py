@@ -438,7 +438,8 @@ def test_put_many_puts_every_group_and_keeps_a_refused_one_apart(store: TraceSto
     groups.append(_group(store, "pm-f", status="filtered"))
     count = _Counting(store)
     res = store.replay.put_many(groups, PRODUCER)
-    assert len(count.requests) == 2  # the puts, then the purge of the filtered group's sessions
+    # the traces' versions of all groups, then all the puts, then the purge of the filtered group's sessions
+    assert len(count.requests) == 3
     assert [r.stored for r in res] == [True] * 5 + [False] and res[-1].released == groups[-1].sids
     assert [r.seq for r in res[:5]] == sorted(r.seq for r in res[:5])  # stored in the order given
     assert store.replay.count(task="math", status="completed") == 5

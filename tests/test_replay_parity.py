@@ -243,6 +243,40 @@ def test_put_refuses_a_min_version_newer_than_the_traces(store: TraceStore) -> N
     assert stored.min_version == 1 and stored.member_versions == (4, 2)
 
 
+def test_put_many_reads_every_groups_versions_in_one_round_trip(store: TraceStore) -> None:
+    """put_many keeps put's semantics (min_version from the traces, current_version, a newer given
+    min_version refused) with all the version reads in one round trip and all the puts in another."""
+    from tests.test_scripts import _Counting
+
+    a = _group(store, "a", [[4, 5], [3]])
+    b = _group(store, "b", [[6]])
+    store.open_session("c.m0", PRODUCER)  # no trace: takes current_version
+    c = Group("c", "math", ("c.m0",))
+    bad = _group(store, "bad", [[2]])
+    before = _snapshot(store)
+    with pytest.raises(InvalidInput, match="newer than the traces"):
+        store.replay.put_many([Group("a", "math", a.sids), Group("bad", "math", bad.sids, min_version=5)], PRODUCER)
+    assert _snapshot(store) == before  # refused after the reads: nothing written for any group
+    count = _Counting(store)
+    res = store.replay.put_many([Group("a", "math", a.sids), Group("b", "math", b.sids), c], PRODUCER,
+                                current_version=11)
+    assert len(count.requests) == 2  # the versions, then the puts
+    assert [r.min_version for r in res] == [3, 6, 11] and all(r.stored for r in res)
+    assert [(g.gid, g.member_versions) for g in store.replay.groups("math")] == [
+        ("a", (4, 3)), ("b", (6,)), ("c", (11,))
+    ]
+    # max_staleness at put: a non-retryable group already stale is released, the others stored
+    old = _group(store, "old", [[1]])
+    new = _group(store, "new", [[9]])
+    res = store.replay.put_many(
+        [Group("old", "math", old.sids, retryable=False), Group("new", "math", new.sids, retryable=False)],
+        PRODUCER, current_version=10, max_staleness=2,
+    )
+    assert [r.stored for r in res] == [False, True] and res[0].released == old.sids
+    assert store.owner_of(old.sids[0]) is None and store.owner_of(new.sids[0]) == REPLAY_OWNER
+    assert store.replay.put_many([], PRODUCER) == []
+
+
 def test_stale_mask_marks_stale_trained_tokens(store: TraceStore) -> None:
     store.open_session("s", PRODUCER)
     key = _trace(store, "s", [3, 5, 6])
