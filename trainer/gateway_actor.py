@@ -17,6 +17,7 @@ from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
 from tracestore.gateway.server import GatewayStats
 from tracestore.ray import HolderStats, RefHolder
 
+from .actors import serve_host
 from .config import TrainConfig
 
 
@@ -42,7 +43,7 @@ class GatewayActor:
             name="gateway",
             lease_ttl_s=cfg.lease_ttl_s,
         )
-        self.server = start_gateway(config, holder=self.holder)
+        self.server = start_gateway(config, holder=self.holder, host=serve_host(cfg))
 
     def url(self) -> str:
         """The gateway's base URL (agents use ``<url>/v1``)."""
