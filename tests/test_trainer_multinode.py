@@ -1,0 +1,305 @@
+"""The trainer on a multi-node Ray cluster and a Redis Cluster (issue 16).
+
+Ray's own multi-node test cluster (``ray.cluster_utils.Cluster``) runs a
+head and three nodes on this machine, each with its own raylet and its own
+object store: two rollout nodes (custom resource ``rollout``; one of them on
+the address 127.0.0.2, so the trainer sees it as another host) and a learner
+node (``learner``). The store is the local 3-primary Redis Cluster.
+
+* a disaggregated run spreads its rollout workers over the two rollout
+  nodes, puts the learner on the third, and ends with no live session, no
+  held ref, zero bytes in every node's object store and exactly one release
+  event per session;
+* a rollout node removed mid-run (its worker frozen inside a request
+  first, so a lease is in flight): gc declares the worker's owner tag lost
+  and releases its sessions once, its poisoned lease is cleared, and the run
+  goes on to its last step with exact counts;
+* without ``--url`` the default server (this host only) is refused; a URL
+  is tried from every node; roles that cannot be placed are refused before
+  anything starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+ray = pytest.importorskip("ray")
+
+import psutil  # noqa: E402  (a dependency of ray)
+from click.testing import CliRunner  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from tracestore import TraceStore  # noqa: E402
+from tracestore.cli import main as cli  # noqa: E402
+from tracestore.trainer.actors import ConfigError, plan, unreachable_from  # noqa: E402
+from tracestore.trainer.config import TrainConfig  # noqa: E402
+from tracestore.trainer.loop import run  # noqa: E402
+from tracestore.trainer.report import Report  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+FAST: dict[str, Any] = {
+    "steps": 4,
+    "prompts_per_step": 2,
+    "group_size": 4,
+    "warmup_steps": 30,
+    "eval_every": 2,
+    "eval_prompts": 4,
+    "checkpoint_every": 4,
+    "max_buffer": 2,
+}
+NODE: dict[str, Any] = {"num_cpus": 0, "object_store_memory": 80 * 1024**2}
+
+
+class Nodes:
+    """The test cluster and its nodes by role."""
+
+    def __init__(self) -> None:
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **NODE,
+                "include_dashboard": False,
+                # a removed node is declared dead within ~10 s (a loaded 2-core machine must not
+                # miss a check of a live node)
+                "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10},
+            },
+        )
+        self.rollout_a = self.cluster.add_node(**NODE, resources={"rollout": 1})
+        self.rollout_b = self.cluster.add_node(**NODE, resources={"rollout": 1}, node_ip_address="127.0.0.2")
+        self.learner = self.cluster.add_node(**NODE, resources={"learner": 1})
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def by_id(self, node_id: str) -> Any:
+        return next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
+
+    def label(self, node: Any) -> str:
+        return f"{node.node_ip_address}/{node.node_id[:8]}"
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    n = Nodes()
+    ray.init(address=n.address, logging_level=logging.ERROR, log_to_driver=False)
+    yield n
+    ray.shutdown()
+    n.cluster.shutdown()
+
+
+def _cfg(nodes: Nodes, url: str | None, tmp: Any, **kw: Any) -> TrainConfig:
+    opts = {
+        "mode": "disaggregated",
+        "ray_address": nodes.address,
+        "worker_resources": "rollout=1",
+        "learner_resources": "learner=1",
+        **FAST,
+        **kw,
+    }
+    return TrainConfig(url=url, run=f"t-{uuid.uuid4().hex[:10]}", out=str(tmp), **opts)
+
+
+def _events(store: TraceStore) -> list[dict[str, str]]:
+    """Every entry of the run's release stream (nothing trims it during these runs)."""
+    entries = store.redis.xrange(store.keys.events)
+    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
+
+
+def _check_exact(report: Report, url: str) -> list[dict[str, str]]:
+    """Nothing left anywhere, one release event per session; returns the events."""
+    assert report.violations() == []
+    assert report.sessions_opened > 0
+    assert report.sessions_leaked == 0
+    assert report.sessions_released == report.release_events == report.sessions_opened
+    assert report.refs_held_at_end == 0 and report.expert_bytes_held_at_end == 0
+    assert report.poisoned_leases == 0
+    # each live node's own object store is empty, and every live node is listed
+    live = {f"{n['NodeManagerAddress']}/{n['NodeID'][:8]}" for n in ray.nodes() if n["Alive"]}
+    assert report.object_store_bytes_per_node_at_end == dict.fromkeys(live, 0)
+    assert report.object_store_bytes_at_end == 0
+    with TraceStore.connect(url, run=report.run, create_run=False) as store:
+        assert store.sessions() == []
+        events = _events(store)
+    per_sid = Counter(e["sid"] for e in events)
+    assert len(per_sid) == report.sessions_opened and set(per_sid.values()) == {1}
+    return events
+
+
+@pytest.mark.parametrize("how", ["option", "RAY_ADDRESS"])
+def test_a_ray_address_nobody_listens_on_is_one_line_and_exit_2(how: str, tmp_path: Any) -> None:
+    """Checked with one TCP connect before ``ray.init``, which would retry for minutes."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    args = [sys.executable, "-m", "tracestore.trainer", "--steps", "1", "--out", str(tmp_path)]
+    if how == "option":
+        args += ["--ray-address", "127.0.0.1:1"]
+    else:
+        env["RAY_ADDRESS"] = "127.0.0.1:1"
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (
+        "error: cannot join the Ray cluster at '127.0.0.1:1': Connection refused (is `ray start "
+        "--head` running there, on that port?)\n"
+    )
+
+
+def test_the_default_server_is_refused_when_nodes_are_on_other_hosts(nodes: Nodes, tmp_path: Any) -> None:
+    """No --url on a cluster with a node on 127.0.0.2: exit 2, one line, nothing started."""
+    r = CliRunner().invoke(
+        cli, ["train", "--ray-address", nodes.address, "--steps", "1", "--out", str(tmp_path)]
+    )
+    assert r.exit_code == 2, r.output
+    assert r.output == (
+        "error: the Ray cluster has nodes on other hosts (127.0.0.2) and no --url was given: the "
+        f"default server (unix://{os.environ['TRACESTORE_HOME']}/server/server.sock) answers on "
+        "this host only; start a server every node reaches and pass its URL with --url or "
+        "$TRACESTORE_URL (docs/deploy.md)\n"
+    )
+    assert not os.path.exists(tmp_path / "report.json")
+
+
+def test_placement_and_reachability_are_checked_before_anything_starts(
+    nodes: Nodes, cluster_url: str, tmp_path: Any
+) -> None:
+    cfg = _cfg(nodes, cluster_url, tmp_path, workers=2)
+    p = plan(cfg)
+    rollout = {n.node_id for n in (nodes.rollout_a, nodes.rollout_b)}
+    assert {node.id for node in p.workers.values() if node is not None} == rollout
+    # every node a role may land on tries the URL: a good one passes, a bad one names them all
+    assert {n.id for n in p.candidates} >= rollout
+    assert unreachable_from(p, cluster_url, cfg.run) == []
+    bad = unreachable_from(p, "redis://127.0.0.1:1", cfg.run)
+    assert [n.id for n, _ in bad] == [n.id for n in p.candidates]
+    assert all(why == "Connection refused" for _, why in bad)
+    with pytest.raises(ConfigError, match="no node of the Ray cluster offers --learner-resources 'gpu_box=1'"):
+        plan(_cfg(nodes, cluster_url, tmp_path, learner_resources="gpu_box=1"))
+    with pytest.raises(ConfigError, match="puts 2 on .* which cannot hold 2 x --worker-resources 'rollout=1'"):
+        plan(_cfg(nodes, cluster_url, tmp_path, workers=4))
+    assert set(plan(_cfg(nodes, cluster_url, tmp_path, placement="pack")).workers.values()) == {None}
+
+
+def test_disaggregated_run_over_three_nodes_leaves_every_object_store_empty(
+    nodes: Nodes, cluster_url: str, tmp_path: Any
+) -> None:
+    """Workers on the two rollout nodes, the learner on the third: experts cross nodes and all go."""
+    seen: dict[str, int] = Counter()
+
+    def progress(rec: Any) -> None:  # each node's store while the run goes on
+        from tracestore.trainer.actors import object_store_used_per_node
+
+        for node, used in object_store_used_per_node().items():
+            seen[node] = max(seen[node], used)
+
+    report = run(_cfg(nodes, cluster_url, tmp_path, workers=2), progress)
+    assert report.placement == {
+        "producer": nodes.label(nodes.by_id(ray.get_runtime_context().get_node_id())),  # the driver's
+        "learner": nodes.label(nodes.learner),
+        "w0": nodes.label(nodes.rollout_b),  # 127.0.0.2 sorts first
+        "w1": nodes.label(nodes.rollout_a),
+    }
+    assert [h.step for h in report.history] == [1, 2, 3, 4] and report.gate_cycles == 4
+    # the learner borrowed every sample's experts from the workers on the other nodes
+    assert report.routing_replay_fallbacks == 0
+    assert report.workers_lost == {} and "lost" not in report.groups
+    events = _check_exact(report, cluster_url)
+    assert {e["reason"] for e in events} <= {"trained", "eval-done", "filtered", "failed", "run-end"}
+    print(f"\nper-node object store bytes: max seen {dict(seen)}, at end {report.object_store_bytes_per_node_at_end}")
+
+
+def _worker_processes(node: Any) -> list[psutil.Process]:
+    """The processes the node's raylet started (its Ray workers among them)."""
+    raylet = node.all_processes["raylet"][0].process.pid
+    return list(psutil.Process(raylet).children(recursive=True))
+
+
+def _freeze_in_flight(nodes: Nodes, node: Any, url: str, run_id: str, worker: str) -> tuple[str, str]:
+    """Freeze ``node``'s processes while ``worker`` holds a lease on a session its tag owns.
+
+    Returns (lease id, session id). Polls the gate's live leases; after the
+    freeze, checks the lease is still unsettled (else thaws and tries again).
+    """
+    with TraceStore.connect(url, run=run_id, create_run=False) as store:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ids = [x.decode() for x in store.redis.zrange(store.keys.gate_leases, 0, -1)]
+            for rec in store.gate.lease_records(ids):
+                if rec is None or rec.holder != worker or rec.outcome is not None:
+                    continue
+                if not (store.owner_of(rec.sid) or "").startswith(f"rollout:{worker}."):
+                    continue
+                procs = _worker_processes(node)
+                for p in procs:
+                    p.send_signal(signal.SIGSTOP)
+                (after,) = store.gate.lease_records([rec.lease_id])
+                if after is not None and after.outcome is None:
+                    return rec.lease_id, rec.sid
+                for p in procs:
+                    p.send_signal(signal.SIGCONT)
+            time.sleep(0.01)
+    raise AssertionError(f"{worker} never held a lease on a session of its own tag")
+
+
+def test_a_rollout_node_lost_mid_run_is_reclaimed_and_the_run_goes_on(
+    nodes: Nodes, cluster_url: str, tmp_path: Any
+) -> None:
+    """The node of w0 dies inside a request after step 2; the run ends at step 5 with exact counts.
+
+    Runs last in this module: the cluster keeps one rollout node afterwards.
+    """
+    cfg = _cfg(nodes, cluster_url, tmp_path, workers=2, steps=5, lease_ttl_s=3.0, owner_ttl_s=3.0)
+    victim = nodes.rollout_b  # w0's node (127.0.0.2 sorts first)
+    frozen: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def kill_node() -> None:  # while step 3 trains and the producer refills the buffer
+        try:
+            frozen["lease"], frozen["sid"] = _freeze_in_flight(nodes, victim, cluster_url, cfg.run, "w0")
+            nodes.cluster.remove_node(victim, allow_graceful=False)
+        except BaseException as exc:
+            errors.append(exc)
+
+    killer = threading.Thread(target=kill_node)
+
+    def progress(rec: Any) -> None:
+        if rec.step == 2:
+            killer.start()
+
+    try:
+        report = run(cfg, progress)
+    finally:
+        killer.join()
+    assert not errors, errors
+    assert [h.step for h in report.history] == [1, 2, 3, 4, 5]
+    assert list(report.workers_lost) == ["w0"]
+    reclaimed = report.workers_lost["w0"]
+    assert reclaimed["owner tags declared lost"] == 1
+    assert reclaimed["sessions released (owner-lost)"] >= 1
+    assert reclaimed["poisoned leases cleared"] >= 1
+    assert report.groups.get("lost", 0) >= 1  # the frozen session's group was dropped
+    assert nodes.label(victim) not in report.object_store_bytes_per_node_at_end
+    events = _check_exact(report, cluster_url)
+    lost = [e for e in events if e["reason"] == "owner-lost"]
+    assert len(lost) == reclaimed["sessions released (owner-lost)"]
+    assert all(e["owner"].startswith("rollout:w0.") for e in lost)
+    assert frozen["sid"] in {e["sid"] for e in lost}
+    with TraceStore.connect(cluster_url, run=report.run, create_run=False) as store:
+        (rec,) = store.gate.lease_records([frozen["lease"]])
+        assert rec is not None and rec.resolution == "holder-lost:w0"
+        tags = {o.owner: o for o in store.owners()}
+        (tag,) = [t for t in tags if t.startswith("rollout:w0.")]
+        assert tags[tag].lost_ms is not None  # gc's script declared it lost
+    print(f"\nnode loss: {reclaimed}; groups {report.groups}; per-node bytes at end {report.object_store_bytes_per_node_at_end}")
