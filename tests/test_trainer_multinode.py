@@ -21,9 +21,10 @@ node (``learner``). The store is the local 3-primary Redis Cluster.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import signal
+import re
 import subprocess
 import sys
 import threading
@@ -38,59 +39,23 @@ import pytest
 pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 
-import psutil  # noqa: E402  (a dependency of ray)
 from click.testing import CliRunner  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
+from tests._raycluster import Nodes, freeze_in_flight  # noqa: E402
+from tests.test_trainer_e2e import FAST  # noqa: E402
 from tracestore import TraceStore  # noqa: E402
 from tracestore.cli import main as cli  # noqa: E402
+from tracestore.cli.train import train_command  # noqa: E402
 from tracestore.trainer.actors import ConfigError, plan, unreachable_from  # noqa: E402
+from tracestore.trainer.checkpoint import load_state  # noqa: E402
 from tracestore.trainer.config import TrainConfig  # noqa: E402
 from tracestore.trainer.loop import run  # noqa: E402
 from tracestore.trainer.report import Report  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-FAST: dict[str, Any] = {
-    "steps": 4,
-    "prompts_per_step": 2,
-    "group_size": 4,
-    "warmup_steps": 30,
-    "eval_every": 2,
-    "eval_prompts": 4,
-    "checkpoint_every": 4,
-    "max_buffer": 2,
-}
-NODE: dict[str, Any] = {"num_cpus": 0, "object_store_memory": 80 * 1024**2}
-
-
-class Nodes:
-    """The test cluster and its nodes by role."""
-
-    def __init__(self) -> None:
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                **NODE,
-                "include_dashboard": False,
-                # a removed node is declared dead within ~10 s (a loaded 2-core machine must not
-                # miss a check of a live node)
-                "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10},
-            },
-        )
-        self.rollout_a = self.cluster.add_node(**NODE, resources={"rollout": 1})
-        self.rollout_b = self.cluster.add_node(**NODE, resources={"rollout": 1}, node_ip_address="127.0.0.2")
-        self.learner = self.cluster.add_node(**NODE, resources={"learner": 1})
-
-    @property
-    def address(self) -> str:
-        return str(self.cluster.address)
-
-    def by_id(self, node_id: str) -> Any:
-        return next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
-
-    def label(self, node: Any) -> str:
-        return f"{node.node_ip_address}/{node.node_id[:8]}"
+#: The other trainer tests' small configuration, one checkpoint at the end.
+SMALL: dict[str, Any] = {**FAST, "checkpoint_every": 4}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +73,7 @@ def _cfg(nodes: Nodes, url: str | None, tmp: Any, **kw: Any) -> TrainConfig:
         "ray_address": nodes.address,
         "worker_resources": "rollout=1",
         "learner_resources": "learner=1",
-        **FAST,
+        **SMALL,
         **kw,
     }
     return TrainConfig(url=url, run=f"t-{uuid.uuid4().hex[:10]}", out=str(tmp), **opts)
@@ -220,37 +185,50 @@ def test_disaggregated_run_over_three_nodes_leaves_every_object_store_empty(
     print(f"\nper-node object store bytes: max seen {dict(seen)}, at end {report.object_store_bytes_per_node_at_end}")
 
 
-def _worker_processes(node: Any) -> list[psutil.Process]:
-    """The processes the node's raylet started (its Ray workers among them)."""
-    raylet = node.all_processes["raylet"][0].process.pid
-    return list(psutil.Process(raylet).children(recursive=True))
+def test_the_learner_node_lost_is_one_line_and_exit_4_then_resume_finishes_the_run(
+    nodes: Nodes, cluster_url: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The learner's node dies after the checkpoint of step 4: exit 4, then ``--resume`` on a new one."""
+    opts = {
+        **SMALL, "mode": "disaggregated", "url": cluster_url, "run": f"t-{uuid.uuid4().hex[:10]}",
+        "ray_address": nodes.address, "worker_resources": "rollout=1", "learner_resources": "learner=1",
+        "steps": 8, "checkpoint_every": 2, "lease_ttl_s": 3.0, "owner_ttl_s": 3.0, "out": str(tmp_path),
+    }
+    old = nodes.learner
 
+    def kill_learner() -> None:
+        while (state := load_state(TrainConfig(out=str(tmp_path)))) is None or state.step < 4:
+            time.sleep(0.05)
+        nodes.cluster.remove_node(old, allow_graceful=False)
 
-def _freeze_in_flight(nodes: Nodes, node: Any, url: str, run_id: str, worker: str) -> tuple[str, str]:
-    """Freeze ``node``'s processes while ``worker`` holds a lease on a session its tag owns.
-
-    Returns (lease id, session id). Polls the gate's live leases; after the
-    freeze, checks the lease is still unsettled (else thaws and tries again).
-    """
-    with TraceStore.connect(url, run=run_id, create_run=False) as store:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ids = [x.decode() for x in store.redis.zrange(store.keys.gate_leases, 0, -1)]
-            for rec in store.gate.lease_records(ids):
-                if rec is None or rec.holder != worker or rec.outcome is not None:
-                    continue
-                if not (store.owner_of(rec.sid) or "").startswith(f"rollout:{worker}."):
-                    continue
-                procs = _worker_processes(node)
-                for p in procs:
-                    p.send_signal(signal.SIGSTOP)
-                (after,) = store.gate.lease_records([rec.lease_id])
-                if after is not None and after.outcome is None:
-                    return rec.lease_id, rec.sid
-                for p in procs:
-                    p.send_signal(signal.SIGCONT)
-            time.sleep(0.01)
-    raise AssertionError(f"{worker} never held a lease on a session of its own tag")
+    killer = threading.Thread(target=kill_learner, daemon=True)
+    killer.start()
+    with pytest.raises(SystemExit) as ended:
+        train_command(**opts)
+    killer.join()
+    assert ended.value.code == 4
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    m = re.fullmatch(
+        rf"error: the learner was lost after step (\d) \(on Ray node {re.escape(nodes.label(old))}\); "
+        rf"resume on the nodes left with: tracestore train --resume --out {re.escape(str(tmp_path))}",
+        last,
+    )
+    assert m is not None, last
+    lost_after = int(m.group(1))
+    assert 4 <= lost_after < 8
+    nodes.wait_dead(old)
+    new = nodes.add_learner()
+    # the real resume: URL, run and mode from the checkpoint; the cluster from the option
+    train_command(resume=True, out=str(tmp_path), ray_address=nodes.address)  # returns: no violation
+    with open(tmp_path / "report.json") as f:
+        report = json.load(f)
+    assert report["run"] == opts["run"] and report["resumed_from_step"] >= 4
+    assert [h["step"] for h in report["history"]] == list(range(1, 9))
+    assert report["placement"]["learner"] == nodes.label(new)
+    assert report["sessions_leaked"] == 0 and report["refs_held_at_end"] == 0
+    assert report["sessions_released"] == report["release_events"] == report["sessions_opened"] > 0
+    assert set(report["object_store_bytes_per_node_at_end"].values()) == {0}
+    assert nodes.label(old) not in report["object_store_bytes_per_node_at_end"]
 
 
 def test_a_rollout_node_lost_mid_run_is_reclaimed_and_the_run_goes_on(
@@ -267,7 +245,7 @@ def test_a_rollout_node_lost_mid_run_is_reclaimed_and_the_run_goes_on(
 
     def kill_node() -> None:  # while step 3 trains and the producer refills the buffer
         try:
-            frozen["lease"], frozen["sid"] = _freeze_in_flight(nodes, victim, cluster_url, cfg.run, "w0")
+            frozen["lease"], frozen["sid"] = freeze_in_flight(victim, cluster_url, cfg.run, "w0")
             nodes.cluster.remove_node(victim, allow_graceful=False)
         except BaseException as exc:
             errors.append(exc)

@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import ray
+from ray.exceptions import TaskUnschedulableError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .config import ConfigError, TrainConfig, resources
@@ -295,7 +296,17 @@ def unreachable_from(p: Plan, url: str, run: str) -> list[tuple[Node, str]]:
         _try_store.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.id, soft=False)).remote(url, run)
         for n in p.candidates
     ]
-    return [(n, why) for n, why in zip(p.candidates, ray.get(tries), strict=True) if why is not None]
+    out: list[tuple[Node, str]] = []
+    for n, ref in zip(p.candidates, tries, strict=True):
+        try:
+            why = ray.get(ref)
+        except TaskUnschedulableError:
+            raise ConfigError(
+                f"Ray node {n.label} left the cluster while the run was starting; start it again"
+            ) from None
+        if why is not None:
+            out.append((n, why))
+    return out
 
 
 def remote(cls: type, concurrency: int = 1, **options: Any) -> Any:

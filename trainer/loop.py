@@ -105,7 +105,7 @@ class RoleLost(Exception):
     """
 
     def __init__(self, role: str, node: str, step: int, checkpoint: int | None) -> None:
-        super().__init__(f"the {role} was lost at step {step} (on Ray node {node})")
+        super().__init__(f"the {role} was lost after step {step} (on Ray node {node})")
         self.role = role
         self.node = node
         self.step = step
