@@ -35,22 +35,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import ray
+from click.testing import CliRunner
 
-pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
-
-from click.testing import CliRunner  # noqa: E402
-
-from tests._raycluster import Nodes, freeze_in_flight  # noqa: E402
-from tests.test_trainer_e2e import FAST  # noqa: E402
-from tracestore import TraceStore  # noqa: E402
-from tracestore.cli import main as cli  # noqa: E402
-from tracestore.cli.train import train_command  # noqa: E402
-from tracestore.trainer.actors import ConfigError, plan, unreachable_from  # noqa: E402
-from tracestore.trainer.checkpoint import load_state  # noqa: E402
-from tracestore.trainer.config import TrainConfig  # noqa: E402
-from tracestore.trainer.loop import run  # noqa: E402
-from tracestore.trainer.report import Report  # noqa: E402
+from tests._raycluster import Nodes, freeze_in_flight
+from tests.test_trainer_e2e import FAST
+from tracestore import TraceStore
+from tracestore.cli import main as cli
+from tracestore.cli.train import train_command
+from tracestore.trainer.actors import ConfigError, plan, unreachable_from
+from tracestore.trainer.checkpoint import load_state
+from tracestore.trainer.config import TrainConfig
+from tracestore.trainer.loop import run
+from tracestore.trainer.report import Report
 
 pytestmark = pytest.mark.ray
 
