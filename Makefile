@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install train demo test test-model-long lint bench clean
+.PHONY: install train demo test test-model-long fuzz lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ test: $(STAMP)
 ## how to replay it (PYTEST_ARGS=--hypothesis-seed=N replays a seed).
 test-model-long: $(STAMP)
 	TRACESTORE_MODEL_PROFILE=long $(VENV)/bin/pytest tests/test_traces_model.py --timeout=7200 $(PYTEST_ARGS)
+
+## The long fuzz of the public API (make test runs a short fixed-seed one); counts in fuzz-report.json.
+fuzz: $(STAMP)
+	rm -f fuzz-report.json
+	TRACESTORE_FUZZ=long TRACESTORE_FUZZ_REPORT=fuzz-report.json $(VENV)/bin/pytest tests/test_fuzz.py -q --timeout 0
+	cat fuzz-report.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tracestore trainer tests benchmarks

@@ -12,11 +12,15 @@
   holder holds one ref per session, the sessions are released, and the clock
   stops when the holder has dropped them all.
 
-Goal: 10k sessions released and purged within 100 ms of server time.
+Each size is measured ``REPEATS`` times, tracestore and the actor taking
+turns, and the medians are reported (the machine is shared: one run alone
+is noise). Goals (issue 15 item 3): 10k sessions released and purged within
+60 ms of server time, and a client time at most 2x the actor's.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +31,8 @@ from tracestore.servers import EmbeddedServer
 
 PROMPT_TOKENS = 64
 RESPONSE_TOKENS = 32
+#: Measurements per size (medians reported); 1 in a --quick run.
+REPEATS = 3
 
 
 def _prompt(sid: str) -> str:
@@ -80,7 +86,7 @@ def _cpu(store: TraceStore) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def ts_release(url: str, n: int) -> dict[str, Any]:
+def ts_release(url: str, n: int, phases: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with TraceStore.connect(url, run=f"bench-rel-{uuid.uuid4().hex[:8]}") as store:
         sids = [f"s{i}" for i in range(n)]
@@ -95,6 +101,8 @@ def ts_release(url: str, n: int) -> dict[str, Any]:
         out["server_by_command_ms"] = {k: round(v / 1000, 2) for k, v in per.items()}
         assert len(released) == n, len(released)
         assert store.redis.xlen(store.keys.events) == n
+        if not phases:
+            return out
 
         # The same again on fresh sessions, phase by phase.
         sids2 = [f"t{i}" for i in range(n)]
@@ -135,6 +143,10 @@ def actor_release(cls: Any, n: int) -> dict[str, Any]:
         return {"client_ms": round(client_ms, 2), "inside_actor_ms": round(inside_ms, 2)}
     finally:
         ray.kill(actor)
+
+
+def _median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 2)
 
 
 def holder_events_per_s(url: str, n: int) -> dict[str, Any]:
@@ -179,17 +191,27 @@ def run(quick: bool) -> dict[str, Any]:
         cloudpickle.register_pickle_by_value(baseline)
         cls = baseline.remote_class()
         out: dict[str, Any] = {"quick": quick, "sizes": list(sizes), "server": "embedded valkey, standalone"}
+        repeats = 1 if quick else REPEATS
+        out["repeats"] = repeats
         for n in sizes:
-            print(f"   release {n} sessions ...", flush=True)
-            ours = ts_release(url, n)
-            theirs = actor_release(cls, n)
+            runs_ts: list[dict[str, Any]] = []
+            runs_actor: list[dict[str, Any]] = []
+            for r in range(repeats):
+                print(f"   release {n} sessions ({r + 1}/{repeats}) ...", flush=True)
+                runs_ts.append(ts_release(url, n, phases=r == 0))
+                runs_actor.append(actor_release(cls, n))
+            ours = {k: _median([x[k] for x in runs_ts]) for k in ("client_ms", "server_ms", "server_cpu_ms")}
+            ours.update({k: v for k, v in runs_ts[0].items() if k not in ours})
+            theirs = {k: _median([x[k] for x in runs_actor]) for k in runs_actor[0]}
             out[str(n)] = {
                 "tracestore": ours,
                 "actor": theirs,
                 "client_ratio_tracestore_over_actor": round(ours["client_ms"] / theirs["client_ms"], 2),
+                "runs": {"tracestore": runs_ts, "actor": runs_actor},
             }
-        big = out[str(sizes[-1])]["tracestore"]
-        out["goal_10k_within_100ms_server"] = (not quick) and big["server_ms"] <= 100.0
+        big = out[str(sizes[-1])]
+        out["goal_10k_within_60ms_server"] = (not quick) and big["tracestore"]["server_ms"] <= 60.0
+        out["goal_10k_client_within_2x_actor"] = (not quick) and big["client_ratio_tracestore_over_actor"] <= 2.0
         print("   RefHolder events/s ...", flush=True)
         out["holder"] = holder_events_per_s(url, 2_000 if quick else 20_000)
         return out

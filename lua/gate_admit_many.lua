@@ -21,7 +21,8 @@ local ttl = tonumber(ARGV[1])
 if #KEYS > 3 then
   local prior = redis.call('HMGET', KEYS[4], 'version', 'deadline_ms')
   if prior[1] then
-    return {0, tonumber(prior[1]), tonumber(prior[2]), 1}
+    -- (a settled lease keeps only its receipt: no deadline any more)
+    return {0, tonumber(prior[1]), tonumber(prior[2] or '0'), 1}
   end
 end
 local g = redis.call('HMGET', gate, 'state', 'version', 'retry_ms')

@@ -7,24 +7,38 @@
 -- so the weight update in progress leaves the gate sealed. A token seal takes
 -- over another token's seal (that updater crashed, or runs concurrently, which
 -- is unsupported), so a crashed updater's seal does not outlive the next
--- weight update. Idempotent under client retry: a retried seal finds its own
--- token recorded.
--- KEYS: 3
+-- weight update. A weight update's seal names the version it will install:
+-- when that version is not larger than the current one the seal is refused
+-- (STALE_VERSION) and nothing is written, so an update that can never install
+-- neither blocks admissions nor leaves a key behind.
+-- Idempotent under client retry: the reply is recorded under the op key (a
+-- retried reopen does not reopen a seal made since).
+-- KEYS: 4
 -- KEYS[1] = ts:{R}:gate            hash: state, version, sealed_ms, retry_ms, sealed_by
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms (read)
 -- KEYS[3] = ts:{R}:gate:poison     hash: lease id -> reason json (read)
+-- KEYS[4] = ts:{R}:op:<op_id>      string: the recorded reply
 -- ARGV[1] = "seal" | "reopen"
 -- ARGV[2] = retry hint given to refused admissions while sealed (ms)
 -- ARGV[3] = max ids to return per list of the status
 -- ARGV[4] = sealer token ("" for none: an unconditional reopen)
+-- ARGV[5] = op record ttl (ms)
+-- ARGV[6] = seal only: the version the sealer will install ("" for none); refused unless larger
 -- returns: the reply of gate_status, then the token of the current seal ("" when open or anonymous)
--- errors: none
+-- errors: STALE_VERSION (current, requested): nothing written
 -- include: clock
+-- include: op
 -- include: gate
-local gate = KEYS[1]
-local g = redis.call('HMGET', gate, 'state', 'sealed_by')
+local gate, opkey = KEYS[1], KEYS[4]
+local done = op_replay(opkey)
+if done then return done end
+local g = redis.call('HMGET', gate, 'state', 'sealed_by', 'version')
 local state, by = g[1], g[2] or ''
 local token = ARGV[4] or ''
+if ARGV[1] == 'seal' and ARGV[6] ~= '' then
+  local cur = tonumber(g[3] or '0')
+  if tonumber(ARGV[6]) <= cur then return {1, 'STALE_VERSION', cur, tonumber(ARGV[6])} end
+end
 if ARGV[1] == 'seal' then
   if state ~= 'sealed' then
     redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', now_ms(), 'retry_ms', ARGV[2], 'sealed_by', token)
@@ -37,4 +51,4 @@ elseif state ~= 'open' and (token == '' or token == by) then
 end
 local out = gate_status_reply(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[3]))
 out[#out + 1] = redis.call('HGET', gate, 'sealed_by') or ''
-return out
+return op_record(opkey, tonumber(ARGV[5]), out)

@@ -4,11 +4,14 @@
 -- returns the first receipt unchanged. Outcome `unknown` poisons the lease;
 -- a definite outcome resolves a poison entry left by an expired deadline
 -- (a late settle). The settle that empties the live set signals drainers.
+-- A definite settlement keeps only the receipt (sid, version, outcome,
+-- settled_ms, late when 1) and expires after the retention; a poisoned lease
+-- keeps its whole record, without expiry, until someone resolves it.
 -- KEYS: 4
 -- KEYS[1] = ts:{R}:gate:leases     zset: lease id -> deadline ms
 -- KEYS[2] = ts:{R}:gate:poison     hash: lease id -> reason json
 -- KEYS[3] = ts:{R}:gate:signal     list: drain wake-up token
--- KEYS[4] = ts:{R}:gate:l:<lease>  hash of the lease (receipt fields added)
+-- KEYS[4] = ts:{R}:gate:l:<lease>  hash of the lease (replaced by its receipt)
 -- ARGV[1] = lease id
 -- ARGV[2] = outcome: completed | aborted | failed | unknown
 -- ARGV[3] = retention of a settled, unpoisoned lease record (ms)
@@ -18,12 +21,12 @@
 -- include: gate
 local leases, poison, signal, lkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, outcome = ARGV[1], ARGV[2]
-local l = redis.call('HMGET', lkey, 'version', 'deadline_ms', 'outcome', 'settled_ms', 'late', 'rpoisoned')
+local l = redis.call('HMGET', lkey, 'version', 'deadline_ms', 'outcome', 'settled_ms', 'late', 'rpoisoned', 'sid')
 if not l[1] then
   return {1, 'UNKNOWN_LEASE', id}
 end
 if l[3] then
-  return {0, id, l[3], tonumber(l[1]), tonumber(l[4]), tonumber(l[5]), tonumber(l[6]), 0}
+  return {0, id, l[3], tonumber(l[1]), tonumber(l[4]), tonumber(l[5] or '0'), tonumber(l[6] or '0'), 0}
 end
 local now = now_ms()
 local late = 0
@@ -36,8 +39,14 @@ if outcome == 'unknown' then
 else
   redis.call('HDEL', poison, id)
 end
-redis.call('HSET', lkey, 'outcome', outcome, 'settled_ms', now, 'late', late, 'rpoisoned', poisoned)
-if poisoned == 0 then
+if poisoned == 1 then
+  redis.call('HSET', lkey, 'outcome', outcome, 'settled_ms', now, 'late', late, 'rpoisoned', 1)
+else
+  -- the live fields (holder, admitted_ms, ttl_ms, deadline_ms) are not needed any more; the
+  -- session id stays so that an operator can tell which session a settled lease served
+  redis.call('DEL', lkey)
+  redis.call('HSET', lkey, 'sid', l[7] or '', 'version', l[1], 'outcome', outcome, 'settled_ms', now)
+  if late == 1 then redis.call('HSET', lkey, 'late', 1) end
   redis.call('PEXPIRE', lkey, tonumber(ARGV[3]))
 end
 removed = removed + #gate_sweep(leases, poison, now)

@@ -18,4 +18,4 @@ local schema = redis.call('HGET', meta, 'schema')
 if schema ~= ARGV[1] then
   return {1, 'INVALID_INPUT', 'schema', 'run was created with schema ' .. tostring(schema) .. ', this client speaks ' .. ARGV[1]}
 end
-return {0, tonumber(schema), tonumber(redis.call('HGET', meta, 'created_ms')), created}
+return {0, tonumber(schema), tonumber(redis.call('HGET', meta, 'created_ms')) or -1, created}

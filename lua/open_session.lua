@@ -1,11 +1,12 @@
 -- script: open_session
 -- Open a session owned by ARGV[2] (DESIGN section 5). Idempotent under retry.
--- KEYS: 5
+-- KEYS: 6
 -- KEYS[1] = ts:{R}:s:<sid>       hash: owner, state, born, opened_ms, group
 -- KEYS[2] = ts:{R}:o:<owner>     set of sids owned by owner
 -- KEYS[3] = ts:{R}:released      zset of released sids (tombstones)
 -- KEYS[4] = ts:{R}:op:<op_id>    cached reply of this call (retry idempotency)
 -- KEYS[5] = ts:{R}:owners:lost   zset owner -> lost ms (a lost owner cannot open)
+-- KEYS[6] = ts:{R}:stats         hash of the run's counters (sessions_opened)
 -- ARGV[1] = sid
 -- ARGV[2] = owner tag
 -- ARGV[3] = born: weight version at open (int)
@@ -34,4 +35,5 @@ if lost_ms then return {1, 'OWNER_LOST', owner, tonumber(lost_ms)} end
 local now = now_ms()
 redis.call('HSET', skey, 'owner', owner, 'state', 'live', 'born', ARGV[3], 'opened_ms', now, 'group', ARGV[4])
 redis.call('SADD', okey, sid)
+redis.call('HINCRBY', KEYS[6], 'sessions_opened', 1)
 return op_record(opkey, tonumber(ARGV[5]), {0, now})

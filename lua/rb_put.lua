@@ -4,7 +4,7 @@
 -- group is never stored: its sessions are released at once (reason = status,
 -- one event each). Nothing is written unless every session is live and owned
 -- by the putter and the group id is not stored yet. Idempotent under retry.
--- KEYS: 12+
+-- KEYS: 13+
 -- KEYS[1] = ts:{R}:rb:g:<gid>            hash: the group
 -- KEYS[2] = ts:{R}:rb:q:<task>:<status>  zset gid -> seq (FIFO)
 -- KEYS[3] = ts:{R}:rb:v:<task>:<status>  zset gid -> min_version + seq/2^32
@@ -17,7 +17,8 @@
 -- KEYS[10] = ts:{R}:released             zset tombstones
 -- KEYS[11] = ts:{R}:events               stream of release events
 -- KEYS[12] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
--- KEYS[13..12+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
+-- KEYS[13] = ts:{R}:stats               hash of the run's counters (groups_put, releases)
+-- KEYS[14..13+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
 -- ARGV[1] = gid
 -- ARGV[2] = task
 -- ARGV[3] = status: completed | aborted | expired | failed | filtered
@@ -35,6 +36,7 @@
 --         INVALID_INPUT (field, message)
 -- include: clock
 -- include: op
+-- include: stats
 -- include: sessions
 local gk, q, v, seqkey, tasks, sidskey, bkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local oown, oreplay, released, events, opkey = KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
@@ -45,10 +47,10 @@ if cached then return cached end
 
 local existing = redis.call('HGET', gk, 'status')
 if existing then return {1, 'GROUP_EXISTS', gid, existing} end
-local n = #KEYS - 12
+local n = #KEYS - 13
 for i = 1, n do
   local sid = ARGV[10 + i]
-  local cur = redis.call('HMGET', KEYS[12 + i], 'owner', 'state')
+  local cur = redis.call('HMGET', KEYS[13 + i], 'owner', 'state')
   if cur[2] == 'released' or redis.call('ZSCORE', released, sid) then
     return {1, 'SESSION_RELEASED', sid, 'a released session cannot join a replay group'}
   end
@@ -59,14 +61,16 @@ end
 
 if status == 'failed' or status == 'filtered' then
   local rel = {owner = owner, okey = oown, released = released, events = events, reason = status,
-    now = now_ms()}
+    now = now_ms(), st = {}}
   local out = {0, 0, 0}
+  local skeys, sids = {}, {}
   for i = 1, n do
-    local sid = ARGV[10 + i]
-    if session_release(KEYS[12 + i], sid, rel) then
-      out[#out + 1] = sid
-    end
+    skeys[i] = KEYS[13 + i]
+    sids[i] = ARGV[10 + i]
   end
+  sessions_release(rel, skeys, sids, out)
+  sessions_release_flush(rel)
+  stats_flush(KEYS[13], rel.st)
   return op_record(opkey, tonumber(ARGV[10]), out)
 end
 
@@ -87,7 +91,8 @@ redis.call('HSET', sidskey, gid, sids_json)
 redis.call('HINCRBY', bkey, status .. ' ' .. task, bytes)
 for i = 1, n do
   local sid = ARGV[10 + i]
-  session_move(KEYS[12 + i], sid, owner, replay, oown, oreplay)
-  redis.call('HSET', KEYS[12 + i], 'group', gid)
+  session_move(KEYS[13 + i], sid, owner, replay, oown, oreplay)
+  redis.call('HSET', KEYS[13 + i], 'group', gid)
 end
+redis.call('HINCRBY', KEYS[13], 'groups_put', 1)
 return op_record(opkey, tonumber(ARGV[10]), {0, 1, seq})

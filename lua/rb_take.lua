@@ -7,7 +7,7 @@
 -- sessions from the buffer to the taker. Fewer than n ready: nothing changes.
 -- Keys protocol (lua/_lib/rb.lua): a call that lacks a group or session key
 -- it needs returns NEED and writes nothing; the client calls again with them.
--- KEYS: 12+
+-- KEYS: 13+
 -- KEYS[1] = ts:{R}:rb:q:<task>:completed   zset gid -> seq
 -- KEYS[2] = ts:{R}:rb:v:<task>:completed   zset gid -> min_version + seq/2^32
 -- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
@@ -20,8 +20,9 @@
 -- KEYS[10] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
 -- KEYS[11] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
 -- KEYS[12] = ts:{R}:owners:lost            zset owner -> lost ms
--- KEYS[13..12+g] = ts:{R}:rb:g:<gid>       group hashes of the gids in ARGV
--- KEYS[13+g..12+g+s] = ts:{R}:s:<sid>      session hashes of the sids in ARGV
+-- KEYS[13] = ts:{R}:stats                 hash of the run's counters
+-- KEYS[14..13+g] = ts:{R}:rb:g:<gid>       group hashes of the gids in ARGV
+-- KEYS[14+g..13+g+s] = ts:{R}:s:<sid>      session hashes of the sids in ARGV
 -- ARGV[1] = task
 -- ARGV[2] = n (int >= 1)
 -- ARGV[3] = cutoff: a group is stale when min_version < cutoff ("" = no bound)
@@ -37,18 +38,20 @@
 --          {0, 'EXPIRE_FIRST', stale}       too many stale groups for one call; nothing written
 --          {0, 'OK', k, kept gid..., r, released sid..., m, m x (gid, status, sids, min_version,
 --              seq, retryable, payload)}
--- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message)
+-- errors: OWNER_LOST (taker, lost_ms), INVALID_INPUT (field, message),
+--         CORRUPT (key, field, detail): a group the client could not decode; nothing written
 -- include: clock
 -- include: op
+-- include: stats
 -- include: sessions
 -- include: rb
 local rb = {qc = KEYS[1], vc = KEYS[2], qe = KEYS[3], ve = KEYS[4], oreplay = KEYS[5], oto = KEYS[6],
   released = KEYS[7], events = KEYS[8], sidskey = KEYS[9], bkey = KEYS[10],
-  to = ARGV[5], replay = ARGV[6], rel_s = {}}
+  to = ARGV[5], replay = ARGV[6], rel_s = {}, st = {}}
 local opkey = KEYS[11]
 local n, cutoff, policy = tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local window, max_stale = tonumber(ARGV[8]), tonumber(ARGV[9])
-local early = rb_open(rb, opkey, KEYS[12], 12, 10)
+local early = rb_open(rb, opkey, KEYS[12], 13, 10)
 if early then return early end
 
 -- plan (reads only)
@@ -75,6 +78,8 @@ local need = {g = {}, s = {}}
 rb_missing(rb, stale, need)
 local need_reply = rb_need_window(rb, cand, n, need)
 if need_reply then return need_reply end
+local corrupt = rb_check_groups(rb, stale, #stale) or rb_check_groups(rb, cand, n)
+if corrupt then return corrupt end
 
 -- commit
 rb.now = now_ms()
@@ -88,4 +93,7 @@ out[#out + 1] = #rb.rel_s
 for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
 out[#out + 1] = n
 for i = 1, n do rb_hand_over(rb, cand[i], rb.qc, rb.vc, out) end
+stats_add(rb.st, 'groups_taken', n)
+sessions_release_flush(rb.rel)
+stats_flush(KEYS[13], rb.st)
 return op_record(opkey, tonumber(ARGV[7]), out)

@@ -15,7 +15,7 @@
 -- errors: none
 local dead = redis.call('EXISTS', KEYS[3])
 local meta = redis.call('HMGET', KEYS[1], '#e', '#v')
-local epoch, version = meta[1] or '', tonumber(meta[2] or '0')
+local epoch, version = meta[1] or '', tonumber(meta[2] or '0') or -1  -- -1: not a number (corrupt)
 local out = {0, dead, epoch, version, 0, 0}
 if epoch ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
   local all = redis.call('HGETALL', KEYS[1])

@@ -1,20 +1,34 @@
 -- script: record_turn
 -- Write one turn of a session atomically: the delta node (key = prompt, when
 -- the turn added prompt tokens) and the response node (key = prompt +
--- response). Nothing is written when any check fails.
--- KEYS: 4
+-- response). Nothing is written when any check fails. A turn whose response
+-- node is new is counted in the run's turn counter shard of this slot (a
+-- replayed or duplicate turn writes nothing and is not counted).
+-- Idempotent under retry by content (lua/_lib/nodes.lua); with a caller's op
+-- id (KEYS[6]) the first reply is recorded too, so a call again returns it
+-- (its fresh flags) even after the session's data was purged.
+-- KEYS: 5+
 -- KEYS[1] = ts:{R/sid}:idx   hash digest -> "parent,end,ntok,flags,version,expert_key"; '#e' epoch, '#v' index version
 -- KEYS[2] = ts:{R/sid}:tok   hash digest -> packed payload (int32 ids, float32 logprobs[, int32 labels])
 -- KEYS[3] = ts:{R/sid}:txt   hash digest -> node text (segment text)
 -- KEYS[4] = ts:{R/sid}:dead  tombstone (string)
+-- KEYS[5] = ts:{R|<tag>}:turns  the run's turn counter shard of this hash slot (string, int)
+-- KEYS[6] = ts:{R/sid}:op:<op_id>  (optional) the recorded reply
 -- ARGV[1] = session id (for error fields)
 -- ARGV[2] = store text (1|0)
 -- ARGV[3] = number of nodes n (1 or 2, parents first)
 -- ARGV[4 + 4(i-1) .. 7 + 4(i-1)] = node i: digest (hex), record, payload (bytes), text
+-- ARGV[4 + 4n] = op record ttl (ms), when KEYS[6] is given
 -- returns: {0, epoch, version_before, version_after, fresh_1, ..., fresh_n} (fresh: 1 = newly written)
 -- errors: SESSION_RELEASED (sid, detail), INVALID_INPUT ('prefix', msg) when a parent is missing,
 --         NODE_CONFLICT (sid, digest, detail) when a node exists with another payload
+-- include: op
 -- include: nodes
+local opkey = KEYS[6]
+if opkey then
+  local done = op_replay(opkey)
+  if done then return done end
+end
 local nodes = {}
 for i = 1, tonumber(ARGV[3]) do
   local b = 4 + 4 * (i - 1)
@@ -23,6 +37,8 @@ end
 local fresh, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
 if err then return err end
 local epoch, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, fresh, ARGV[2] == '1')
+if fresh[#nodes] then redis.call('INCR', KEYS[5]) end
 local out = {0, epoch, before, after}
 for i = 1, #nodes do out[#out + 1] = fresh[i] and 1 or 0 end
+if opkey then return op_record(opkey, tonumber(ARGV[4 + 4 * #nodes]), out) end
 return out

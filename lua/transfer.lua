@@ -17,6 +17,7 @@
 -- returns: {0, sid, ...} the moved sids, in input order
 -- errors: OWNER_LOST (to, lost_ms)
 -- include: op
+-- include: stats
 -- include: sessions
 local ofrom, oto, lost, opkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local from, to = ARGV[1], ARGV[2]

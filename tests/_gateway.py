@@ -139,7 +139,9 @@ def dump_run(st: TraceStore) -> dict[bytes, Any]:
 
 
 def lease_outcomes(st: TraceStore, sid: str) -> list[str | None]:
-    """Outcomes of the leases admitted for ``sid`` (None: not settled), in admission order."""
+    """Outcomes of the leases admitted for ``sid`` (None: not settled), in settlement order
+    (a settled lease keeps only its receipt: ``sid``, ``version``, ``outcome``, ``settled_ms``;
+    the unsettled ones, by admission time, after them)."""
     r: Any = st.redis
     recs = []
     for name in _scan(st, st.keys.control_pattern):
@@ -147,8 +149,8 @@ def lease_outcomes(st: TraceStore, sid: str) -> list[str | None]:
             continue
         h = {k.decode(): v.decode() for k, v in r.hgetall(name).items()}
         if h.get("sid") == sid:
-            recs.append((int(h.get("admitted_ms", 0)), h.get("outcome")))
-    return [o for _, o in sorted(recs, key=lambda x: x[0])]
+            recs.append((0 if "settled_ms" in h else 1, int(h.get("settled_ms") or h.get("admitted_ms", 0)), h.get("outcome")))
+    return [o for _, _, o in sorted(recs, key=lambda x: (x[0], x[1]))]
 
 
 __all__ = ["CliServer", "Reply", "dump_run", "http", "lease_outcomes"]

@@ -6,7 +6,8 @@ has already reached the server (and run there), the reply is discarded and
 both sockets are closed, so the client sees a connection error and redis-py
 retries on a new connection. ``cuts`` counts the replies dropped. ``arm(skip=n)`` lets n replies
 through first (to cut the second request of an operation, e.g. the purge
-after a release). Replies are counted per ``recv``; the tests use one
+after a release). ``arm(times=None)`` keeps cutting every reply (each retry's
+too, so the client's retries run out) until ``disarm()``. Replies are counted per ``recv``; the tests use one
 client and small replies, so one reply is one chunk.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -30,6 +33,7 @@ class CutProxy:
         self._socks: list[socket.socket] = []
         self._closed = False
         self._skip = 0
+        self._times: int | None = 1
         self.cuts = 0
         self.connections = 0
         threading.Thread(target=self._accept, daemon=True).start()
@@ -38,11 +42,17 @@ class CutProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def arm(self, skip: int = 0) -> None:
-        """Drop the reply after the next ``skip`` ones that come back (and that connection)."""
+    def arm(self, skip: int = 0, times: int | None = 1) -> None:
+        """Drop ``times`` replies (None: all, until :meth:`disarm`) after the next ``skip`` ones."""
         with self._lock:
             self._skip = skip
+            self._times = times
             self._armed.set()
+
+    def disarm(self) -> None:
+        """Let every reply through again."""
+        with self._lock:
+            self._armed.clear()
 
     def _accept(self) -> None:
         while True:
@@ -72,7 +82,10 @@ class CutProxy:
                         if self._armed.is_set() and self._skip > 0:
                             self._skip -= 1
                         elif self._armed.is_set():
-                            self._armed.clear()
+                            if self._times is not None:
+                                self._times -= 1
+                                if self._times <= 0:
+                                    self._armed.clear()
                             self.cuts += 1
                             break  # the reply is lost; close both sides
                 dst.sendall(data)
@@ -105,3 +118,54 @@ def _close(s: socket.socket) -> None:
         s.close()
     except OSError:
         pass
+
+
+@contextmanager
+def proxied_cluster(
+    cluster_url: str, run_id: str, *, retries: int = 3
+) -> Iterator[tuple[Any, Callable[[str], CutProxy]]]:
+    """A TraceStore on a cluster whose every node is reached through its own CutProxy.
+
+    Yields ``(store, proxy_of)``; ``proxy_of(key)`` is the proxy of the node
+    serving ``key``. redis-py is told to reach the nodes (which announce
+    their own addresses) through the proxies with ``address_remap``.
+    """
+    import redis
+    from redis.cluster import RedisCluster
+
+    from tracestore import TraceStore
+    from tracestore._io import SyncIO
+    from tracestore.connection import ConnectionOptions, _common, parse_url
+    from tracestore.context import Context, StoreConfig
+    from tracestore.keys import Keys
+    from tracestore.replies import text
+
+    base = parse_url(cluster_url).url
+    probe = redis.Redis.from_url(base)
+    try:
+        shards = probe.execute_command("CLUSTER", "SLOTS")
+    finally:
+        probe.close()
+    nodes = {(text(s[2][0]), int(s[2][1])) for s in shards}
+    proxies = {addr: CutProxy(*addr) for addr in nodes}
+    by_port = {p.port: p for p in proxies.values()}
+    common = _common(ConnectionOptions(retries=retries))
+    common.pop("retry_on_error")
+
+    def remap(addr: tuple[str, int]) -> tuple[str, int]:
+        p = proxies.get((addr[0], int(addr[1])))
+        return ("127.0.0.1", p.port) if p else addr
+
+    client = RedisCluster.from_url(base, **common, address_remap=remap)
+    st = TraceStore(SyncIO(client, cluster=True), Context(Keys("ts", run_id), True, StoreConfig()), cluster_url)
+
+    def proxy_of(key: str) -> CutProxy:
+        return by_port[int(client.get_node_from_key(key).port)]
+
+    try:
+        st.init_run()
+        yield st, proxy_of
+    finally:
+        st.close()
+        for p in proxies.values():
+            p.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -117,7 +118,7 @@ def test_round_trip(store: TraceStore, store_factory: Any, url: str, tmp_path: P
     assert info.groups == 5 and info.sessions == 17 and info.nodes > 0
     assert not (tmp_path / "run.tsck.tmp").exists()
     head = orjson.loads(path.read_bytes().splitlines()[0])
-    assert head["format"] == "tracestore-checkpoint" and head["version"] == 1
+    assert head["format"] == "tracestore-checkpoint" and head["version"] == 2
     # groups are in the file queue by queue, in FIFO order
     recs = [orjson.loads(x) for x in path.read_bytes().splitlines()[1:]]
     assert [r["gid"] for r in recs if r["k"] == "group"] == ["g6", "g3", "g7", "g5", "g1"]
@@ -126,6 +127,8 @@ def test_round_trip(store: TraceStore, store_factory: Any, url: str, tmp_path: P
     try:
         rinfo = other.restore(path)
         assert rinfo.groups == 5 and rinfo.lost_expert_keys > 0
+        # the run's counters travel with it, the turn count included
+        assert other.stats() == store.stats() and store.stats().turns_recorded > 0
         after = _dump(other)
         assert after == _mark_lost(before)
         for task in ("math", "code"):
@@ -184,7 +187,7 @@ def test_restore_refuses_bad_files(store: TraceStore, url: str, tmp_path: Path) 
         "not-json": b"hello\n",
         "pickle": b"\x80\x04\x95\x00",
         "truncated": b"".join(lines[:-1]),
-        "future": lines[0].replace(b'"version":1', b'"version":99') + b"".join(lines[1:]),
+        "future": lines[0].replace(b'"version":2', b'"version":99') + b"".join(lines[1:]),
         "bad-record": lines[0] + b'{"k":"what"}\n' + lines[-1],
     }
     for name, data in cases.items():
@@ -291,3 +294,24 @@ def test_aof_survives_sigkill(tmp_path: Path) -> None:
     finally:
         stop.set()
         srv.stop()
+
+
+def test_a_version_1_file_still_restores(store: TraceStore, url: str, tmp_path: Path) -> None:
+    """Format 1 had no turns record: it restores, with the turn count at 0 and the other counters kept."""
+    _build(store)
+    new = tmp_path / "v2.tsck"
+    store.checkpoint(new)
+    lines = new.read_bytes().splitlines(keepends=True)
+    old = tmp_path / "v1.tsck"
+    old.write_bytes(
+        lines[0].replace(b'"version":2', b'"version":1')
+        + b"".join(x for x in lines[1:] if orjson.loads(x)["k"] != "turns")
+    )
+    other = TraceStore.connect(url, run=f"t-{uuid.uuid4().hex[:12]}")
+    try:
+        other.restore(old)
+        want = store.stats()
+        assert want.turns_recorded > 0
+        assert other.stats() == dataclasses.replace(want, turns_recorded=0)
+    finally:
+        other.close()

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests._docker import build_image, engine_reason
-from tracestore import TraceStore
+from tracestore import NotEnoughReplicas, TraceStore
 from tracestore.servers import LocalCluster, port_is_free
 
 COMPOSE = Path(__file__).resolve().parent.parent / "compose.yaml"
@@ -114,7 +114,9 @@ def test_compose_cluster_comes_up_trains_and_comes_down(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while True:  # the replicas finish their sync after the slots are covered
             with TraceStore.connect(url, run="compose-probe", create_run=False) as st:
-                if len(st.redis.get_primaries()) == 3:
+                # writable: every primary has its replica (min-replicas-to-write 1)
+                infos = st.redis.info("replication", target_nodes=st.redis.PRIMARIES)
+                if len(infos) == 3 and all(int(i.get("connected_slaves", 0)) >= 1 for i in infos.values()):
                     break
             assert time.monotonic() < deadline
             time.sleep(0.2)
@@ -123,6 +125,7 @@ def test_compose_cluster_comes_up_trains_and_comes_down(tmp_path: Path) -> None:
             [sys.executable, "-m", "tracestore.cli", "train", "--url", url, "--steps", "2",
              "--checkpoint-every", "2", "--out", str(out)],
             capture_output=True, text=True, timeout=600,
+            env={**os.environ, "TRACESTORE_DURABILITY": "replicas"},  # as the compose trainer runs
         )
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         report = json.loads((out / "report.json").read_text())
@@ -137,3 +140,45 @@ def test_compose_cluster_comes_up_trains_and_comes_down(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stderr
     assert _compose(project, "ps", "-q").stdout.strip() == ""
     assert all(port_is_free(p) for p in range(7001, 7007))
+
+
+def _node_flags(service: dict) -> dict[str, str]:  # type: ignore[type-arg]
+    cmd = service["command"]
+    return dict(zip(cmd[1::2], cmd[2::2], strict=True))
+
+
+def test_compose_is_configured_for_the_durability_it_documents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AOF on every node, writes refused without an in-sync replica, the trainer on durability=replicas;
+    a local cluster with the same flags behaves as docs/durability.md says."""
+    services = _parse()["services"]
+    nodes = [s for s in services.values() if "--cluster-enabled" in s.get("command", [])]
+    wanted = {"--appendonly": "yes", "--appendfsync": "everysec", "--min-replicas-to-write": "1"}
+    for s in nodes:
+        flags = _node_flags(s)
+        assert {k: flags.get(k) for k in wanted} == wanted
+    env = services["trainer"]["environment"]
+    assert env["TRACESTORE_DURABILITY"] == "replicas"
+    doc = (COMPOSE.parent / "docs" / "durability.md").read_text()
+    assert "min-replicas-to-write 1" in doc and "compose.yaml" in doc
+
+    flags = _node_flags(nodes[0])
+    extra = [x for k in ("--appendonly", "--appendfsync", "--min-replicas-to-write", "--min-replicas-max-lag")
+             for x in (k, flags[k])]
+    monkeypatch.setenv("TRACESTORE_DURABILITY", env["TRACESTORE_DURABILITY"])
+    local = LocalCluster(primaries=3, replicas=1, extra_args=extra).start()
+    try:
+        with TraceStore.connect(local.url, run="compose-durability") as st:
+            assert st.durability.level == "replicas"
+            st.open_session("a", "w")
+            replica = local.cut_replica(local.primary_of(st.keys.meta))
+            try:
+                with pytest.raises(NotEnoughReplicas):  # refused: nothing written, outcome known
+                    st.open_session("b", "w")
+                with TraceStore.connect(local.url, run="compose-durability") as other:  # connect still works
+                    assert other.owner_of("a") == "w" and other.owner_of("b") is None
+            finally:
+                replica.resume()
+            local.wait_replicas_online()
+            st.open_session("b", "w")
+    finally:
+        local.stop()

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests._dump import dump_run
 from tests.conftest import connect_async
 from tracestore import TraceStore
 from tracestore.errors import (
@@ -24,25 +25,9 @@ from tracestore.errors import (
     UnknownLease,
 )
 from tracestore.gate import Lease, _reopen_as, _seal_as, admit, admit_many, drain, install, settle
-from tracestore.scripts import Batch, Cmd, ScanAll
+from tracestore.scripts import Batch, Cmd
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def dump_run(store: TraceStore) -> dict[str, tuple[Any, bool]]:
-    """Every key of the run with its serialised value and whether it has a TTL.
-
-    Two dumps compare equal only when no key of the run was created, deleted
-    or changed in between (refusals must leave the state untouched).
-    """
-    keys = sorted(store.execute(ScanAll(f"{store.keys.prefix}:{{{store.run_id}*")))
-    if not keys:
-        return {}
-    replies = store.execute(
-        Batch(tuple(Cmd(("DUMP", k), key=k) for k in keys) + tuple(Cmd(("PTTL", k), key=k) for k in keys))
-    )
-    n = len(keys)
-    return {k: (replies[i], int(replies[n + i]) >= 0) for i, k in enumerate(keys)}
 
 
 def live_and_poison(store: TraceStore) -> tuple[set[str], set[str]]:
@@ -70,8 +55,15 @@ def test_admit_settle_receipts_and_versions(store: TraceStore) -> None:
     again = g.settle(lease.id, "failed")
     assert again == first and again.replayed and again.outcome == "completed"
     assert g.status().live == 0
-    rec = g.lease_records([lease.id])[0]
-    assert rec is not None and (rec.sid, rec.holder, rec.outcome) == ("s1", "worker-1", "completed")
+    live = g.admit("s2", "worker-2", 30)
+    rec, live_rec = g.lease_records([lease.id, live.id])
+    assert live_rec is not None and (live_rec.sid, live_rec.holder, live_rec.outcome) == ("s2", "worker-2", None)
+    # a settled lease keeps only its receipt (what a retried settle returns), until op_ttl_s
+    assert rec is not None and (rec.outcome, rec.version, rec.settled_ms) == ("completed", 0, first.settled_ms)
+    assert (rec.sid, rec.holder) == ("s1", "")
+    assert sorted(store.redis.hkeys(store.keys.gate_lease(lease.id))) == [b"outcome", b"settled_ms", b"sid", b"version"]
+    assert 0 < store.redis.pttl(store.keys.gate_lease(lease.id)) <= store.config.op_ttl_s * 1000
+    g.settle(live, "completed")
 
     with g.weight_update(version=7, drain_timeout_s=1) as res:
         assert res.drained and res.ok
@@ -345,6 +337,30 @@ def test_weight_update_reopens_without_installing_when_the_body_raises(store: Tr
     assert g.status().version == 3
 
 
+def test_weight_update_checks_the_version_before_sealing(store: TraceStore) -> None:
+    g = store.gate
+    fresh = dump_run(store)
+    assert store.keys.gate not in fresh  # a fresh run: the gate has no key yet
+    with pytest.raises(StaleVersion) as sv:
+        with g.weight_update(0, drain_timeout_s=30):
+            pytest.fail("body must not run for a version that can never install")
+    assert (sv.value.current, sv.value.requested) == (0, 0)
+    assert dump_run(store) == fresh  # nothing sealed, no ts:{R}:gate left behind
+    with g.weight_update(4, drain_timeout_s=1):
+        pass
+    lease = g.admit("s", "w", 60)  # a live lease: a drain would wait its whole timeout
+    before = dump_run(store)
+    t0 = time.monotonic()
+    for v in (4, 3):
+        with pytest.raises(StaleVersion):
+            with g.weight_update(v, drain_timeout_s=30):
+                pytest.fail("body must not run")
+    assert time.monotonic() - t0 < 5  # refused at once, not after the drain timeout
+    assert dump_run(store) == before  # admissions were never refused; nothing written
+    g.settle(g.admit("s2", "w", 5), "completed")
+    g.settle(lease, "completed")
+
+
 def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> None:
     g = store.gate
     g.seal()  # an operator paused admissions
@@ -364,15 +380,17 @@ def test_weight_update_leaves_an_operators_seal_in_place(store: TraceStore) -> N
     g.reopen()
     # sealer tokens: a retried seal still holds; another token cannot reopen it
     ctx = store.context
-    req = next(_seal_as(ctx, "a" * 32))
+    a, b = ctx.op("a" * 32, "update"), ctx.op("b" * 32, "update")
+    req = next(_seal_as(ctx, a, 6))
     assert store.execute(req)[-1] == store.execute(req)[-1] in ("a" * 32, b"a" * 32)
-    assert store.run(_reopen_as(ctx, "b" * 32)).state == "sealed"
+    assert store.run(_reopen_as(ctx, b)).state == "sealed"
     # a weight update that died while sealed: the next one takes its seal over and reopens
     with g.weight_update(6, drain_timeout_s=1):
         pass
     assert (g.status().state, g.status().version) == ("open", 6)
-    assert store.run(_seal_as(ctx, "a" * 32))
-    assert store.run(_reopen_as(ctx, "a" * 32)).state == "open"
+    a2 = ctx.op("a2" * 16, "update")
+    assert store.run(_seal_as(ctx, a2, 7))
+    assert store.run(_reopen_as(ctx, a2)).state == "open"
 
 
 def test_async_weight_update_and_drain(url: str, run_id: str, arun: Any) -> None:

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.test_ownership import _race, data_intact, data_purged, events, write_turn
-from tracestore import InvalidInput, SessionReleased, TraceStore
+from tracestore import Group, InvalidInput, SessionReleased, TraceStore
 from tracestore import gc as gcmod
 from tracestore.cli import main
 from tracestore.scripts import Batch, Eval
@@ -58,7 +58,7 @@ def test_gc_trims_tombstones_past_retention_only(store: TraceStore) -> None:
     store.release(["old"], "train:1")
     time.sleep(0.5)  # "old" is now older than the 0.4 s retention below, for good
 
-    assert store.gc().tombstones_trimmed == 0  # default retention: 7 days
+    assert store.gc().tombstones_trimmed == 0  # default retention: 1 day
     with pytest.raises(SessionReleased):
         store.open_session("old", "rollout:0")
 
@@ -71,7 +71,7 @@ def test_gc_trims_tombstones_past_retention_only(store: TraceStore) -> None:
     assert r.zscore(k.released, "old") is None and r.zscore(k.released, "young") is not None
     assert not r.exists(k.session("old")) and not r.exists(k.dead("old"))
     assert store.session_states(["young", "live"]) == {
-        "young": ("train:1", "released"),
+        "young": ("", "released"),
         "live": ("train:1", "live"),
     }
     # Past the retention an id is forgotten; that is what the retention is for.
@@ -267,3 +267,46 @@ def test_gc_async(url: str, run_id: str, arun: Any) -> None:
     assert rep.sessions_purged == ("t0",)
     assert rep.groups_removed == ()
     assert rep.events_trimmed == 0  # the group still has the first event pending
+
+
+def test_a_clean_run_leaves_its_data_and_counters_only(url: str, run_id: str) -> None:
+    """Issue 12 item 4: after a run that closed cleanly and its retry records expired, no lease,
+    op record, heartbeat, owner set or session hash is left, and gc finds nothing to do."""
+    st = TraceStore.connect(url, run=run_id, op_ttl_s=1)
+    st.heartbeat("rollout:0", 30)
+    st.heartbeat("train:1", 30)
+    router = st.router(["ep-a", "ep-b"])
+    sids = [f"s{i}" for i in range(8)]
+    st.open_sessions(sids, "rollout:0")
+    for s in sids:
+        router.acquire(s)
+        lease = st.gate.admit(s, "rollout:0", 30)
+        write_turn(st, s)
+        st.gate.settle(lease, "completed")
+    st.replay.put(Group("g1", "calc", tuple(sids[:4])), owner="rollout:0")
+    st.replay.put(Group("g2", "calc", tuple(sids[4:]), "failed"), owner="rollout:0")
+    st.replay.take("calc", 1, owner="train:1", current_version=0)
+    st.release_owner("train:1", "consumed")
+    router.retire(sids)
+    with st.gate.weight_update(1, 5):
+        pass
+    expected = st.stats()
+    st.close()
+    time.sleep(1.5)
+
+    with TraceStore.connect(url, run=run_id) as after:
+        r, k = after.redis, after.keys
+        control = {k.control_suffix(x.decode()) for x in r.scan_iter(match=k.control_pattern, count=1000)}
+        families = {c.split(":", 1)[0] if c.split(":", 1)[0] not in ("gate", "route", "rb") else c for c in control if c}
+        assert families <= {
+            "meta", "stats", "released", "events", "gate", "gate:signal", "route:retired", "rb:seq", "rb:tasks",
+            "rb:bytes",
+        }, families
+        if "gate:signal" in families:  # a drain's wake-up token, gone within a minute
+            assert 0 < r.pttl(k.gate_signal) <= 60_000
+        data = {x.decode() for x in r.scan_iter(match=k.data_pattern, count=1000)}
+        assert data == {k.dead(s) for s in sids}
+        assert after.stats() == expected and expected.turns_recorded == 8
+        assert (expected.sessions_opened, expected.sessions_released, expected.groups_put) == (8, 8, 1)
+        report = after.gc()
+        assert report.owners_lost == () and report.sessions_released == () and report.sessions_purged == ()

@@ -21,14 +21,14 @@ import orjson
 import pytest
 import redis
 
-from tests._netcut import CutProxy
+from tests._netcut import CutProxy, proxied_cluster
 from tests.conftest import _selected, connect_async
 from tests.test_gate import dump_run
 from tracestore import InvalidId, SessionReleased, TraceStore
 from tracestore._io import SyncIO
 from tracestore.errors import OwnerLost
 from tracestore.replies import text
-from tracestore.scripts import script
+from tracestore.scripts import Eval, script
 from tracestore.store import AsyncTraceStore
 
 HERE = Path(__file__).resolve().parent
@@ -184,8 +184,8 @@ def test_open_sessions_with_a_released_id_opens_none_of_the_batch(store: TraceSt
         "n1": None,
         "n2": None,
         "n3": None,
-        "r1": ("train:1", "released"),
-        "r2": ("train:1", "released"),
+        "r1": ("", "released"),
+        "r2": ("", "released"),
     }
     assert store.sessions("rollout:0") == ["live"]
     with pytest.raises(SessionReleased):
@@ -215,6 +215,67 @@ def test_open_sessions_is_all_or_nothing_per_chunk_of_4000(store: TraceStore) ->
     assert store.sessions("rollout:0") == first
     states = store.session_states(second)
     assert all(states[s] is None for s in second)
+
+
+def test_a_released_session_keeps_only_its_tombstone(store: TraceStore, store_factory: Any) -> None:
+    """Issue 17: the session hash goes with the release; the tombstone alone keeps every
+    invariant: released once, one event, no reopen, no admission, SessionReleased for writes
+    once purged, nothing resurrected by a late write."""
+    r, k = store.redis, store.keys
+    store.open_session("s", "rollout:0", version=3, group="g-9")
+    opened_ms = int(r.hget(k.session("s"), "opened_ms"))
+    write_turn(store, "s")
+    m = store.lookup("s", prompt_of("s") + response_of("s") + "<user>more</user>")  # a turn in flight
+    store.transfer(["s"], "rollout:0", "train:1")
+    assert store.release(["s"], "train:1", "consumed") == ["s"]
+
+    # control plane: no hash, no owner-set member; the tombstone (at the event's time) and one event
+    assert not r.exists(k.session("s")) and not r.sismember(k.owner("train:1"), "s")
+    ((_, ev),) = r.xrange(k.events)
+    assert {text(a): text(b) for a, b in ev.items()} == {
+        "sid": "s", "owner": "train:1", "reason": "consumed", "ms": text(ev[b"ms"]),
+    }
+    assert r.zscore(k.released, "s") == float(ev[b"ms"]) >= opened_ms
+    assert store.session_states(["s"]) == {"s": ("", "released")}
+    # data plane: purged, only the data tombstone is left
+    assert [key for key in (k.idx("s"), k.tok("s"), k.txt("s"), k.dead("s")) if r.exists(key)] == [k.dead("s")]
+
+    # every invariant still holds, from this client and another one
+    other = store_factory()
+    for st in (store, other):
+        assert st.release(["s"], "train:1") == [] and st.release_owner("train:1") == []
+        with pytest.raises(SessionReleased):
+            st.open_session("s", "train:1")
+        with pytest.raises(SessionReleased):
+            st.open_sessions(["new", "s"], "train:1")
+        with pytest.raises(SessionReleased):
+            st.gate.admit("s", "w", 5)
+        with pytest.raises(SessionReleased):  # the late write of the turn that was in flight
+            st.record_turn(
+                "s", prompt_of("s") + response_of("s") + "<user>more</user>", "<assistant>late</assistant>",
+                prefix=m, delta_token_ids=[8], response_token_ids=[9], response_logprobs=[-1.0], version=1,
+            )
+        with pytest.raises(SessionReleased):
+            write_turn(st, "s")
+    assert not r.exists(k.idx("s")) and not r.exists(k.session("s"))
+    assert r.xlen(k.events) == 1 and store.stats().sessions_released == 1
+    assert store.sessions() == [] and store.owners() == []  # an empty owner set is no key
+
+
+def test_the_release_script_releases_a_repeated_id_once(store: TraceStore) -> None:
+    """The client deduplicates; the script does not rely on it (ownership is read once per
+    batch and written at the end, so a repeated id must not pass twice)."""
+    store.open_sessions(["a", "b"], "train:1")
+    k = store.keys
+    ids = ["a", "b", "a", "x", "b"]
+    ev = Eval(
+        script("release"),
+        (k.owner("train:1"), k.released, k.events, k.op("dup-1"), k.stats, *k.session_keys(ids)),
+        ("train:1", "consumed", 60_000, *ids),
+    )
+    assert [text(x) for x in store.execute(ev)] == ["a", "b"]
+    assert [e["sid"] for e in events(store)] == ["a", "b"]
+    assert store.stats().sessions_released == 2 and store.sessions() == []
 
 
 # -- scenario 3: concurrent duplicate releases -------------------------------------------
@@ -652,6 +713,52 @@ def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
     assert store.sessions("rollout:w") == ["s0", "s1"]
 
 
+# -- clean shutdown (issue 12 item 4) ----------------------------------------------------
+
+
+def test_a_closed_client_deregisters_its_owner_tags(url: str, run_id: str) -> None:
+    """gc does not call the owners of a cleanly closed client lost; an owner that still holds
+    sessions keeps its heartbeat, so gc releases them if its process never comes back."""
+    a = TraceStore.connect(url, run=run_id)
+    a.heartbeat("rollout:0", 0.2)  # owns nothing
+    a.heartbeat("rollout:1", 0.2)
+    a.open_session("held", "rollout:1")  # still owned at close
+    a.heartbeat("rollout:2", 0.2)
+    a.open_session("done", "rollout:2")
+    a.release(["done"], "rollout:2")  # owned one, released it: done at close
+    a.close()
+    b = TraceStore.connect(url, run=run_id)
+    try:
+        assert {o.owner for o in b.owners() if o.deadline_ms is not None} == {"rollout:1"}
+        time.sleep(0.3)
+        report = b.gc()
+        assert report.owners_lost == ("rollout:1",) and report.sessions_released == ("held",)
+
+        # by hand: refused while the tag owns sessions, idempotent once done
+        b.heartbeat("rollout:3", 30)
+        b.open_session("y", "rollout:3")
+        assert b.deregister("rollout:3") is False
+        assert "rollout:3" in {o.owner for o in b.owners() if o.deadline_ms is not None}
+        b.release(["y"], "rollout:3")
+        assert b.deregister("rollout:3") is True and b.deregister("rollout:3") is True
+        assert b.redis.zscore(b.keys.owners, "rollout:3") is None
+        with pytest.raises(InvalidId):
+            b.deregister("bad tag")
+    finally:
+        b.close()
+
+
+def test_a_closed_async_client_deregisters_too(url: str, run_id: str, arun: Any) -> None:
+    async def main() -> None:
+        a = await connect_async(url, run_id)
+        await a.heartbeat("rollout:0", 30)
+        await a.close()
+
+    arun(main())
+    with TraceStore.connect(url, run=run_id) as st:
+        assert st.owners() == []
+
+
 def test_async_retry_after_cut_connection(backend: str, url: str, run_id: str, arun: Any) -> None:
     with _proxy_for(backend, url) as proxy:
 
@@ -681,39 +788,8 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
     """Scenario 4 on a cluster: one proxy per node, redis-py told to reach the nodes through them."""
     if "cluster" not in _selected():
         pytest.skip("cluster backend not selected (TRACESTORE_TEST_BACKENDS)")
-    from redis.cluster import RedisCluster
-
-    from tracestore.connection import ConnectionOptions, _common, parse_url
-    from tracestore.context import Context, StoreConfig
-    from tracestore.keys import Keys
-
-    base = parse_url(cluster_url).url
-    probe = redis.Redis.from_url(base)
-    try:
-        shards = probe.execute_command("CLUSTER", "SLOTS")
-    finally:
-        probe.close()
-    nodes = {(text(s[2][0]), int(s[2][1])) for s in shards}
-    proxies = {addr: CutProxy(*addr) for addr in nodes}
-    by_port = {p.port: p for p in proxies.values()}
-    common = _common(ConnectionOptions(retries=3))
-    common.pop("retry_on_error")
-    client = RedisCluster.from_url(
-        base,
-        **common,
-        address_remap=lambda addr: ("127.0.0.1", proxies[(addr[0], int(addr[1]))].port)
-        if (addr[0], int(addr[1])) in proxies
-        else addr,
-    )
-    keys = Keys("ts", run_id)
-    st = TraceStore(SyncIO(client, cluster=True), Context(keys, True, StoreConfig()), cluster_url)
-    try:
-        st.init_run()
-
-        def proxy_of(key: str) -> CutProxy:
-            node = client.get_node_from_key(key)
-            return by_port[int(node.port)]
-
+    with proxied_cluster(cluster_url, run_id) as (st, proxy_of):
+        keys = st.keys
         sids = [f"s{i}" for i in range(30)]
         st.open_sessions(sids, "train:1")
         for s in sids[:3]:
@@ -747,10 +823,6 @@ def test_cluster_retry_after_cut_connection(cluster_url: str, run_id: str) -> No
         ev = events(st)
         assert Counter(e["sid"] for e in ev) == Counter([*sids, "q0", "q1"])
         assert all(data_purged(st, s) for s in [*sids[:3], "q0", "q1"])
-    finally:
-        st.close()
-        for p in proxies.values():
-            p.close()
 
 
 def test_disaggregated_race_with_the_replay_buffer(store_factory: Any) -> None:

@@ -38,8 +38,8 @@ def test_readme_usage_example_runs(url: str, run_id: str) -> None:
         assert pushed == [True] and store.gate.status().version == 1
         assert store.sessions() == []
         assert store.session_states(["s-1", "s-2"]) == {
-            "s-1": ("train:17", "released"),
-            "s-2": ("train:17", "released"),
+            "s-1": ("", "released"),
+            "s-2": ("", "released"),
         }
     finally:
         store.close()

@@ -55,7 +55,10 @@ def test_delete_run_removes_its_keys_and_leaves_other_runs_byte_identical(
             _fill(st, n.replace(".", "_"))
         target = stores[0]
         everything = _keys_of_server(target)
-        mine = [k for k in everything if k.startswith((f"ts:{{{run_id}}}:", f"ts:{{{run_id}/"))]
+        mine = [
+            k for k in everything
+            if k.startswith((f"ts:{{{run_id}}}:", f"ts:{{{run_id}/", f"ts:{{{run_id}|"))
+        ]
         others = [k for k in everything if k not in set(mine)]
         # the neighbours byte for byte; the rest of the server (other tests' runs) by name
         near = [k for k in others if k.startswith(tuple(f"ts:{{{n}" for n in names[1:]))]
@@ -70,14 +73,15 @@ def test_delete_run_removes_its_keys_and_leaves_other_runs_byte_identical(
 
         done = target.delete_run(force=True)
         assert done.forced_owners == ("rollout:0",)
-        assert done.sessions == 6 and done.control_keys + done.data_keys == len(mine)
+        assert done.sessions == 6 and done.control_keys + done.data_keys + done.turn_shards == len(mine)
+        assert done.turn_shards > 0  # its turns were counted in its sessions' slots
         after = _keys_of_server(target)
         assert not set(after) & set(mine)
         assert _dump(target, near) == before
         assert set(others) <= set(after)
         assert run_id not in target.run_ids() and set(names[1:]) <= set(target.run_ids())
         again = target.delete_run()  # idempotent
-        assert (again.control_keys, again.data_keys, again.sessions) == (0, 0, 0)
+        assert (again.control_keys, again.data_keys, again.sessions, again.turn_shards) == (0, 0, 0, 0)
     finally:
         for st in stores:
             st.close()
@@ -113,6 +117,7 @@ def test_list_runs_reports_sessions_owners_activity_and_memory(url: str, run_id:
         assert r.heartbeating == 1 and r.last_activity_ms == r.server_ms
         assert r.created_ms is not None and r.created_ms <= r.server_ms
         assert r.control_keys > i.control_keys >= 1 and r.control_bytes > i.control_bytes > 0
+        assert (r.sessions_opened, r.sessions_released) == (4, 1)  # the run's counters
         assert (i.live_sessions, i.owners, i.heartbeating) == (0, (), 0)
         assert i.last_activity_ms == i.created_ms
 
@@ -124,6 +129,7 @@ def test_list_runs_reports_sessions_owners_activity_and_memory(url: str, run_id:
         assert cli.exit_code == 0, cli.output
         line = next(ln for ln in cli.output.splitlines() if ln.startswith(run_id + " "))
         assert "rollout:0, replay" in line and "heartbeat now" in line and " key" in line
+        assert line.rstrip().endswith("4 / 1")
         cli = CliRunner().invoke(main, ["runs", "--url", url, "nosuch"])
         assert cli.exit_code == 2 and "no run 'nosuch'" in cli.output
 

@@ -63,6 +63,20 @@ def test_every_lua_helper_is_defined_before_use_and_takes_few_arguments() -> Non
                 assert defined < min(uses), f"{name}: {fn} is used before _lib/{lib_name}.lua defines it"
 
 
+def test_every_releasing_script_writes_what_it_queued_and_counted() -> None:
+    """sessions_release queues hash deletions, owner-set removals and tombstones: a
+    script that releases (directly or through the replay helpers) must flush both, once its
+    checks are done; a script that counts must write its counters."""
+    releasing = {"sessions_release(", "rb_expire_group("}
+    for name, sc in registry().items():
+        body = sc.source.split("-- end include rb\n")[-1].split("-- end include sessions\n")[-1]
+        if any(fn in body for fn in releasing):
+            assert "sessions_release_flush(" in body, f"{name} releases without sessions_release_flush"
+            assert "stats_flush(" in body, f"{name} releases without stats_flush"
+        if "stats_add(" in body:
+            assert "stats_flush(" in body, f"{name} counts without stats_flush"
+
+
 def test_every_script_is_used_by_python() -> None:
     sources = "\n".join(p.read_text() for p in (ROOT / "tracestore").rglob("*.py"))
     for name in registry():

@@ -251,11 +251,48 @@ def test_expert_keys_per_node_none_or_mix(store: TraceStore) -> None:
     _turn(store, "none", "p", "r", [1], [2])
     assert store.export_training_trace("none", "pr").expert_keys is None
     _turn(store, "mix", "p", "r", [1], [2], dkey="ref:d1", rkey="ref:r1")
-    _turn(store, "mix", "pr+q", "s", [3], [4])
+    # data that mixes keyed and unkeyed nodes (written by hand, or before record_turn
+    # refused it) is refused by the export, naming how many nodes lack a key
+    _turn(store, "mix", "pr+q", "s", [3], [4], dkey="ref:d2", rkey="ref:r2")
+    r: Any = store.redis
+    k = store.keys
+    for digest, record in r.hgetall(k.idx("mix")).items():
+        rec = record.decode()
+        if rec.endswith(",ref:d2") or rec.endswith(",ref:r2"):
+            r.hset(k.idx("mix"), digest, rec.rsplit(",", 1)[0] + ",")
+    store.context.caches.clear()  # the client caches immutable nodes; these were changed by hand
     assert store.export_training_trace("mix", "pr").expert_keys == ["ref:d1", "ref:r1"]
     with pytest.raises(InvalidInput) as ei:
         store.export_training_trace("mix", "pr+qs")
     assert ei.value.field == "expert_keys" and "2 of 4" in str(ei.value)
+
+
+def test_record_turn_refuses_expert_keys_that_would_make_the_trace_unexportable(
+    store: TraceStore,
+) -> None:
+    # the case: a response key without a delta key on a non-empty delta
+    with pytest.raises(InvalidInput) as ei:
+        _turn(store, "rk", "p", "r", [1], [2], rkey="ref:r1")
+    assert ei.value.field == "delta_expert_key" and "export" in str(ei.value)
+    with pytest.raises(InvalidInput) as ei:
+        _turn(store, "rk", "p", "r", [1], [2], dkey="ref:d1")
+    assert ei.value.field == "response_expert_key"
+    assert set(_session_dump(store, "rk").values()) == {None}  # no key exists
+    # an empty delta needs no delta key
+    _turn(store, "rk", "", "r", [], [2], rkey="ref:r1")
+    # keyed and unkeyed turns cannot follow each other on one path; nothing is written
+    _turn(store, "keyed", "p", "r", [1], [2], dkey="ref:d1", rkey="ref:r1")
+    _turn(store, "plain", "p", "r", [1], [2])
+    before = (_session_dump(store, "keyed"), _session_dump(store, "plain"))
+    for sid, dkey, rkey in (("keyed", None, None), ("plain", "ref:d2", "ref:r2")):
+        with pytest.raises(InvalidInput) as ei:
+            _turn(store, sid, "pr+q", "s", [3], [4], dkey=dkey, rkey=rkey)
+        assert ei.value.field == "response_expert_key" and "stored prefix node" in str(ei.value)
+    with pytest.raises(InvalidInput):  # insert under a keyed node without a key, likewise
+        store.insert("keyed", "pr+q", Segment(token_ids=[3]))
+    assert (_session_dump(store, "keyed"), _session_dump(store, "plain")) == before
+    assert store.export_training_trace("keyed", "pr").expert_keys == ["ref:d1", "ref:r1"]
+    assert store.export_training_trace("plain", "pr").expert_keys is None
 
 
 def test_negative_zero_logprob_is_an_equal_rewrite_not_a_conflict(store: TraceStore) -> None:
@@ -270,7 +307,7 @@ def test_negative_zero_logprob_is_an_equal_rewrite_not_a_conflict(store: TraceSt
 
 def test_node_conflict_changes_nothing(store: TraceStore) -> None:
     sid = "nc"
-    _turn(store, sid, "p", "r", [1], [2], rkey="ref:a")
+    _turn(store, sid, "p", "r", [1], [2], dkey="ref:d", rkey="ref:a")
     before = _session_dump(store, sid)
     m = PrefixMatch(0, [], None)
     for kw in (
@@ -279,7 +316,9 @@ def test_node_conflict_changes_nothing(store: TraceStore) -> None:
         {"response_token_ids": [2], "response_logprobs": [-0.5], "version": 7},  # other version
         {"response_token_ids": [2], "response_logprobs": [-0.5], "response_expert_key": "ref:b"},
     ):
-        args: dict[str, Any] = {"version": 0, "response_expert_key": "ref:a", **kw}
+        args: dict[str, Any] = {
+            "version": 0, "delta_expert_key": "ref:d", "response_expert_key": "ref:a", **kw
+        }
         with pytest.raises(NodeConflict) as ei:
             store.record_turn(sid, "p", "r", prefix=m, delta_token_ids=[1], **args)
         # a new version changes the delta node too, which is checked first
@@ -296,6 +335,8 @@ def test_node_conflict_changes_nothing(store: TraceStore) -> None:
             response_token_ids=[2],
             response_logprobs=[-0.5],
             version=0,
+            delta_expert_key="ref:d",
+            response_expert_key="ref:a",
         )
     assert ei.value.digest == node_id("p")
     assert _session_dump(store, sid) == before
@@ -416,7 +457,10 @@ def _bad_calls(
         "response_token_ids": [9, 10],
         "response_logprobs": [-0.1, -0.2],
         "version": 1,
+        "delta_expert_key": "d",
+        "response_expert_key": "r",
     }
+    unkeyed = {"delta_expert_key": None, "response_expert_key": None}
     big = 2_000  # tokens; max_payload_bytes is 1000 in this test
     return [
         ("length mismatch", "response_logprobs", {**ok, "response_logprobs": [-0.1]}, InvalidInput),
@@ -442,9 +486,11 @@ def _bad_calls(
         (
             "parent not found",
             "prefix",
-            {**ok, "prefix": foreign, "delta_token_ids": []},
+            {**ok, **unkeyed, "prefix": foreign, "delta_token_ids": []},
             InvalidInput,
         ),
+        ("response key alone", "delta_expert_key", {**ok, "delta_expert_key": None}, InvalidInput),
+        ("unkeyed turn on a keyed path", "response_expert_key", {**ok, **unkeyed}, InvalidInput),
         (
             "payload too big",
             "response_token_ids",
@@ -519,14 +565,7 @@ def test_refused_record_turn_leaves_every_key_byte_identical(
     assert ei2.value.sid == "tomb"
     assert _session_dump(st, "tomb") == tomb_before
     # and the valid call still works afterwards
-    st.record_turn(
-        **{
-            **cases[0][2],
-            "response_logprobs": [-0.1, -0.2],
-            "delta_expert_key": "d",
-            "response_expert_key": "r",
-        }
-    )
+    st.record_turn(**{**cases[0][2], "response_logprobs": [-0.1, -0.2]})
     assert st.export_training_trace(sid, prompt + "resp").input_ids[-4:] == [7, 8, 9, 10]
 
 

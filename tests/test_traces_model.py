@@ -136,6 +136,13 @@ class RefTrie:
         return self.by_key[key]
 
 
+def _mixes(parent: RefNode, first: str | None, last: str | None) -> bool:
+    """True when new nodes with these expert keys under ``parent`` would mix keyed and unkeyed nodes."""
+    if (first is None) != (last is None):
+        return True
+    return parent.value is not None and (parent.value.expert_key is None) != (last is None)
+
+
 # -- strategies --------------------------------------------------------------------------------
 
 ALPHABET = "ab<|>\n é✓😀"
@@ -237,6 +244,22 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
             version = data.draw(versions, label="version")
             dkey = self._ekey(data, "d") if delta else None
             rkey = self._ekey(data, "r")
+            call = {
+                "prefix": m,
+                "delta_token_ids": delta,
+                "response_token_ids": r_ids,
+                "response_logprobs": lps,
+                "version": version,
+                "delta_expert_key": dkey,
+                "response_expert_key": rkey,
+            }
+            if _mixes(parent, dkey if delta else rkey, rkey):
+                # a turn that would make the path unexportable is refused, nothing written
+                with pytest.raises(InvalidInput) as bad:
+                    st_.record_turn(self.sid, prompt, response, **call)
+                assert bad.value.field in ("delta_expert_key", "response_expert_key")
+                event("turn: expert key mix refused")
+                return
             # the reference outcome, decided before the store call and applied after it
             plan: list[tuple[str, Value]] = []
             want_err: NodeConflict | None = None
@@ -256,15 +279,6 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
                     plan.append((prompt + response, rval))
             except NodeConflict as exc:
                 want_err = exc
-            call = {
-                "prefix": m,
-                "delta_token_ids": delta,
-                "response_token_ids": r_ids,
-                "response_logprobs": lps,
-                "version": version,
-                "delta_expert_key": dkey,
-                "response_expert_key": rkey,
-            }
             try:
                 t = st_.record_turn(self.sid, prompt, response, **call)
             except NodeConflict as exc:
@@ -308,6 +322,12 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
                 version,
                 ekey,
             )
+            if key not in self.ref.by_key and _mixes(self.ref.longest(key, proper=True), ekey, ekey):
+                with pytest.raises(InvalidInput) as bad:
+                    self._client(data).insert(self.sid, key, Segment(ids, lps, labels, version, ekey))
+                assert bad.value.field == "segment.expert_key"
+                event("insert: expert key mix refused")
+                return
             try:
                 want = self.ref.insert(key, val)
                 want_err = None

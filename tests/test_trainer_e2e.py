@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -79,6 +81,13 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
         assert all(o.sessions == 0 for o in store.owners())
         assert store.replay.count() == 0
         assert store.gate.status().version == report.gate_cycles
+        # a clean end (issue 12 item 4): every role deregistered its heartbeats, so gc will not
+        # call any owner lost, and every lease receipt and retry record expires within a minute
+        assert store.redis.zcard(store.keys.owners) == 0
+        k, r = store.keys, store.redis
+        transient = [x for x in r.scan_iter(match=k.control_pattern, count=1000)
+                     if (k.control_suffix(x.decode()) or "").startswith(("gate:l:", "op:"))]
+        assert all(0 < r.pttl(x) <= 60_000 for x in transient)
 
 
 @pytest.mark.parametrize(
@@ -123,6 +132,47 @@ def test_http_agents_through_the_gateway_leak_nothing(
     # the rollout log-probabilities of the engines' traces
     assert report.routing_replay_fallbacks == 0
     assert report.replay_max_abs_diff is not None and report.replay_max_abs_diff < 1e-4
+
+
+def test_gc_during_a_live_run_keeps_the_counts_exact(standalone_url: str, tmp_path: Any) -> None:
+    """Issue 12 items 1 and 9: gc trims events and tombstones while the trainer runs.
+
+    Another process runs ``gc`` with no retention at all every 0.2 s during
+    a disaggregated run (the consumer groups of the workers' holders still
+    bound the event trimming). The trainer's accounting reads the run's
+    counters, which trimming never changes: the run ends with exact counts
+    and no violation (the CLI exits 0 exactly then).
+    """
+    cfg = _cfg(standalone_url, str(tmp_path), "disaggregated")
+    stop = threading.Event()
+    reports: list[Any] = []
+
+    def collector() -> None:
+        with TraceStore.connect(standalone_url, run=cfg.run) as st:
+            while not stop.is_set():
+                reports.append(st.gc(tombstone_retention_s=0, event_retention_s=0))
+                time.sleep(0.2)
+
+    t = threading.Thread(target=collector)
+    t.start()
+    try:
+        report = run(cfg)
+    finally:
+        stop.set()
+        t.join()
+    # gc did trim what the old accounting counted (tombstones and events) during the run
+    assert sum(r.tombstones_trimmed for r in reports) > 0
+    assert sum(r.events_trimmed for r in reports) > 0
+    assert report.violations() == []
+    _check_nothing_leaked(report, standalone_url)
+    with TraceStore.connect(standalone_url, run=cfg.run) as store:
+        st = store.stats()
+        assert (st.sessions_opened, st.sessions_released, st.release_events) == (
+            report.sessions_opened, report.sessions_opened, report.sessions_opened
+        )
+        assert st.turns_recorded > 0 and st.groups_taken > 0
+        # the server's own structures were trimmed below those counts
+        assert store.redis.zcard(store.keys.released) < st.sessions_released
 
 
 def test_routing_replay_reproduces_rollout_logprobs(standalone_url: str, tmp_path: Any) -> None:

@@ -38,13 +38,15 @@ from .context import SCHEMA_VERSION, Context
 from .errors import InvalidInput, RunNotEmpty
 from .replay import STORED_STATUSES
 from .replies import pairs, text
-from .run import server_ms
+from .run import server_ms, stats
 from .scripts import Batch, Blocking, Cmd, Op, ScanAll, chunks
 
 #: Identifies a tracestore checkpoint file (first line, ``format``).
 FORMAT = "tracestore-checkpoint"
-#: Version of the file format (``docs/checkpoint.md``); restore refuses others.
-FORMAT_VERSION = 1
+#: Version of the file format (``docs/checkpoint.md``) that checkpoint writes.
+FORMAT_VERSION = 2
+#: Versions restore reads (1 has no ``turns`` record: the turn count starts at 0).
+READ_VERSIONS = (1, 2)
 #: Prefix given to the expert key of every restored node that had one.
 LOST_PREFIX = "lost:"
 #: Sessions read (or commands written) per pipelined round trip.
@@ -149,7 +151,10 @@ class _Writer:
 
     def _write(self, data: bytes) -> None:
         if self.fh is None:
-            self.fh = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish() or abort()
+            try:
+                self.fh = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish() or abort()
+            except OSError as exc:
+                raise InvalidInput("path", f"cannot write {self.tmp}: {exc.strerror or exc}") from None
         self.fh.write(data)
 
     def finish(self) -> Blocking:
@@ -179,7 +184,7 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
     written as it is read, so memory stays bounded by one batch.
     """
     k = ctx.keys
-    w = _Writer(Path(path))
+    w = _Writer(Path(_path(path)))
     found = yield ScanAll(k.control_pattern)
     op_head = k.control_suffix(k.op("x"))
     assert op_head is not None
@@ -198,6 +203,7 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
     )
     try:
         nkeys, sids, tasks = yield from _write_control(ctx, w, keys)
+        w.line({"k": "turns", "recorded": (yield from stats(ctx)).turns_recorded})
         ngroups = yield from _write_groups(ctx, w, tasks)
         nnodes = yield from _write_traces(ctx, w, sids)
         counts = {"keys": nkeys, "groups": ngroups, "sessions": len(sids), "nodes": nnodes}
@@ -213,6 +219,9 @@ def _write_control(ctx: Context, w: _Writer, keys: list[str]) -> Op[tuple[int, l
     """The control plane, BATCH keys per round trip (TYPE, then value and TTL).
 
     Returns (keys written, the run's session ids, the replay buffer's tasks).
+    The session ids are those of the live sessions' hashes and of the release
+    tombstones (a released session has no hash; its data tombstone is written
+    with its trace record).
     """
     k = ctx.keys
     sids: list[str] = []
@@ -235,10 +244,12 @@ def _write_control(ctx: Context, w: _Writer, keys: list[str]) -> Op[tuple[int, l
             nkeys += 1
             if t == "hash" and (sid := k.sid_of_session_key(key)):
                 sids.append(sid)
+            if key == k.released:
+                sids += [text(m) for m, _ in pairs(value)]
             if key == k.rb_tasks:
                 tasks = sorted(text(m) for m in value)
         yield w.flush()
-    return nkeys, sids, tasks
+    return nkeys, list(dict.fromkeys(sids)), tasks
 
 
 def _write_groups(ctx: Context, w: _Writer, tasks: list[str]) -> Op[int]:
@@ -295,19 +306,30 @@ def _write_traces(ctx: Context, w: _Writer, sids: list[str]) -> Op[int]:
 # -- restore --------------------------------------------------------------------------------
 
 
+def _path(path: object) -> str | os.PathLike[str]:
+    """``path`` if it is a non-empty str or path object; else InvalidInput (before any I/O)."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not name or (b"\x00" if isinstance(name, bytes) else "\x00") in name:
+        raise InvalidInput("path", f"must be a file path (str or os.PathLike), got {path!r:.80}")
+    return path  # type: ignore[return-value]
+
+
 def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The first line of a checkpoint file; raises InvalidInput if it is not one this version reads."""
-    with open(path, "rb") as fh:
-        first = fh.readline()
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline()
+    except OSError as exc:
+        raise InvalidInput("path", f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}") from None
     try:
         head = orjson.loads(first)
     except orjson.JSONDecodeError:
         head = None
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise InvalidInput("checkpoint", f"{path} is not a tracestore checkpoint file")
-    if head.get("version") != FORMAT_VERSION:
+    if head.get("version") not in READ_VERSIONS:
         raise InvalidInput(
-            "checkpoint", f"{path} has format version {head.get('version')!r}; this tracestore reads {FORMAT_VERSION}"
+            "checkpoint", f"{path} has format version {head.get('version')!r}; this tracestore reads {READ_VERSIONS}"
         )
     if head.get("schema") != SCHEMA_VERSION:
         raise InvalidInput("checkpoint", f"{path} has schema {head.get('schema')!r}, expected {SCHEMA_VERSION}")
@@ -357,6 +379,13 @@ def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
         if ttl > 0:
             cmds.append(Cmd(("PEXPIRE", key, ttl), key=key))
         return cmds, 0
+    if kind == "turns":
+        recorded = int(rec["recorded"])
+        if recorded < 0:
+            raise InvalidInput("checkpoint", f"negative turn count {recorded}")
+        # the count goes into one shard: the run's figure is the sum of its shards
+        shard = k.turn_shard_of_slot(k.control_slot)
+        return ([Cmd(("INCRBY", shard, recorded), key=shard)] if recorded else []), 0
     if kind == "group":
         key = k.rb_group(rec["gid"])
         flat = [dec(x) for pair in rec["fields"] for x in pair]
@@ -437,19 +466,21 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     (emptiness), then one per 256 commands.
     """
     k = ctx.keys
-    yield Blocking(functools.partial(read_header, path))
+    yield Blocking(functools.partial(read_header, _path(path)))
     end = yield Blocking(functools.partial(_validate, path, ctx))
     found = yield ScanAll(k.control_pattern, count=1000)
     others = sorted(key for key in found if key != k.meta)
     if not others:
         others = (yield ScanAll(k.data_pattern, count=1000))[:5]
+    if not others and (yield from stats(ctx)).turns_recorded:
+        others = [k.turn_shard_pattern]
     if others:
         raise RunNotEmpty(k.run, others[:5])
     meta_suffix = k.control_suffix(k.meta)
     phases: list[Callable[[dict[str, Any]], bool]] = [
         lambda r: r["k"] == "trace",
         lambda r: r["k"] == "group",
-        lambda r: r["k"] == "key" and r["key"] != meta_suffix,
+        lambda r: (r["k"] == "key" and r["key"] != meta_suffix) or r["k"] == "turns",
         lambda r: r["k"] == "key" and r["key"] == meta_suffix,
     ]
     lost = 0

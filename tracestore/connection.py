@@ -3,29 +3,50 @@
 Schemes: ``redis://``, ``rediss://`` (TLS), ``unix://`` and
 ``redis+cluster://`` / ``rediss+cluster://``. A ``redis://`` URL that points
 at a cluster node is detected with ``INFO cluster`` and connected as a
-cluster. User and password come from the URL (``redis://user:pass@host``).
+cluster. A cluster URL may name several seed nodes
+(``redis+cluster://h1:7001,h2:7002,h3:7003``): any one that answers is
+enough to learn the cluster. User and password come from the URL
+(``redis://user:pass@host``).
+
+TLS options are ``connect`` keywords (``ssl_ca_certs``, ``ssl_certfile``,
+``ssl_keyfile``, ``ssl_cert_reqs``, ``ssl_check_hostname``, ``ssl_ca_path``)
+or URL query parameters of the same names (``rediss://h:6380?ssl_ca_certs=/ca.pem``);
+the URL also accepts ``db``. Any other query parameter is refused
+(ConfigError): redis-py would let ``?protocol=3`` or ``?decode_responses=yes``
+override settings tracestore relies on.
 
 The retry policy is explicit: ``retries`` attempts (default 3) with
 exponential backoff on connection errors and timeouts only. Every mutating
 script is idempotent under such a retry (DESIGN section 5, invariant 6).
 RESP2 is pinned so reply shapes do not change with the server's default.
+
+Timeouts are short (``socket_timeout_s`` 1 s): every command tracestore
+sends answers in milliseconds, so a node that does not answer within a
+second is treated as failed (retry, then a new slot map on a cluster) and a
+hung primary costs about its failover time plus a second. Commands that
+block on purpose read with their own timeout: ``drain``'s blocking pop
+(its block time + 5 s) and the durability wait (``socket_timeout_s +
+durability_timeout_s``). TCP keepalive is on, so a connection to a vanished
+host is noticed while idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -42,42 +63,124 @@ class ConnectionOptions:
     """Client options; every field has a safe default.
 
     ``retries``: attempts after the first on connection errors and timeouts.
-    ``socket_timeout_s``/``connect_timeout_s``: per command and per connect.
-    ``max_connections``: pool size per node.
+    ``socket_timeout_s``/``connect_timeout_s``: per command and per connect
+    (short on purpose: see the module docstring; raise ``socket_timeout_s``
+    for a server far away or overloaded). ``max_connections``: pool size per node.
+    ``ssl_*``: TLS (a ``rediss://`` URL): CA bundle or directory, client
+    certificate and key, ``ssl_cert_reqs`` (``required``, ``optional`` or
+    ``none``) and ``ssl_check_hostname``; None leaves redis-py's default (or
+    the URL's). Every field is checked on creation (ConfigError).
     """
 
     retries: int = 3
     backoff_base_s: float = 0.02
     backoff_cap_s: float = 0.5
-    socket_timeout_s: float = 10.0
-    connect_timeout_s: float = 5.0
+    socket_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0
     max_connections: int = 64
     health_check_interval_s: int = 30
     client_name: str = "tracestore"
+    ssl_ca_certs: str | None = None
+    ssl_ca_path: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_cert_reqs: str | None = None
+    ssl_check_hostname: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.retries < 0:
-            raise ConfigError(f"retries must be >= 0, got {self.retries}")
-        if self.socket_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ConfigError("timeouts must be positive")
+        _check_options(self)
+
+    @property
+    def tls(self) -> dict[str, Any]:
+        """The TLS keywords that were given (redis-py's names)."""
+        return {f: getattr(self, f) for f in TLS_OPTIONS if getattr(self, f) is not None}
+
+
+#: TLS options, as ``connect`` keywords and URL query parameters (redis-py's names).
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+CERT_REQS = ("required", "optional", "none")
+_CLIENT_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+
+def _number(name: str, v: object, lo: float, hi: float, *, integer: bool = False) -> None:
+    ok = not isinstance(v, bool) and isinstance(v, int if integer else (int, float))
+    if ok and isinstance(v, float):
+        ok = math.isfinite(v)
+    if not ok or not lo <= v <= hi:  # type: ignore[operator]
+        kind = "an integer" if integer else "a number"
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+        raise ConfigError(f"{name} must be {kind} in {lo:g}..{hi:g}, got {shown}")
+
+
+def _check_options(o: ConnectionOptions) -> None:
+    """Every field of ``o`` of the right type and range; else ConfigError naming it."""
+    _number("retries", o.retries, 0, 100, integer=True)
+    _number("backoff_base_s", o.backoff_base_s, 0, 60)
+    _number("backoff_cap_s", o.backoff_cap_s, 0, 600)
+    _number("socket_timeout_s", o.socket_timeout_s, 0.001, 86400)
+    _number("connect_timeout_s", o.connect_timeout_s, 0.001, 86400)
+    _number("max_connections", o.max_connections, 1, 100_000, integer=True)
+    _number("health_check_interval_s", o.health_check_interval_s, 0, 86400, integer=True)
+    if not isinstance(o.client_name, str) or not 0 < len(o.client_name) <= 64 or not set(o.client_name) <= _CLIENT_NAME_OK:
+        raise ConfigError(f"client_name must be 1..64 characters of [A-Za-z0-9._:-], got {o.client_name!r:.80}")
+    for f in ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile"):
+        v = getattr(o, f)
+        if v is not None and (not isinstance(v, str) or not v or "\x00" in v):
+            raise ConfigError(f"{f} must be a file path (str), got {v!r:.80}")
+    if o.ssl_cert_reqs is not None and o.ssl_cert_reqs not in CERT_REQS:
+        raise ConfigError(f"ssl_cert_reqs must be one of {', '.join(CERT_REQS)}, got {o.ssl_cert_reqs!r:.80}")
+    if o.ssl_check_hostname is not None and not isinstance(o.ssl_check_hostname, bool):
+        raise ConfigError(f"ssl_check_hostname must be a bool, got {o.ssl_check_hostname!r:.80}")
 
 
 @dataclass(frozen=True)
 class ParsedUrl:
     """A validated connection URL."""
 
-    url: str  # the URL redis-py receives (cluster scheme rewritten)
+    url: str  # the URL redis-py receives (cluster scheme rewritten, query removed; the first seed)
     cluster: bool | None  # True: forced cluster; None: detect
     tls: bool
     display: str  # the URL with its password masked
+    #: every seed ``(host, port)`` of a cluster URL naming several; empty otherwise
+    seeds: tuple[tuple[str, int], ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)  # the URL's query options, checked
+
+
+def _split_seeds(url: str) -> tuple[str, list[str]]:
+    """``(url naming only its first host, every host[:port] of a comma-separated list)``."""
+    scheme, sep, rest = url.partition("://")
+    cut = [i for i in (rest.find(c) for c in "/?#") if i >= 0]
+    end = min(cut) if cut else len(rest)
+    userinfo, at, hosts = rest[:end].rpartition("@")
+    seeds = hosts.split(",")
+    if len(seeds) == 1:
+        return url, []
+    return f"{scheme}{sep}{userinfo}{at}{seeds[0]}{rest[end:]}", seeds
+
+
+def _seed(scheme: str, item: str, shown: str) -> tuple[str, int]:
+    try:
+        parts = urlsplit(f"{scheme}://{item}")
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"malformed seed {item!r} in {shown!r}: {exc}") from None
+    if not parts.hostname:
+        raise ConfigError(f"empty seed in {shown!r}; expected host:port,host:port,...")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"port out of range in seed {item!r} of {shown!r}")
+    return parts.hostname, port or 6379
 
 
 def parse_url(url: str) -> ParsedUrl:
-    """Validate ``url``; raise :class:`ConfigError` with a readable message."""
+    """Validate ``url``; raise :class:`ConfigError` with a readable message.
+
+    A cluster URL may list several seeds (``redis+cluster://h1:p1,h2:p2``).
+    """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError("empty connection URL; expected redis://host:port, rediss://, unix:// or redis+cluster://")
+    first, seed_items = _split_seeds(url.strip())
     try:
-        parts = urlsplit(url.strip())
+        parts = urlsplit(first)
         port = parts.port
     except ValueError as exc:
         raise ConfigError(f"malformed connection URL {mask_url(url)!r}: {exc}") from None
@@ -100,11 +203,56 @@ def parse_url(url: str) -> ParsedUrl:
         scheme = scheme.split("+", 1)[0]
     elif scheme == "unix":
         cluster = False
+    seeds: tuple[tuple[str, int], ...] = ()
+    if seed_items:
+        if not cluster or scheme == "unix":
+            raise ConfigError(
+                f"{mask_url(url)!r} names several hosts; only a cluster URL may "
+                f"(redis+cluster://h1:p1,h2:p2 or rediss+cluster://...)"
+            )
+        seeds = tuple(_seed(scheme, item, mask_url(url)) for item in seed_items)
+    options = _url_options(parts.query, scheme == "rediss", mask_url(url))
     if scheme == "unix":
-        rewritten = url.strip()  # urlunsplit would drop the '//' of an empty netloc
+        rewritten = url.strip().split("?", 1)[0]  # urlunsplit would drop the '//' of an empty netloc
     else:
-        rewritten = urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
-    return ParsedUrl(rewritten, cluster, scheme == "rediss", mask_url(url))
+        rewritten = urlunsplit((scheme, parts.netloc, parts.path, "", ""))
+    return ParsedUrl(rewritten, cluster, scheme == "rediss", mask_url(url), seeds, options)
+
+
+def _url_options(query: str, tls: bool, shown: str) -> dict[str, Any]:
+    """The URL's query parameters: TLS options and ``db``, checked; anything else is ConfigError."""
+    out: dict[str, Any] = {}
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ConfigError(f"malformed query string in {shown!r}") from None
+    for name, value in pairs:
+        if name in out:
+            raise ConfigError(f"URL option {name!r} given twice in {shown!r}")
+        if name == "db":
+            if not value.isdigit() or int(value) > 1_000_000:
+                raise ConfigError(f"URL option db must be a database number, got {value!r:.40}")
+            out[name] = int(value)
+        elif name in TLS_OPTIONS:
+            if not tls:
+                raise ConfigError(f"URL option {name!r} needs a TLS URL (rediss://), got {shown!r}")
+            if name == "ssl_check_hostname":
+                flag = value.lower()
+                if flag not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ConfigError(f"URL option ssl_check_hostname must be true or false, got {value!r:.40}")
+                out[name] = flag in ("true", "1", "yes")
+            else:
+                out[name] = value
+        else:
+            raise ConfigError(
+                f"URL option {name!r} is not accepted (in {shown!r}): tracestore sets the protocol, "
+                "decoding and timeouts itself (pass timeouts as connect keywords, e.g. "
+                f"socket_timeout_s=5); the URL accepts db and {', '.join(TLS_OPTIONS)}"
+            )
+    if "ssl_cert_reqs" in out and out["ssl_cert_reqs"] not in CERT_REQS:
+        raise ConfigError(f"URL option ssl_cert_reqs must be one of {', '.join(CERT_REQS)}")
+    return out
+
 
 
 def mask_url(url: str) -> str:
@@ -143,8 +291,8 @@ def _retry(opts: ConnectionOptions) -> Retry:
     )
 
 
-def _common(opts: ConnectionOptions) -> dict[str, Any]:
-    return {
+def _common(opts: ConnectionOptions, parsed: ParsedUrl | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "protocol": 2,
         "socket_timeout": opts.socket_timeout_s,
         "socket_connect_timeout": opts.connect_timeout_s,
@@ -152,6 +300,22 @@ def _common(opts: ConnectionOptions) -> dict[str, Any]:
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
         "client_name": opts.client_name,
     }
+    if parsed is not None:
+        out.update(_url_and_tls(parsed, opts))
+    return out
+
+
+def _url_and_tls(parsed: ParsedUrl, opts: ConnectionOptions) -> dict[str, Any]:
+    """The URL's options and the TLS keywords, merged; ConfigError when they disagree or need TLS."""
+    tls = opts.tls
+    if tls and not parsed.tls:
+        raise ConfigError(f"TLS options {sorted(tls)} need a TLS URL (rediss://), got {parsed.display!r}")
+    out = dict(parsed.options)
+    for name, value in tls.items():
+        if name in out and out[name] != value:
+            raise ConfigError(f"{name} is given as a keyword ({value!r}) and in the URL ({out[name]!r})")
+        out[name] = value
+    return out
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -176,7 +340,11 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def _unreachable(parsed: ParsedUrl, exc: BaseException) -> StorageError:
-    return StorageError(f"cannot reach {parsed.display}: {failure_reason(exc)}")
+    reason = (failure_reason(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if "reachable node: " in reason:  # redis-py's cluster client names the last seed it tried
+        reason = reason.split("reachable node: ", 1)[1]
+    what = "any seed of " if len(parsed.seeds) > 1 else ""
+    return StorageError(f"cannot reach {what}{parsed.display}: {reason}")
 
 
 def _check_tls(parsed: ParsedUrl, opts: ConnectionOptions) -> None:
@@ -209,6 +377,19 @@ def _cluster_enabled(parsed: ParsedUrl, info: Any) -> bool:
     return enabled
 
 
+def _seed_urls(parsed: ParsedUrl) -> list[str]:
+    """The URL of each seed of ``parsed`` (just ``parsed.url`` for a URL naming one host)."""
+    if len(parsed.seeds) < 2:
+        return [parsed.url]
+    parts = urlsplit(parsed.url)
+    user = parts.netloc.rpartition("@")[0]
+    out = []
+    for host, port in parsed.seeds:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        out.append(urlunsplit(parts._replace(netloc=f"{user}@{where}" if user else where)))
+    return out
+
+
 def _is_unix(parsed: ParsedUrl) -> bool:
     return urlsplit(parsed.url).scheme == "unix"
 
@@ -223,14 +404,17 @@ def detect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
     _check_tls(parsed, opts)
     if _is_unix(parsed):
         return False
-    probe = redis.Redis.from_url(parsed.url, **_common(replace(opts, retries=0)))
-    try:
-        info = probe.info("cluster")
-    except RedisError as exc:
-        raise _unreachable(parsed, exc) from exc
-    finally:
-        probe.close()
-    return _cluster_enabled(parsed, info)
+    failed: RedisError | None = None
+    for url in _seed_urls(parsed):  # any seed that answers will do
+        probe = redis.Redis.from_url(url, **_common(replace(opts, retries=0), parsed))
+        try:
+            return _cluster_enabled(parsed, probe.info("cluster"))
+        except RedisError as exc:
+            failed = exc
+        finally:
+            probe.close()
+    assert failed is not None
+    raise _unreachable(parsed, failed) from failed
 
 
 async def _adetect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
@@ -239,16 +423,19 @@ async def _adetect_cluster(parsed: ParsedUrl, opts: ConnectionOptions) -> bool:
         await asyncio.to_thread(_check_tls, parsed, opts)
     if _is_unix(parsed):
         return False
-    common = _common(replace(opts, retries=0))
+    common = _common(replace(opts, retries=0), parsed)
     common["retry"] = _async_retry(replace(opts, retries=0))
-    probe = redis.asyncio.Redis.from_url(parsed.url, **common)
-    try:
-        info = await probe.info("cluster")
-    except RedisError as exc:
-        raise _unreachable(parsed, exc) from exc
-    finally:
-        await probe.aclose()
-    return _cluster_enabled(parsed, info)
+    failed: RedisError | None = None
+    for url in _seed_urls(parsed):
+        probe = redis.asyncio.Redis.from_url(url, **common)
+        try:
+            return _cluster_enabled(parsed, await probe.info("cluster"))
+        except RedisError as exc:
+            failed = exc
+        finally:
+            await probe.aclose()
+    assert failed is not None
+    raise _unreachable(parsed, failed) from failed
 
 
 def _async_retry(opts: ConnectionOptions) -> AsyncRetry:
@@ -273,15 +460,20 @@ def sync_client(
     opts = opts or ConnectionOptions()
     parsed = parse_url(resolve_url(url))
     cluster = detect_cluster(parsed, opts)
-    common = _common(opts)
+    common = _common(opts, parsed)
+    if not parsed.url.startswith("unix:"):
+        common["socket_keepalive"] = True  # an idle connection to a vanished host is noticed
     if cluster:
         common.pop("retry_on_error")
         try:
             client: Any = RedisCluster.from_url(
-                parsed.url, **common, max_connections=opts.max_connections
+                parsed.url,
+                startup_nodes=[ClusterNode(h, p) for h, p in parsed.seeds[1:]],
+                **common,
+                max_connections=opts.max_connections,
             )
         except (RedisError, RedisClusterException) as exc:
-            raise StorageError(f"cannot reach cluster {parsed.display}: {failure_reason(exc)}") from exc
+            raise _unreachable(parsed, exc) from exc
     else:
         client = redis.Redis.from_url(
             parsed.url,
@@ -303,11 +495,24 @@ async def async_client(
     opts = opts or ConnectionOptions()
     parsed = parse_url(url if url else await asyncio.to_thread(resolve_url, None))
     cluster = await _adetect_cluster(parsed, opts)
-    common = _common(opts)
+    common = _common(opts, parsed)
     common["retry"] = _async_retry(opts)
+    if not parsed.url.startswith("unix:"):
+        common["socket_keepalive"] = True
     if cluster:
         common.pop("retry_on_error")
-        client: Any = AsyncRedisCluster.from_url(parsed.url, **common, max_connections=opts.max_connections)
+        client: Any = AsyncRedisCluster.from_url(
+            parsed.url,
+            startup_nodes=[AsyncClusterNode(h, p) for h, p in parsed.seeds[1:]],
+            **common,
+            max_connections=opts.max_connections,
+            health_check_interval=opts.health_check_interval_s,
+        )
+        try:
+            await client.initialize()  # learn the slot map now: an unreachable cluster fails here
+        except (RedisError, RedisClusterException) as exc:
+            await client.aclose()
+            raise _unreachable(parsed, exc) from exc
     else:
         client = redis.asyncio.Redis.from_url(
             parsed.url,

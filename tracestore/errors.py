@@ -266,6 +266,127 @@ class StorageError(TracestoreError):
     """
 
 
+class OutcomeUnknown(StorageError):
+    """A mutating call failed after it may have reached the server: it may or may not have taken effect.
+
+    Raised (instead of a plain StorageError) when the connection broke or
+    timed out during a mutating call, or when a later step of a call failed
+    after its first write (the purge after a release, a take's second round),
+    so the caller does not know the call's reply. ``op_id`` is the
+    idempotency key the call used (the caller's ``op_id=``, or the one drawn
+    for it): calling the same method again with the same arguments and
+    ``op_id=err.op_id`` within ``op_ttl_s`` returns the first call's reply if
+    it took effect, never a second effect, and otherwise runs it now.
+    ``lease_ids`` are the lease ids an ``admit``/``admit_many`` chose before
+    the call (``lease_id``: the first; None for other calls): call ``admit``
+    again with ``op_id`` to learn the lease, or settle them (``aborted``) so
+    that no lease is left live. Subclasses name more specific causes.
+    """
+
+    def __init__(self, message: str, *, op_id: str, lease_ids: Sequence[str] = ()) -> None:
+        self.reason = message
+        self.op_id = op_id
+        self.lease_ids = tuple(lease_ids)
+        self.lease_id = self.lease_ids[0] if self.lease_ids else None
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        # Built when shown: a call made of nested calls names its own op id.
+        hint = f"outcome unknown (op_id={self.op_id!r}"
+        if self.lease_ids:
+            more = f" (+{len(self.lease_ids) - 1} more)" if len(self.lease_ids) > 1 else ""
+            hint += f", lease id {self.lease_ids[0]!r}{more}"
+        return f"{self.reason}; {hint}); call again with this op_id to learn the first reply"
+
+
+class PermissionDenied(TracestoreError):
+    """The server's ACL refused a command to this connection's user (``NOPERM``); nothing ran.
+
+    ``what`` names the request. An observer (read-only) user gets it for
+    every write; docs/security.md lists the grants of each role.
+    """
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        super().__init__(f"{what}: permission denied by the server's ACL ({detail}); see docs/security.md")
+
+
+class DurabilityUnconfirmed(OutcomeUnknown):
+    """A mutating script ran, but its write was not confirmed at the store's durability level.
+
+    The primary executed the script and answered; the ``WAIT``/``WAITAOF``
+    that followed it in the same round trip did not confirm it within
+    ``durability_timeout_s`` (fewer replicas acknowledged it than
+    ``durability_replicas``, or the primary's AOF was not fsynced). The
+    write may be lost if the primary fails now, or may survive: the outcome
+    is unknown (see :class:`OutcomeUnknown` for how to learn it with
+    ``op_id``). ``script`` names the script, ``node`` the primary,
+    ``level`` the durability level, ``detail`` what was missing.
+    """
+
+    def __init__(
+        self, script: str, node: str, level: str, detail: str, *, op_id: str, lease_ids: Sequence[str] = ()
+    ) -> None:
+        self.script = script
+        self.node = node
+        self.level = level
+        self.detail = detail
+        super().__init__(
+            f"script {script!r} ran on {node} but durability={level!r} was not confirmed: {detail}",
+            op_id=op_id,
+            lease_ids=lease_ids,
+        )
+
+
+class NotEnoughReplicas(StorageError):
+    """The primary refused a write: fewer replicas are in sync than its ``min-replicas-to-write``.
+
+    Nothing was written (the outcome is known). Retry once the replicas are
+    back; ``node``-level settings are in docs/durability.md.
+    """
+
+
+class StateRolledBack(TracestoreError):
+    """The run's state went backwards: a value that only grows is lower than one this client saw.
+
+    ``what`` names the value (the gate's weight version), ``seen`` the
+    highest value this store object observed, ``found`` the lower one just
+    read. It happens when the primary serving the run failed and a replica
+    that lacked its last writes was promoted, or when older data was
+    restored. The call did not act on the older state (an ``admit`` settles
+    the lease it was given as ``aborted`` first). Check the run (leases,
+    releases, replay groups of the lost writes), then call
+    ``store.gate.fence(found)`` to accept the older state, or install the
+    version the engines run.
+    """
+
+    def __init__(self, what: str, seen: int, found: int) -> None:
+        self.what = what
+        self.seen = seen
+        self.found = found
+        super().__init__(
+            f"{what} went back from {seen} to {found}: the run's state was rolled back "
+            "(failover to a lagging replica, or older data restored); not acting on it. "
+            f"Check the run, then store.gate.fence({found}) to accept it"
+        )
+
+
+class CorruptData(TracestoreError):
+    """A value stored in Redis cannot be decoded (written by something other than tracestore?).
+
+    ``key`` names the Redis key, ``field`` the hash field or part (may be
+    empty), ``detail`` what is wrong. Nothing was changed by the call that
+    raised it: inspect the key with ``redis-cli`` and delete or repair it.
+    """
+
+    def __init__(self, key: str, detail: str, field: str = "") -> None:
+        self.key = key
+        self.field = field
+        self.detail = detail
+        where = f"{key} field {field!r}" if field else key
+        super().__init__(f"corrupt data in {where}: {detail}")
+
+
 class ScriptError(StorageError):
     """A Lua script failed on the server; ``script`` names it."""
 
@@ -305,6 +426,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise UnknownLease(str(f[0]))
     if code == "GROUP_EXISTS":
         raise GroupExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
+    if code == "CORRUPT":
+        raise CorruptData(str(f[0]), str(f[2]) if len(f) > 2 else "undecodable", str(f[1]) if len(f) > 1 else "")
     if code == "INVALID_INPUT":
         raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
     raise ScriptError(script, f"unknown result code {code!r} {f!r}")
@@ -332,6 +455,12 @@ __all__ = [
     "RunNotEmpty",
     "RunInUse",
     "StorageError",
+    "OutcomeUnknown",
+    "DurabilityUnconfirmed",
+    "NotEnoughReplicas",
+    "StateRolledBack",
+    "PermissionDenied",
+    "CorruptData",
     "ScriptError",
     "raise_for_code",
 ]

@@ -26,6 +26,7 @@ Use it through ``store.gate`` (:class:`Gate`, or :class:`AsyncGate` on an
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,10 +35,18 @@ from typing import Any
 import orjson
 
 from . import validate
-from .context import Context
-from .errors import GatePoisoned, InvalidInput, NotDrained, StaleVersion
-from .replies import Reply, field_map, text
-from .scripts import Batch, Cmd, Eval, Op, new_op_id, script
+from .context import Context, OpId, guarded, mutating
+from .errors import (
+    GatePoisoned,
+    InvalidInput,
+    NotDrained,
+    OutcomeUnknown,
+    StaleVersion,
+    StateRolledBack,
+    TracestoreError,
+)
+from .replies import Reply, field_map, stored, text
+from .scripts import Batch, Cmd, Eval, Op, script
 from .twin import AsyncPart, Body, Scoped, SyncPart, op, scoped
 from .validate import duration_ms, int_in, one_of, validate_id, validate_ids
 
@@ -180,82 +189,140 @@ def _lease_id(lease: Lease | str) -> str:
     return validate_id("lease id", lease.id if isinstance(lease, Lease) else lease)
 
 
+def _one(request: Eval) -> Op[Any]:
+    """An operation of one request (to run it under :func:`~tracestore.context.guarded`)."""
+    return (yield request)
+
+
 # -- operations ------------------------------------------------------------------------------
 
 
-def admit(ctx: Context, sid: str, holder: str, ttl_s: float) -> Op[Lease]:
+@mutating
+def admit(ctx: Context, sid: str, holder: str, ttl_s: float, *, op_id: str | None = None) -> Op[Lease]:
     """Admit a request of session ``sid`` served by ``holder``; return its :class:`Lease`.
 
     The lease carries the gate's current weight version and a deadline
     ``ttl_s`` seconds from now (server clock); past it, the lease is poisoned
     unless renewed or settled. Raises GateSealed (with ``retry_after_ms``)
     while a weight update holds the gate, SessionReleased when ``sid`` was
-    released (a worker must not generate for it), InvalidId/InvalidInput
-    before any I/O. Idempotent under client retry (the lease id is made once per call).
-    One round trip.
+    released (a worker must not generate for it), StateRolledBack when the
+    version is lower than one this store saw (the lease is settled
+    ``aborted`` first, one more round trip), InvalidId/InvalidInput
+    before any I/O, and OutcomeUnknown when the reply was lost: its
+    ``lease_id`` is the lease's id, chosen before the call (the ``op_id``
+    when given), so the caller can settle it, or call ``admit`` again with
+    ``op_id=err.op_id`` to get the lease the first call admitted (else it
+    admits now). One round trip.
     """
     validate_id("session id", sid)
     validate_id("holder", holder)
-    (lease,) = yield from _admit(ctx, [(sid, holder)], duration_ms("ttl_s", ttl_s))
+    ttl_ms = duration_ms("ttl_s", ttl_s)
+    op = ctx.op(op_id, "admit")
+    (lease,) = yield from _admit(ctx, [(sid, holder)], ttl_ms, op, [op.id])
     return lease
 
 
-def admit_many(ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float) -> Op[list[Lease]]:
+@mutating
+def admit_many(
+    ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float, *, op_id: str | None = None
+) -> Op[list[Lease]]:
     """Admit several requests at once: all of them, or none while sealed.
 
     ``requests`` are ``(sid, holder)`` pairs, at most 1,000 per call (one
     atomic script, so a seal cannot split the batch). Every lease gets the
     gate's current version and the same deadline. Raises GateSealed or
-    SessionReleased (nothing admitted), InvalidId/InvalidInput before any I/O. Idempotent under client
-    retry. One round trip for the whole batch; pair it with
+    SessionReleased (nothing admitted), InvalidId/InvalidInput before any
+    I/O, OutcomeUnknown (reply lost; ``lease_ids`` are the leases' ids:
+    ``<op_id>#<i>`` for request ``i``; call again with ``op_id=err.op_id``
+    to get them). One round trip for the whole batch; pair it with
     :func:`settle_many` to serve bursts of requests.
     """
     ttl_ms = duration_ms("ttl_s", ttl_s)
     sc = script("gate_admit_many")
-    if len(requests) > sc.chunk:
-        raise InvalidInput("requests", f"at most {sc.chunk} per call, got {len(requests)}")
-    items = [(validate_id("session id", sid), validate_id("holder", holder)) for sid, holder in requests]
+    items = _requests(requests, sc.chunk)
     if not items:
         return []
-    return (yield from _admit(ctx, items, ttl_ms))
+    op = ctx.op(op_id, "admit")
+    return (yield from _admit(ctx, items, ttl_ms, op, [op.part(i) for i in range(len(items))]))
 
 
-def _admit(ctx: Context, items: Sequence[tuple[str, str]], ttl_ms: int) -> Op[list[Lease]]:
-    """Admit validated ``(sid, holder)`` pairs (1..1,000) in one gate_admit_many call."""
+def _requests(requests: object, most: int) -> list[tuple[str, str]]:
+    """``admit_many``'s ``(sid, holder)`` pairs, validated (InvalidInput/InvalidId)."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise InvalidInput("requests", f"must be a list of (sid, holder) pairs, got {type(requests).__name__}")
+    if len(requests) > most:
+        raise InvalidInput("requests", f"at most {most} per call, got {len(requests)}")
+    items = []
+    for pair in requests:
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InvalidInput("requests", f"each request must be a (sid, holder) pair, got {pair!r:.80}")
+        items.append((validate_id("session id", pair[0]), validate_id("holder", pair[1])))
+    return items
+
+
+def _admit(
+    ctx: Context, items: Sequence[tuple[str, str]], ttl_ms: int, op: OpId, lids: list[str]
+) -> Op[list[Lease]]:
+    """Admit validated ``(sid, holder)`` pairs (1..1,000) as leases ``lids``, in one call.
+
+    The lease ids are chosen before the call (a retry finds the first lease
+    recorded and replays the admission); an error whose outcome is unknown
+    carries them.
+    """
     k = ctx.keys
-    lids = [new_op_id() for _ in items]
     args: list[Any] = [ttl_ms]
     for lid, (sid, holder) in zip(lids, items, strict=True):
         args += (lid, sid, holder)
-    reply = yield Eval(
+    call = Eval(
         script("gate_admit_many"),
         (k.gate, k.gate_leases, k.released, *(k.gate_lease(x) for x in lids)),
         tuple(args),
+        op_id=op.id,
     )
+    reply = yield from guarded(op, _one(call), lids)
     r = Reply(reply, "gate_admit_many")
     version, deadline = r.int(), r.int()
+    try:
+        ctx.fence.observe(version)
+    except StateRolledBack:
+        # The leases were admitted under a version older than one this client
+        # saw: abort them (no request runs under them) so none poisons the gate.
+        oid = ctx.op(None, "settle").id
+        yield Batch(tuple(_settle_eval(ctx, lid, "aborted", oid) for lid in lids))
+        raise
     return [Lease(lid, version, sid, deadline) for lid, (sid, _) in zip(lids, items, strict=True)]
 
 
-def renew(ctx: Context, lease: Lease | str, ttl_s: float | None = None) -> Op[Lease]:
+@mutating
+def renew(
+    ctx: Context, lease: Lease | str, ttl_s: float | None = None, *, op_id: str | None = None
+) -> Op[Lease]:
     """Move a live lease's deadline to ``ttl_s`` from now (default: its admission ttl).
 
     Raises UnknownLease, InvalidInput (already settled, bad ttl) and
     GatePoisoned when the lease already passed its deadline (it is not
-    revived; settle it to resolve). One round trip.
+    revived; settle it to resolve), OutcomeUnknown (call again with its
+    ``op_id``: the first reply, the deadline not moved twice). One round trip.
     """
     lid = _lease_id(lease)
     ttl_ms = 0 if ttl_s is None else duration_ms("ttl_s", ttl_s)
     k = ctx.keys
+    op = ctx.op(op_id, "renew")
     reply = yield Eval(
-        script("gate_renew"), (k.gate_leases, k.gate_poison, k.gate_lease(lid)), (lid, ttl_ms)
+        script("gate_renew"),
+        (k.gate_leases, k.gate_poison, k.gate_lease(lid), op.key),
+        (lid, ttl_ms, ctx.op_ttl_ms),
+        op_id=op.id,
     )
     r = Reply(reply, "gate_renew")
     lid, version, deadline = r.text(), r.int(), r.int()
     return Lease(lid, version, lease.sid if isinstance(lease, Lease) else "", deadline)
 
 
-def settle(ctx: Context, lease: Lease | str, outcome: str) -> Op[SettlementReceipt]:
+@mutating
+def settle(
+    ctx: Context, lease: Lease | str, outcome: str, *, op_id: str | None = None
+) -> Op[SettlementReceipt]:
     """Settle a lease with ``outcome`` (completed, aborted, failed or unknown).
 
     ``unknown`` poisons the lease (install is refused until it is cleared);
@@ -263,37 +330,46 @@ def settle(ctx: Context, lease: Lease | str, outcome: str) -> Op[SettlementRecei
     Settling a settled lease returns its first receipt, unchanged. The
     settle that empties the live set wakes ``drain``. Raises InvalidInput
     (bad outcome) or InvalidId before I/O, UnknownLease for a lease never
-    admitted (nothing changes). One round trip.
+    admitted (nothing changes), OutcomeUnknown (settle again: the lease's
+    first receipt; ``op_id`` only names the call, the lease id is the
+    idempotency key of a settlement). One round trip.
     """
     lid = _lease_id(lease)
     one_of("outcome", outcome, OUTCOMES)
-    reply = yield _settle_eval(ctx, lid, outcome)
+    reply = yield _settle_eval(ctx, lid, outcome, ctx.op(op_id, "settle").id)
     return _receipt(reply)
 
 
-def settle_many(ctx: Context, leases: Sequence[Lease | str], outcome: str) -> Op[list[SettlementReceipt]]:
+@mutating
+def settle_many(
+    ctx: Context, leases: Sequence[Lease | str], outcome: str, *, op_id: str | None = None
+) -> Op[list[SettlementReceipt]]:
     """Settle several leases with one ``outcome``; their receipts, in order.
 
     Each settlement is its own atomic script (as :func:`settle`), pipelined:
     one round trip per call. If some lease is unknown, every other one is
     still settled and the first error (UnknownLease) is raised afterwards;
     settling again returns the first receipts. InvalidId/InvalidInput before
-    any I/O.
+    any I/O; OutcomeUnknown as :func:`settle`.
     """
     one_of("outcome", outcome, OUTCOMES)
+    if isinstance(leases, (str, bytes)) or not isinstance(leases, Sequence):
+        raise InvalidInput("leases", f"must be a list of leases or lease ids, got {type(leases).__name__}")
     lids = [_lease_id(x) for x in leases]
     if not lids:
         return []
-    replies = yield Batch(tuple(_settle_eval(ctx, x, outcome) for x in lids))
+    oid = ctx.op(op_id, "settle").id
+    replies = yield Batch(tuple(_settle_eval(ctx, x, outcome, oid) for x in lids))
     return [_receipt(r) for r in replies]
 
 
-def _settle_eval(ctx: Context, lid: str, outcome: str) -> Eval:
+def _settle_eval(ctx: Context, lid: str, outcome: str, op_id: str) -> Eval:
     k = ctx.keys
     return Eval(
         script("gate_settle"),
         (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(lid)),
         (lid, outcome, ctx.op_ttl_ms),
+        op_id=op_id,
     )
 
 
@@ -343,55 +419,86 @@ def _decode_status(reply: list[Any]) -> GateStatus:
     )
 
 
+def _observed(ctx: Context, st: GateStatus) -> GateStatus:
+    """``st``, once its version passed the store's fence (StateRolledBack if it went back)."""
+    ctx.fence.observe(st.version)
+    return st
+
+
 def status(ctx: Context) -> Op[GateStatus]:
-    """Read the gate: state, version, live leases, poison set (first 100). One round trip."""
+    """Read the gate: state, version, live leases, poison set (first 100). One round trip.
+
+    Raises StateRolledBack when the version is lower than one this store saw.
+    """
     k = ctx.keys
     reply = yield Eval(script("gate_status"), (k.gate, k.gate_leases, k.gate_poison), (MAX_IDS,))
-    return _decode_status(reply)
+    return _observed(ctx, _decode_status(reply))
 
 
-def _seal_eval(ctx: Context, what: str, retry_after_ms: int, token: str = "") -> Eval:
+def _seal_eval(
+    ctx: Context, what: str, retry_after_ms: int, op: OpId, *, key: str, token: str = "", below: int | None = None
+) -> Eval:
     k = ctx.keys
     return Eval(
         script("gate_seal"),
-        (k.gate, k.gate_leases, k.gate_poison),
-        (what, retry_after_ms, MAX_IDS, token),
+        (k.gate, k.gate_leases, k.gate_poison, key),
+        (what, retry_after_ms, MAX_IDS, token, ctx.op_ttl_ms, "" if below is None else below),
+        op_id=op.id,
     )
 
 
-def seal(ctx: Context, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS) -> Op[GateStatus]:
+@mutating
+def seal(
+    ctx: Context, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS, *, op_id: str | None = None
+) -> Op[GateStatus]:
     """Seal the gate: from the moment this returns, every ``admit`` raises GateSealed.
 
     ``retry_after_ms`` is the hint refused admissions carry. Sealing a
     sealed gate keeps its seal time and hint; a weight update in progress
     then leaves the gate sealed when it ends (an operator's seal is never
-    reopened by ``weight_update``). Returns the status right after sealing.
-    One round trip (the script answers with the status it leaves).
+    reopened by ``weight_update``). Returns the status right after sealing
+    (StateRolledBack when its version is lower than one this store saw; the
+    gate is sealed all the same). OutcomeUnknown: call again with its
+    ``op_id`` (the first reply). One round trip (the script answers with
+    the status it leaves).
     """
     int_in("retry_after_ms", retry_after_ms, 1, 3_600_000)
-    reply = yield _seal_eval(ctx, "seal", retry_after_ms)
-    return _decode_status(reply)
+    op = ctx.op(op_id, "seal")
+    reply = yield _seal_eval(ctx, "seal", retry_after_ms, op, key=op.key)
+    return _observed(ctx, _decode_status(reply))
 
 
-def reopen(ctx: Context) -> Op[GateStatus]:
+@mutating
+def reopen(ctx: Context, *, op_id: str | None = None) -> Op[GateStatus]:
     """Reopen the gate (admissions resume, under the current version).
 
     Allowed in any state, whoever sealed; reopening an open gate changes
-    nothing. One round trip.
+    nothing. StateRolledBack (after reopening) when the version is lower
+    than one this store saw. OutcomeUnknown: call again with its ``op_id``
+    (the first reply; a seal made since is not reopened by the retry). One
+    round trip.
     """
-    reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS)
-    return _decode_status(reply)
+    op = ctx.op(op_id, "reopen")
+    reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS, op, key=op.key)
+    return _observed(ctx, _decode_status(reply))
 
 
-def _seal_as(ctx: Context, token: str) -> Op[bool]:
-    """Seal under ``token``; True when this token holds the seal (False: an operator's seal)."""
-    reply = yield _seal_eval(ctx, "seal", DEFAULT_RETRY_AFTER_MS, token)
-    return text(reply[-1]) == token  # the status layout, then the sealer's token
+def _seal_as(ctx: Context, op: OpId, version: int) -> Op[bool]:
+    """Seal under token ``op.id`` unless ``version`` cannot be installed (StaleVersion, nothing written).
+
+    True when this token holds the seal (False: an operator's seal).
+    """
+    reply = yield _seal_eval(
+        ctx, "seal", DEFAULT_RETRY_AFTER_MS, op, key=op.key_of("seal"), token=op.id, below=version
+    )
+    return text(reply[-1]) == op.id  # the status layout, then the sealer's token
 
 
-def _reopen_as(ctx: Context, token: str) -> Op[GateStatus]:
-    """Reopen only a seal made under ``token`` (another sealer's seal stays)."""
-    reply = yield _seal_eval(ctx, "reopen", DEFAULT_RETRY_AFTER_MS, token)
+def _reopen_as(ctx: Context, op: OpId) -> Op[GateStatus]:
+    """Reopen only a seal made under token ``op.id`` (another sealer's seal stays)."""
+    reply = yield _seal_eval(
+        ctx, "reopen", DEFAULT_RETRY_AFTER_MS, op, key=op.key_of("reopen"), token=op.id
+    )
     return _decode_status(reply)
 
 
@@ -404,7 +511,9 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
     poison set (each check is one atomic script that also clears stale
     wake-up tokens, so a wake-up can be neither lost nor stale). Usually
     called after :func:`seal`; on an open gate it returns at the first moment
-    nothing is live. Raises InvalidInput for a negative timeout. Round trips:
+    nothing is live. Raises InvalidInput for a negative timeout,
+    StateRolledBack when the gate's version is lower than one this store
+    saw. Round trips:
     one check, plus one blocking read and one check per wake-up.
     """
     timeout_ms = duration_ms("timeout_s", timeout_s, allow_zero=True)
@@ -422,6 +531,7 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
         poison_ids = tuple(r.rest_texts())
         waited = time.monotonic() - start
         remaining = timeout_ms / 1000 - waited
+        ctx.fence.observe(version)
         if live == 0 or remaining <= 0:
             return DrainResult(
                 drained=live == 0,
@@ -437,39 +547,53 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
         yield Cmd(("BLPOP", k.gate_signal, f"{block:.3f}"), key=k.gate_signal, block_s=block)
 
 
-def install(ctx: Context, version: int) -> Op[int]:
+@mutating
+def install(ctx: Context, version: int, *, op_id: str | None = None) -> Op[int]:
     """Install weight ``version``; new leases carry it. Returns the previous version.
 
     Refused, changing nothing (overdue leases aside, which move to the
     poison set), unless the gate is sealed, no lease is live, nothing is
     poisoned and ``version`` is larger than the current one: raises
     StaleVersion, NotDrained or GatePoisoned. Among concurrent installers of
-    one version exactly one succeeds. Idempotent under client retry.
-    InvalidInput before I/O for a negative or non-integer version.
-    One round trip.
+    one version exactly one succeeds. InvalidInput before I/O for a
+    negative or non-integer version; OutcomeUnknown when the reply was lost
+    (call again with its ``op_id``: the first reply, not StaleVersion).
+    StateRolledBack when the version it replaced is lower than one this
+    store saw: the install is done, over a rolled-back state
+    (:func:`weight_update` checks before its body, when nothing is
+    installed yet). One round trip.
     """
     validate.version("version", version)
+    return (yield from _install(ctx, version, ctx.op(op_id, "install")))
+
+
+def _install(ctx: Context, version: int, op: OpId) -> Op[int]:
     k = ctx.keys
-    op_id, op_key = ctx.new_op()
     reply = yield Eval(
         script("gate_install"),
-        (k.gate, k.gate_leases, k.gate_poison, op_key),
+        (k.gate, k.gate_leases, k.gate_poison, op.key),
         (version, ctx.op_ttl_ms),
-        op_id=op_id,
+        op_id=op.id,
     )
     r = Reply(reply, "gate_install")
-    r.raw()  # the installed version
-    return r.int()
+    installed, previous = r.int(), r.int()
+    ctx.fence.observe(previous)
+    ctx.fence.observe(installed)
+    return previous
 
 
-def clear_poison(ctx: Context, lease_ids: Sequence[str], resolution: str) -> Op[list[str]]:
+@mutating
+def clear_poison(
+    ctx: Context, lease_ids: Sequence[str], resolution: str, *, op_id: str | None = None
+) -> Op[list[str]]:
     """Resolve poisoned leases by hand; returns the ids that were poisoned and now are not.
 
     ``resolution`` (1..200 printable characters, e.g. ``aborted`` or
     ``retried-by-operator``) is kept on each lease record for its
     retention. Overdue leases are moved to poison first, so they can be
     cleared in the same call; ids not poisoned are ignored. Raises InvalidId
-    before I/O. Idempotent under client retry. One round trip per 2,000 ids.
+    before I/O, OutcomeUnknown (call again with its ``op_id``: the first
+    reply). One round trip per 2,000 ids.
     """
     ids = validate_ids("lease id", lease_ids)
     validate_id("resolution", resolution)
@@ -481,6 +605,7 @@ def clear_poison(ctx: Context, lease_ids: Sequence[str], resolution: str) -> Op[
         ids,
         lambda op_key, part: (k.gate_leases, k.gate_poison, op_key, *(k.gate_lease(x) for x in part)),
         lambda part: (ctx.op_ttl_ms, resolution, ctx.op_ttl_ms, *part),
+        op=ctx.op(op_id, "clear"),
     )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]
@@ -495,24 +620,26 @@ def lease_records(ctx: Context, lease_ids: Sequence[str]) -> Op[list[LeaseRecord
     replies = yield Batch(tuple(Cmd(("HGETALL", k.gate_lease(x)), key=k.gate_lease(x)) for x in ids))
     out: list[LeaseRecord | None] = []
     for lid, raw in zip(ids, replies, strict=True):
-        h = {f: text(v) for f, v in field_map(raw).items()}
-        if not h:
-            out.append(None)
-            continue
-        out.append(
-            LeaseRecord(
-                lease_id=lid,
-                sid=h.get("sid", ""),
-                holder=h.get("holder", ""),
-                version=int(h.get("version", 0)),
-                admitted_ms=int(h.get("admitted_ms", 0)),
-                deadline_ms=int(h.get("deadline_ms", 0)),
-                outcome=h.get("outcome"),
-                settled_ms=int(h["settled_ms"]) if "settled_ms" in h else None,
-                resolution=h.get("resolution"),
-            )
-        )
+        with stored(k.gate_lease(lid)):
+            out.append(_lease_record(lid, {f: text(v) for f, v in field_map(raw).items()}))
     return out
+
+
+def _lease_record(lid: str, h: dict[str, str]) -> LeaseRecord | None:
+    """A lease hash (HGETALL, decoded) as its record; None when empty (ValueError when malformed)."""
+    if not h:
+        return None
+    return LeaseRecord(
+        lease_id=lid,
+        sid=h.get("sid", ""),
+        holder=h.get("holder", ""),
+        version=int(h.get("version", 0)),
+        admitted_ms=int(h.get("admitted_ms", 0)),
+        deadline_ms=int(h.get("deadline_ms", 0)),
+        outcome=h.get("outcome"),
+        settled_ms=int(h["settled_ms"]) if "settled_ms" in h else None,
+        resolution=h.get("resolution"),
+    )
 
 
 # -- the weight update protocol ---------------------------------------------------------------
@@ -535,27 +662,40 @@ def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[
     (``async with`` on an async store). Before the body runs, the gate must
     drain within ``drain_timeout_s`` with nothing poisoned and ``version``
     must be larger than the current one; otherwise NotDrained, GatePoisoned
-    or StaleVersion is raised and the body does not run. If the body raises,
+    or StaleVersion is raised and the body does not run (StateRolledBack
+    too, when the gate's version is lower than one this store saw). If the body raises,
     the gate is reopened without installing and the error propagates. The
     gate is reopened in every case, unless an operator sealed it (``seal()``
     / ``tracestore gate seal``, before or during the update): that seal
     survives the weight update. A seal left by a crashed weight update is
     taken over and reopened. Run one weight update per run at a time (a
     second one would take over the first one's seal). Yields the
-    :class:`DrainResult`. Validates ``version`` and the timeout before any I/O.
+    :class:`DrainResult`. Validates ``version`` and the timeout before any I/O;
+    the seal itself refuses a ``version`` not larger than the current one
+    (StaleVersion, nothing sealed or written). If the install's reply is
+    lost, OutcomeUnknown names its op id: ``gate.install(version,
+    op_id=err.op_id)`` tells whether it happened (the first reply) or
+    installs now (the body did push the weights).
     """
     validate.version("version", version)
     duration_ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
-    token = new_op_id()
-    mine = yield from _seal_as(ctx, token)
+    op = ctx.op(None, "install")  # its install is the one install(op_id=...) replays
+    try:
+        mine = yield from _seal_as(ctx, op, version)
+    except OutcomeUnknown:
+        # The seal may have happened (an unconfirmed or lost reply): undo it, so
+        # that no admission waits for a weight update that is not running.
+        with contextlib.suppress(TracestoreError):
+            yield from _reopen_as(ctx, op)
+        raise
     try:
         res = yield from drain(ctx, drain_timeout_s)
         _check_drained(res, version)
         yield Body(res)
-        yield from install(ctx, version)
+        yield from guarded(op, _install(ctx, version, op))
     finally:
         if mine:
-            yield from _reopen_as(ctx, token)
+            yield from _reopen_as(ctx, op)
 
 
 class GateMethods:
@@ -578,6 +718,24 @@ class GateMethods:
     clear_poison = op(clear_poison)
     lease_records = op(lease_records)
     weight_update = scoped(weight_update)
+
+    _scope: Context
+
+    @property
+    def seen_version(self) -> int:
+        """The highest gate version this store has seen (0 before any); no I/O."""
+        return self._scope.fence.seen
+
+    def fence(self, version: int) -> None:
+        """Make ``version`` the highest gate version this store has seen; no I/O.
+
+        From then on a reply with a lower version raises StateRolledBack.
+        Lower it to accept a rolled-back state (``fence(err.found)`` after
+        StateRolledBack); raise it in a process that knows the version its
+        engines run (after a restart). InvalidInput for a negative or
+        non-integer version.
+        """
+        self._scope.fence.reset(validate.version("version", version))
 
 
 class Gate(GateMethods, SyncPart[Context]):

@@ -41,6 +41,15 @@ from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, script
 from .validate import duration_ms
 
 OWNER_LOST = "owner-lost"
+#: Default retention of release tombstones (s). A tombstone costs ~90 B on the
+#: run's control-plane primary and ~60 B on the session's data slot: 1 day of
+#: 10 million sessions is ~0.9 GB on that primary (docs/capacity.md). Raise it
+#: for frameworks that reuse session ids after a day.
+TOMBSTONE_RETENTION_S = 86_400
+#: Default retention of release events when no consumer group is left (s).
+EVENT_RETENTION_S = 86_400
+#: Consumer groups idle for longer than this (s) are removed.
+GROUP_IDLE_LIMIT_S = 3_600
 _SWEEPS = 8  # passes over a lost owner's set; it can only shrink once the owner is lost
 
 
@@ -97,8 +106,9 @@ def release_lost_owner(ctx: Context, owner: str) -> Op[tuple[bool, list[str]]]:
         evals = ctx.op_evals(
             "gc_owner_lost",
             sids,
-            lambda op_key, part: (*fixed, op_key, *(k.session(s) for s in part)),
+            lambda op_key, part: (*fixed, op_key, k.stats, *k.session_keys(part)),
             lambda part: (owner, OWNER_LOST, ctx.op_ttl_ms, *part),
+            op=ctx.op(None, "gc"),
             at_least_one=True,  # the deadline check runs even when the owner has no session
         )
         replies = [Reply(r, "gc_owner_lost") for r in (yield Batch(tuple(evals)))]
@@ -134,7 +144,7 @@ def _leftover_data(ctx: Context) -> Op[tuple[list[str], list[str]]]:
     """(released sessions that still have data, sessions with data but no control record)."""
     k = ctx.keys
     keys = yield ScanAll(k.data_pattern)
-    with_data = sorted({sid for key in keys if not key.endswith(":dead") and (sid := k.sid_of_data_key(key))})
+    with_data = sorted({sid for key in keys if k.is_trace_data(key) and (sid := k.sid_of_data_key(key))})
     if not with_data:
         return [], []
     states = yield from session_states(ctx, with_data)
@@ -167,9 +177,9 @@ def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
         # trimmed, an id may be reopened, released and purged again before we delete, and
         # that purge's tombstone must stay (gc_clear_dead deletes only the value read here).
         deads = yield Batch(tuple(Cmd(("GET", k.dead(s)), key=k.dead(s)) for s in sids))
-        op_id, op_key = ctx.new_op()
+        op = ctx.op(None, "gc")
         reply = yield Eval(
-            sc, (k.released, op_key, *(k.session(s) for s in sids)), (cutoff, ctx.op_ttl_ms, *sids), op_id=op_id
+            sc, (k.released, op.key, *k.session_keys(sids)), (cutoff, ctx.op_ttl_ms, *sids), op_id=op.id
         )
         trimmed = [text(x) for x in reply]
         dead_of = {s: d for s, d in zip(sids, deads, strict=True) if d is not None}
@@ -245,9 +255,9 @@ def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_m
 def gc(
     ctx: Context,
     *,
-    tombstone_retention_s: float = 7 * 86400,
-    group_idle_limit_s: float = 3600,
-    event_retention_s: float = 86400,
+    tombstone_retention_s: float = TOMBSTONE_RETENTION_S,
+    group_idle_limit_s: float = GROUP_IDLE_LIMIT_S,
+    event_retention_s: float = EVENT_RETENTION_S,
     scan_data: bool = True,
 ) -> Op[GcReport]:
     """One garbage-collection pass over the run; returns a :class:`GcReport`.

@@ -5,13 +5,17 @@ its ids first and raises :class:`~tracestore.errors.InvalidId` before any I/O.
 
 Control-plane keys of a run share the hash tag ``{R}`` (one slot per run);
 the data keys of a session share ``{R/sid}`` (one slot per session), so every
-script's KEYS land in one slot on a Redis Cluster.
+script's KEYS land in one slot on a Redis Cluster. The run's turn counter is
+sharded by slot: ``{R|<tag>}``, with a 4-character tag chosen so that the
+shard of a session lands in the session's own slot (:func:`slot_tag`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from binascii import crc_hqx
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
 
 from redis.crc import key_slot as _key_slot
 
@@ -22,6 +26,59 @@ from .validate import is_run_id, validate_id, validate_ids, validate_prefix, val
 def key_slot(key: str | bytes) -> int:
     """Redis Cluster hash slot of ``key`` (CRC16 of its hash tag, mod 16384)."""
     return int(_key_slot(key.encode() if isinstance(key, str) else key))
+
+
+#: Hash slots of a Redis Cluster.
+SLOTS = 16384
+#: A session's data keys, by suffix (the tombstone ``dead`` aside).
+_DATA_PARTS = ("idx", "tok", "txt")
+
+
+@cache
+def _tag_basis() -> dict[int, tuple[int, int]]:
+    """Echelon basis of the map from a tag's 16 free bits to its slot bits.
+
+    A tag is 4 bytes ``0x40 | nibble`` ('@'..'O'), so its bytes are affine in
+    16 free bits, and CRC16 (init 0, no final xor) is linear in the bytes of
+    a fixed-length message: ``crc(P + tag) = crc(P + "@@@@") ^ crc(nibbles)``.
+    Returns ``{pivot bit: (slot bits, tag bits)}`` for the 14 slot bits.
+    """
+    basis: dict[int, tuple[int, int]] = {}
+    for j in range(16):
+        t = 1 << j
+        v = crc_hqx(_nibbles(t), 0) & (SLOTS - 1)
+        while v:
+            p = v.bit_length() - 1
+            if p not in basis:
+                basis[p] = (v, t)
+                break
+            bv, bt = basis[p]
+            v, t = v ^ bv, t ^ bt
+    if len(basis) != SLOTS.bit_length() - 1:  # never: CRC16 reaches every slot with 16 bits
+        raise AssertionError("slot tags do not span every slot")
+    return basis
+
+
+def _nibbles(t: int) -> bytes:
+    return bytes((t >> (4 * i)) & 0xF for i in range(4))
+
+
+@lru_cache(maxsize=256)
+def _tag_base(head: str) -> int:
+    return crc_hqx(head.encode() + b"@@@@", 0) & (SLOTS - 1)
+
+
+def slot_tag(head: str, slot: int) -> str:
+    """A 4-character tag (``@``..``O``) such that the hash tag ``head + tag`` lands in ``slot``.
+
+    Solved in closed form (no search): see :func:`_tag_basis`.
+    """
+    v, t = (slot ^ _tag_base(head)) & (SLOTS - 1), 0
+    basis = _tag_basis()
+    while v:
+        bv, bt = basis[v.bit_length() - 1]
+        v, t = v ^ bv, t ^ bt
+    return bytes(0x40 | b for b in _nibbles(t)).decode()
 
 
 def hash_tag(key: str) -> str:
@@ -40,6 +97,16 @@ def same_slot(keys: Iterable[str]) -> bool:
     first = next(it, None)
     if first is None:
         return True
+    start = first.find("{")
+    end = first.find("}", start + 1) if start > -1 else -1
+    if end > start + 1:
+        # Fast path (thousands of keys of one run on a hot path): a key that starts
+        # with the first key's text up to its tag's "}" has the same tag.
+        head = first[: end + 1]
+        rest = list(it)
+        if all(k.startswith(head) for k in rest):
+            return True
+        it = iter(rest)
     tag = hash_tag(first)
     slot: int | None = None
     for k in it:
@@ -57,6 +124,8 @@ class Keys:
 
     prefix: str
     run: str
+    #: Turn counter shard of each slot, made on first use (slot -> key).
+    _shards: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_prefix(self.prefix)
@@ -72,6 +141,11 @@ class Keys:
     def meta(self) -> str:
         """``ts:{R}:meta`` hash: schema version, created, config."""
         return f"{self._c}:meta"
+
+    def session_keys(self, sids: Sequence[str]) -> list[str]:
+        """``ts:{R}:s:<sid>`` of each of ``sids`` (validated in one pass)."""
+        head = f"{self._c}:s:"
+        return [head + s for s in validate_ids("session id", sids)]
 
     def session(self, sid: str) -> str:
         """``ts:{R}:s:<sid>`` hash: owner, state, born, opened_ms, group."""
@@ -95,6 +169,11 @@ class Keys:
     def released(self) -> str:
         """``ts:{R}:released`` zset sid -> released ms (tombstones)."""
         return f"{self._c}:released"
+
+    @property
+    def stats(self) -> str:
+        """``ts:{R}:stats`` hash: the run's exact counters (sessions opened, released...)."""
+        return f"{self._c}:stats"
 
     @property
     def owners_lost(self) -> str:
@@ -216,10 +295,57 @@ class Keys:
         """``ts:{R/sid}:dead`` tombstone written when the session's data is purged."""
         return f"{self._d(sid)}:dead"
 
+    def dead_keys(self, sids: Sequence[str]) -> list[str]:
+        """The data tombstone of each of ``sids`` (validated in one pass)."""
+        head = f"{self.prefix}:{{{self.run}/"
+        return [f"{head}{s}}}:dead" for s in validate_ids("session id", sids)]
+
+    def data_keys_of(self, sids: Sequence[str]) -> list[str]:
+        """:meth:`data_keys` of each of ``sids``, in one list (validated in one pass)."""
+        head = f"{self.prefix}:{{{self.run}/"
+        return [f"{head}{s}}}:{part}" for s in validate_ids("session id", sids) for part in _DATA_PARTS]
+    def data_op(self, sid: str, op_id: str) -> str:
+        """``ts:{R/sid}:op:<op_id>`` string: recorded reply of a data-plane write with a caller's op id."""
+        return f"{self._d(sid)}:op:{validate_id('operation id', op_id)}"
+
+    @staticmethod
+    def is_trace_data(key: str) -> bool:
+        """True for a session's trace keys (``idx``, ``tok``, ``txt``), not its tombstone or op records."""
+        end = key.find("}:")
+        return end > 0 and key[end + 2 :] in ("idx", "tok", "txt")
+
     def data_keys(self, sid: str) -> list[str]:
         """Every data-plane key of ``sid`` except the tombstone (all in one slot)."""
         d = self._d(sid)
-        return [f"{d}:idx", f"{d}:tok", f"{d}:txt"]
+        return [f"{d}:{part}" for part in _DATA_PARTS]
+
+    # -- turn counter shards: slot of the session they count -------------------------
+
+    def turn_shard(self, sid: str) -> str:
+        """``ts:{R|<tag>}:turns``: the run's turn counter shard in the slot of ``sid``'s data.
+
+        ``record_turn`` increments it in the same script that writes the turn
+        (one slot on a cluster); the run's count is the sum over the shards.
+        """
+        return self.turn_shard_of_slot(key_slot(self._d(sid)))
+
+    def turn_shard_of_slot(self, slot: int) -> str:
+        """The turn counter shard of hash slot ``slot`` (0..16383)."""
+        key = self._shards.get(slot)
+        if key is None:
+            head = f"{self.run}|"
+            key = f"{self.prefix}:{{{head}{slot_tag(head, slot)}}}:turns"
+            self._shards[slot] = key
+        return key
+
+    def turn_shards(self) -> list[str]:
+        """Every turn counter shard of the run, one per hash slot (16,384 keys)."""
+        return [self.turn_shard_of_slot(s) for s in range(SLOTS)]
+
+    @property
+    def turn_shard_pattern(self) -> str:
+        """SCAN pattern of the run's turn counter shards."""
+        return f"{self.prefix}:{{{self.run}|*}}:turns"
 
     # -- patterns for SCAN (operators, gc, info) ----------------------------------------
 

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import validate
-from .context import Context
+from .context import Context, OpId, mutating
 from .errors import InvalidInput
 from .purge import purge_sessions
-from .replies import Reply, pairs, text
+from .replies import Reply, pairs, stored, text
 from .run import session_states
 from .scripts import Batch, Cmd, Eval, Op, ScanAll, script
 from .validate import duration_ms, validate_id, validate_ids
@@ -32,40 +32,57 @@ def _dedup(items: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+@mutating
 def open_session(
-    ctx: Context, sid: str, owner: str, *, version: int = 0, group: str | None = None
+    ctx: Context,
+    sid: str,
+    owner: str,
+    *,
+    version: int = 0,
+    group: str | None = None,
+    op_id: str | None = None,
 ) -> Op[int]:
     """Open session ``sid`` owned by ``owner``; returns the open time (server ms).
 
     ``version`` is the weight version at open (``born``); ``group`` an optional
     replay group id. Raises InvalidId (before I/O), SessionExists (already
     open), SessionReleased (the id was released: ids are never reused),
-    OwnerLost (gc declared ``owner`` lost). Idempotent under client retries.
+    OwnerLost (gc declared ``owner`` lost), OutcomeUnknown (reply lost: call
+    again with its ``op_id``). ``op_id``: the caller's idempotency key (see
+    README, "Lost replies"); a call again with it returns the first reply.
     One round trip.
     """
     k = ctx.keys
     validate.version("version", version)
     if group is not None:
         validate_id("group id", group)
-    op_id, op_key = ctx.new_op()
+    op = ctx.op(op_id, "open")
     reply = yield Eval(
         script("open_session"),
-        (k.session(sid), k.owner(owner), k.released, op_key, k.owners_lost),
+        (k.session(sid), k.owner(owner), k.released, op.key, k.owners_lost, k.stats),
         (sid, owner, version, group or "", ctx.op_ttl_ms),
-        op_id=op_id,
+        op_id=op.id,
     )
     return Reply(reply, "open_session").int()
 
 
+@mutating
 def open_sessions(
-    ctx: Context, sids: Sequence[str], owner: str, *, version: int = 0, group: str | None = None
+    ctx: Context,
+    sids: Sequence[str],
+    owner: str,
+    *,
+    version: int = 0,
+    group: str | None = None,
+    op_id: str | None = None,
 ) -> Op[int]:
     """Open many sessions owned by ``owner``; returns how many were opened.
 
     All or nothing per chunk of 4,000 (each chunk is one atomic script that
     checks every id before writing). Raises the errors of :func:`open_session`
     (InvalidId before I/O; a duplicate id in ``sids`` is InvalidInput).
-    Idempotent under client retries. One pipelined round trip.
+    ``op_id``: as :func:`open_session` (one op key per chunk, derived from
+    it). One pipelined round trip.
     """
     k = ctx.keys
     sids = validate_ids("session id", sids)
@@ -80,8 +97,9 @@ def open_sessions(
     evals = ctx.op_evals(
         "open_sessions",
         sids,
-        lambda op_key, part: (okey, k.released, k.owners_lost, op_key, *(k.session(s) for s in part)),
+        lambda op_key, part: (okey, k.released, k.owners_lost, op_key, k.stats, *k.session_keys(part)),
         lambda part: (owner, version, group or "", ctx.op_ttl_ms, *part),
+        op=ctx.op(op_id, "open"),
     )
     yield Batch(tuple(evals))
     return len(sids)
@@ -94,13 +112,17 @@ def owner_of(ctx: Context, sid: str) -> Op[str | None]:
     return st[0] if st is not None and st[1] == "live" else None
 
 
-def transfer(ctx: Context, sids: Sequence[str], from_owner: str, to_owner: str) -> Op[list[str]]:
+@mutating
+def transfer(
+    ctx: Context, sids: Sequence[str], from_owner: str, to_owner: str, *, op_id: str | None = None
+) -> Op[list[str]]:
     """Move the live sessions of ``sids`` that ``from_owner`` owns to ``to_owner``.
 
     Returns the moved ids in input order; sessions owned by someone else,
     released or unknown are left untouched and not returned. Raises InvalidId
-    (before I/O) and OwnerLost (``to_owner`` was declared lost by gc).
-    Idempotent under client retries (one op id per chunk of 4,000). One
+    (before I/O), OwnerLost (``to_owner`` was declared lost by gc) and
+    OutcomeUnknown (call again with its ``op_id``: the first reply, never a
+    second move). One op key per chunk of 4,000, derived from ``op_id``. One
     pipelined round trip.
     """
     k = ctx.keys
@@ -111,31 +133,52 @@ def transfer(ctx: Context, sids: Sequence[str], from_owner: str, to_owner: str) 
     evals = ctx.op_evals(
         "transfer",
         sids,
-        lambda op_key, part: (ofrom, oto, k.owners_lost, op_key, *(k.session(s) for s in part)),
+        lambda op_key, part: (ofrom, oto, k.owners_lost, op_key, *k.session_keys(part)),
         lambda part: (from_owner, to_owner, ctx.op_ttl_ms, *part),
+        op=ctx.op(op_id, "transfer"),
     )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]
 
 
-def release_evals(ctx: Context, sids: Sequence[str], owner: str, reason: str) -> list[Eval]:
-    """The control-plane calls of a release: one ``release`` script per chunk, each with its op id.
+def release_evals(
+    ctx: Context,
+    sids: Sequence[str],
+    owner: str,
+    reason: str,
+    op: OpId,
+    *,
+    at_least_one: bool = False,
+    start: int = 0,
+) -> list[Eval]:
+    """The control-plane calls of a release: one ``release`` script per chunk, each with its op key.
 
-    ``sids`` must be validated already. The op id is drawn here, once per
-    chunk, so a retry of the same Eval by redis-py replays its reply.
+    ``sids`` must be validated already. Chunk ``i`` replays under
+    ``op.key_of(i)``, so a retry (redis-py's, or the caller's with the same
+    ``op_id``) returns its first reply.
     """
     k = ctx.keys
     okey = k.owner(owner)
     return ctx.op_evals(
         "release",
         sids,
-        lambda op_key, part: (okey, k.released, k.events, op_key, *(k.session(s) for s in part)),
+        lambda op_key, part: (okey, k.released, k.events, op_key, k.stats, *k.session_keys(part)),
         lambda part: (owner, reason, ctx.op_ttl_ms, *part),
+        op=op,
+        at_least_one=at_least_one,
+        start=start,
     )
 
 
+@mutating
 def release(
-    ctx: Context, sids: Sequence[str], owner: str, reason: str = "released", *, purge: bool = True
+    ctx: Context,
+    sids: Sequence[str],
+    owner: str,
+    reason: str = "released",
+    *,
+    purge: bool = True,
+    op_id: str | None = None,
 ) -> Op[list[str]]:
     """Release the sessions of ``sids`` that ``owner`` owns; returns the released ids.
 
@@ -148,28 +191,49 @@ def release(
     with SessionReleased. Across all callers and retries each session is
     returned at most once.
 
-    Raises InvalidId (before I/O), StorageError (if the purge fails after the
-    release became final, gc purges the data later; if one chunk of a very
-    large call fails, the chunks that succeeded are final, their events are
-    appended and their ids are not returned, so no id is ever returned
-    twice; gc purges their data). Idempotent under client
-    retries. Two pipelined round trips (release chunks of 4,000, then purge
-    grouped by node); one when nothing was released or ``purge=False``.
+    Raises InvalidId (before I/O) and OutcomeUnknown when a reply was lost
+    (a broken connection, or the purge failed after the release became
+    final): calling again with the same ``sids`` and ``op_id=err.op_id``
+    returns the ids the first call released (its chunks replay their
+    replies; gc purges data a failed purge left). Two pipelined round trips
+    (release chunks of 4,000, then purge grouped by node); one when nothing
+    was released or ``purge=False``.
     """
     sids = _dedup(validate_ids("session id", sids))
     validate_id("owner tag", owner)
     validate_id("reason", reason)
     if not sids:
         return []
-    replies = yield Batch(tuple(release_evals(ctx, sids, owner, reason)))
+    return (yield from _release(ctx, sids, owner, reason, purge, ctx.op(op_id, "release")))
+
+
+def _release(
+    ctx: Context, sids: list[str], owner: str, reason: str, purge: bool, op: OpId, *, probe: bool = False
+) -> Op[list[str]]:
+    """Release validated ``sids`` under ``op``; then purge what was released.
+
+    ``probe`` (release_owner with a caller's op id): ``sids`` is a snapshot
+    the first attempt may have seen larger, so the chunks after the last
+    one are asked for replays too, until one has none (an empty chunk
+    releases nothing).
+    """
+    evals = release_evals(ctx, sids, owner, reason, op, at_least_one=probe)
+    replies = yield Batch(tuple(evals))
     released = [text(x) for r in replies for x in r]
+    n = len(evals)
+    while probe and replies[-1]:
+        (probe_eval,) = release_evals(ctx, [], owner, reason, op, at_least_one=True, start=n)
+        replies = [(yield probe_eval)]
+        released += [text(x) for x in replies[-1]]
+        n += 1
     if purge and released:
         yield from purge_sessions(ctx, released)
     return released
 
 
+@mutating
 def release_owner(
-    ctx: Context, owner: str, reason: str = "released", *, purge: bool = True
+    ctx: Context, owner: str, reason: str = "released", *, purge: bool = True, op_id: str | None = None
 ) -> Op[list[str]]:
     """Release every session ``owner`` owns at the time of the call; returns their ids.
 
@@ -181,14 +245,21 @@ def release_owner(
     take the ids from the client rather than reading the set themselves,
     because a script may only touch keys it receives in KEYS.
 
-    Raises InvalidId (before I/O), StorageError. Idempotent under client
-    retries. Three round trips (SMEMBERS, release, purge).
+    Raises InvalidId (before I/O) and OutcomeUnknown: calling again with
+    its ``op_id`` returns the sessions the first call released (each chunk
+    replays; the first call's snapshot is not re-read, so sessions it had
+    not reached stay owned: release them with a new call). Three round trips (SMEMBERS, release, purge); with a caller's
+    ``op_id``, one more that asks whether the first attempt released
+    further chunks.
     """
     okey = ctx.keys.owner(owner)
     validate_id("reason", reason)
+    op = ctx.op(op_id, "release")
     members = yield Cmd(("SMEMBERS", okey), key=okey)
     sids = sorted(text(m) for m in members)
-    return (yield from release(ctx, sids, owner, reason, purge=purge))
+    if not sids and not op.given:
+        return []
+    return (yield from _release(ctx, sids, owner, reason, purge, op, probe=op.given))
 
 
 def sessions(ctx: Context, owner: str | None = None) -> Op[list[str]]:
@@ -237,8 +308,10 @@ def owners(ctx: Context) -> Op[list[OwnerInfo]]:
             Cmd(("ZRANGE", k.owners_lost, 0, -1, "WITHSCORES"), key=k.owners_lost),
         )
     )
-    deadlines = {text(m): int(float(sc)) for m, sc in pairs(hb)}
-    lost_at = {text(m): int(float(sc)) for m, sc in pairs(lost)}
+    with stored(k.owners):
+        deadlines = {text(m): int(float(sc)) for m, sc in pairs(hb)}
+    with stored(k.owners_lost):
+        lost_at = {text(m): int(float(sc)) for m, sc in pairs(lost)}
     names = sorted(tags | set(deadlines) | set(lost_at))
     if not names:
         return []
@@ -257,17 +330,63 @@ class Heartbeat:
     deadline_ms: int
 
 
-def heartbeat(ctx: Context, owner: str, ttl_s: float) -> Op[Heartbeat]:
+@mutating
+def heartbeat(ctx: Context, owner: str, ttl_s: float, *, op_id: str | None = None) -> Op[Heartbeat]:
     """Record that ``owner`` is alive for ``ttl_s`` more seconds (server clock).
 
     Once an owner has heart-beat, ``gc`` releases its sessions (reason
     ``owner-lost``) when a deadline passes without a new heartbeat, and marks
     it lost. Raises InvalidId/InvalidInput (before I/O) and OwnerLost when gc
     already declared this owner lost: its sessions stay released, and the
-    process must continue under a new owner tag. One round trip.
+    process must continue under a new owner tag. A heartbeat records no
+    reply: calling again (after an OutcomeUnknown, whose ``op_id`` it names)
+    only moves the deadline to ``ttl_s`` from then, which is what a caller
+    retrying a heartbeat wants. One round trip.
     """
     k = ctx.keys
     validate_id("owner tag", owner)
     ttl_ms = duration_ms("ttl_s", ttl_s)
-    reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, ttl_ms))
+    op = ctx.op(op_id, "heartbeat")
+    reply = yield Eval(script("heartbeat"), (k.owners, k.owners_lost), (owner, ttl_ms), op_id=op.id)
+    heartbeating(ctx).add(owner)
     return Heartbeat(owner, Reply(reply, "heartbeat").int())
+
+
+def heartbeating(ctx: Context) -> set[str]:
+    """The owner tags this client heart-beat for (deregistered when it closes)."""
+    tags: set[str] = ctx.caches.setdefault("heartbeats", set())
+    return tags
+
+
+def deregister(ctx: Context, owner: str) -> Op[bool]:
+    """Say that ``owner`` is done: drop its heartbeat, so gc never declares it lost.
+
+    Returns True when the owner has no heartbeat any more. Refused (False,
+    heartbeat kept) while the owner still owns sessions: if its process does
+    not come back, gc must release them when the deadline passes. A store
+    deregisters the tags it heart-beat for when it closes. Raises InvalidId
+    before I/O. Idempotent. One round trip.
+    """
+    k = ctx.keys
+    okey = k.owner(owner)
+    reply = yield Eval(script("owner_done"), (k.owners, okey), (owner,))
+    done = Reply(reply, "owner_done").flag()
+    if done:
+        heartbeating(ctx).discard(owner)
+    return done
+
+
+def deregister_all(ctx: Context) -> Op[list[str]]:
+    """Deregister every owner tag this client heart-beat for; returns those kept (they own sessions).
+
+    One pipelined round trip (none when the client never heart-beat).
+    """
+    k = ctx.keys
+    tags = sorted(heartbeating(ctx))
+    if not tags:
+        return []
+    sc = script("owner_done")
+    replies = yield Batch(tuple(Eval(sc, (k.owners, k.owner(t)), (t,)) for t in tags))
+    kept = [t for t, r in zip(tags, replies, strict=True) if not Reply(r, "owner_done").flag()]
+    heartbeating(ctx).intersection_update(kept)
+    return kept

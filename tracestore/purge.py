@@ -42,11 +42,14 @@ def purge_cmds(ctx: Context, sids: Sequence[str], now_ms: int) -> list[Cmd]:
     else:
         groups = [list(sids)]
     out: list[Cmd] = []
+    stamp = str(now_ms)
     for group in groups:
         for part in chunks(group, PURGE_CHUNK):
-            deads = [k.dead(s) for s in part]
-            out.append(Cmd(("MSET", *(x for d in deads for x in (d, now_ms))), key=deads[0]))
-            out.append(Cmd(("UNLINK", *(dk for s in part for dk in k.data_keys(s))), key=deads[0]))
+            deads = k.dead_keys(part)
+            mset: list[str] = [stamp] * (2 * len(deads))
+            mset[::2] = deads
+            out.append(Cmd(("MSET", *mset), key=deads[0]))
+            out.append(Cmd(("UNLINK", *k.data_keys_of(part)), key=deads[0]))
     return out
 
 

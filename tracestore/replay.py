@@ -36,6 +36,8 @@ few rounds; the loop is bounded.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,10 +46,10 @@ from typing import Any
 import orjson
 
 from . import validate
-from .context import Context
-from .errors import InvalidInput, ScriptError
+from .context import Context, OpId, mutating
+from .errors import CorruptData, InvalidInput, ScriptError
 from .purge import purge_sessions
-from .replies import Reply, field_map, pairs, text
+from .replies import Reply, field_map, pairs, stored, text
 from .scripts import Batch, Cmd, Eval, Op, script
 from .twin import AsyncPart, SyncPart, op
 from .validate import int_in, one_of, validate_id, validate_ids
@@ -195,52 +197,72 @@ def _cutoff(current_version: int | None, max_staleness: int | None) -> str:
     return str(current_version - max_staleness)
 
 
-def _decode_groups(task: str, r: Reply) -> list[Group]:
+def _decode_groups(ctx: Context, task: str, r: Reply) -> list[Group]:
     """A count ``m``, then ``m`` groups of 7 fields (gid, status, sids, min_version, seq, retryable, payload)."""
     out = []
     for _ in range(r.int()):
         gid, status, sids, minv, seq, retryable, payload = r.take(7)
-        out.append(
-            Group(
-                gid=text(gid),
-                task=task,
-                sids=tuple(orjson.loads(sids)),
-                status=text(status),
-                min_version=int(minv),
-                retryable=text(retryable) == "1",
-                payload=orjson.loads(payload),
-                seq=int(seq),
-            )
-        )
+        gid = text(gid)
+        out.append(_group(ctx.keys.rb_group(gid), gid, task, status, sids, minv, seq, retryable, payload))
     return out
 
 
-def group_from_hash(gid: str, h: Any) -> Group:
-    """Decode a ``ts:{R}:rb:g:<gid>`` hash (HGETALL reply: a dict or a flat list)."""
+def group_from_hash(key: str, gid: str, h: Any) -> Group:
+    """Decode the ``ts:{R}:rb:g:<gid>`` hash at ``key`` (HGETALL reply); CorruptData when malformed."""
     f = field_map(h)
-    return Group(
-        gid=gid,
-        task=text(f["task"]),
-        sids=tuple(orjson.loads(f["sids"])),
-        status=text(f["status"]),
-        min_version=int(f["min_version"]),
-        retryable=text(f.get("retryable", "0")) == "1",
-        payload=orjson.loads(f.get("payload", b"{}")),
-        seq=int(f["seq"]),
+    return _group(
+        key, gid, f.get("task"), f.get("status"), f.get("sids"), f.get("min_version"), f.get("seq"),
+        f.get("retryable", b"0"), f.get("payload", b"{}"),
     )
+
+
+def _present(value: Any) -> Any:
+    if value is None:
+        raise ValueError("missing")
+    return value
+
+
+def _group(key: str, gid: str, task: Any, status: Any, sids: Any, minv: Any, seq: Any, retryable: Any,
+           payload: Any) -> Group:
+    """A Group from its stored fields; CorruptData naming ``key`` and the field that is malformed."""
+    field_name = "task"
+    try:
+        task = text(_present(task))
+        field_name = "status"
+        status = text(_present(status))
+        if status not in STORED_STATUSES:
+            raise ValueError(f"{status!r:.40} is not a stored status")
+        field_name = "sids"
+        ids = orjson.loads(_present(sids))
+        if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids):
+            raise ValueError("not a JSON list of session ids")
+        field_name = "min_version"
+        v = int(_present(minv))
+        field_name = "seq"
+        n = int(_present(seq))
+        field_name = "payload"
+        body = orjson.loads(payload)
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        field_name = "retryable"
+        flag = text(retryable) == "1"
+    except (ValueError, TypeError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise CorruptData(key, f"{type(exc).__name__}: {exc}", field_name) from None
+    return Group(gid=gid, task=task, sids=tuple(ids), status=status, min_version=v, retryable=flag,
+                 payload=body, seq=n)
 
 
 # -- the NEED protocol ----------------------------------------------------------------------------
 
 
 def _with_keys(
-    ctx: Context, name: str, fixed_keys: tuple[str, ...], fixed_args: tuple[Any, ...], op_id: str
+    ctx: Context, name: str, fixed_keys: tuple[str, ...], fixed_args: tuple[Any, ...], op: OpId
 ) -> Op[list[Any]]:
     """Call a planning script until it stops answering NEED; return its final reply.
 
     The gids and sids named by NEED are accumulated and passed as the KEYS
     tail (group keys, then session keys) with their ids in ARGV. The op key
-    of ``op_id`` is part of ``fixed_keys``: NEED replies are not recorded, so
+    of ``op`` is part of ``fixed_keys``: NEED replies are not recorded, so
     every round may carry the same op id, and a retried final round replays
     its reply.
     """
@@ -251,7 +273,7 @@ def _with_keys(
     for _ in range(MAX_ROUNDS):
         keys = fixed_keys + tuple(k.rb_group(g) for g in gids) + tuple(k.session(s) for s in sids)
         args = fixed_args + (len(gids), *gids, len(sids), *sids)
-        reply = yield Eval(sc, keys, args, op_id=op_id)
+        reply = yield Eval(sc, keys, args, op_id=op.id)
         if text(reply[0]) != "NEED":
             return list(reply)
         r = Reply(reply, name)
@@ -268,7 +290,8 @@ def _with_keys(
 # -- operations ------------------------------------------------------------------------------------
 
 
-def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
+@mutating
+def put(ctx: Context, group: Group, owner: str, *, op_id: str | None = None) -> Op[PutResult]:
     """Store ``group`` and move its sessions from ``owner`` to the buffer, atomically.
 
     A ``failed`` or ``filtered`` group is not stored: its sessions are
@@ -277,8 +300,9 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
     status, payload not a dict, over the size limit, duplicate or no sids,
     min_version out of 0..2**21-1), GroupExists (gid already stored),
     NotOwner (a session is not live or not owned by ``owner``),
-    SessionReleased. Idempotent under client retries. One round trip (two
-    when sessions are released).
+    SessionReleased; OutcomeUnknown when the reply was lost (call again
+    with its ``op_id``: the first reply, not GroupExists). One round trip
+    (two when sessions are released).
     """
     k = ctx.keys
     if not isinstance(group, Group):
@@ -296,7 +320,7 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
         raise InvalidInput("retryable", f"must be a bool, got {group.retryable!r}")
     payload = _payload(ctx, group.payload)
     validate_id("owner tag", owner)
-    op_id, op_key = ctx.new_op()
+    op = ctx.op(op_id, "put")
     keys = (
         k.rb_group(gid),
         k.rb_queue(task, status),
@@ -309,7 +333,8 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
         k.owner(REPLAY_OWNER),
         k.released,
         k.events,
-        op_key,
+        op.key,
+        k.stats,
         *(k.session(s) for s in sids),
     )
     args = (
@@ -325,7 +350,7 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
         ctx.op_ttl_ms,
         *sids,
     )
-    r = Reply((yield Eval(script("rb_put"), keys, args, op_id=op_id)), "rb_put")
+    r = Reply((yield Eval(script("rb_put"), keys, args, op_id=op.id)), "rb_put")
     stored, seq = r.flag(), r.raw()
     if stored:
         return PutResult(gid, True, int(seq))
@@ -334,6 +359,7 @@ def put(ctx: Context, group: Group, owner: str) -> Op[PutResult]:
     return PutResult(gid, False, None, released)
 
 
+@mutating
 def take(
     ctx: Context,
     task: str,
@@ -343,6 +369,7 @@ def take(
     current_version: int | None = None,
     policy: str = "fifo",
     max_staleness: int | None = None,
+    op_id: str | None = None,
 ) -> Op[Taken]:
     """Take ``n`` completed groups of ``task`` for ``owner``, all or nothing.
 
@@ -358,8 +385,10 @@ def take(
     groups, which is expired by separate calls first.
 
     Raises InvalidId/InvalidInput before I/O, OwnerLost (gc declared
-    ``owner`` lost). Idempotent under client retries. Two round trips
-    (plan, commit); more under contention or with released sessions.
+    ``owner`` lost), OutcomeUnknown when a reply was lost: calling again
+    with the same arguments and ``op_id=err.op_id`` returns the groups the
+    first call took (its commit replays), never a second take. Two round
+    trips (plan, commit); more under contention or with released sessions.
     """
     k = ctx.keys
     validate_id("task", task)
@@ -368,7 +397,7 @@ def take(
     one_of("policy", policy, ("fifo", "staleness"))
     cutoff = _cutoff(current_version, max_staleness)
     window = min(2 * n + 8, 2 * MAX_TAKE)
-    op_id, op_key = ctx.new_op()
+    op = ctx.op(op_id, "take")
     fixed = (
         k.rb_queue(task, "completed"),
         k.rb_versions(task, "completed"),
@@ -380,18 +409,19 @@ def take(
         k.events,
         k.rb_sids,
         k.rb_bytes,
-        op_key,
+        op.key,
         k.owners_lost,
+        k.stats,
     )
     args = (task, n, cutoff, policy, owner, REPLAY_OWNER, ctx.op_ttl_ms, window, MAX_STALE_IN_TAKE)
     expired: list[str] = []
     released: list[str] = []
-    for _ in range(MAX_ROUNDS):
-        r = Reply((yield from _with_keys(ctx, "rb_take", fixed, args, op_id)), "rb_take")
+    for rnd in range(MAX_ROUNDS):
+        r = Reply((yield from _with_keys(ctx, "rb_take", fixed, args, op)), "rb_take")
         tag = r.text()
         if tag == "EXPIRE_FIRST":
             assert current_version is not None and max_staleness is not None
-            rep = yield from expire(ctx, current_version, max_staleness, task=task)
+            rep = yield from _expire(ctx, cutoff, None, [task], op.sub("x", rnd))
             expired += rep.kept
             released += rep.released_sids
             continue
@@ -401,28 +431,30 @@ def take(
             raise ScriptError("rb_take", f"unexpected reply {r.items[:3]!r}")
         expired += r.counted()
         rel = r.counted()
-        groups = _decode_groups(task, r)
+        groups = _decode_groups(ctx, task, r)
         yield from purge_sessions(ctx, rel)
         released += rel
         return Taken(tuple(groups), tuple(expired), tuple(released))
     raise ScriptError("rb_take", "stale groups keep appearing faster than they can be expired")
 
 
-def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
+@mutating
+def claim_retry(ctx: Context, task: str, n: int, owner: str, *, op_id: str | None = None) -> Op[list[Group]]:
     """Claim up to ``n`` retryable groups of ``task`` (``aborted`` or ``expired``) for a producer.
 
     Oldest put first across both statuses. Their sessions move from the
     buffer to ``owner`` and the groups leave the buffer, atomically; the
     producer continues the rollouts and puts the groups again. Returns the
     claimed groups (possibly fewer than ``n``, or none). Raises
-    InvalidId/InvalidInput before I/O, OwnerLost. Idempotent under client
-    retries. One round trip when nothing is claimable, else two.
+    InvalidId/InvalidInput before I/O, OwnerLost, OutcomeUnknown (call
+    again with its ``op_id``: the groups the first call claimed). One round
+    trip when nothing is claimable, else two.
     """
     k = ctx.keys
     validate_id("task", task)
     validate_id("owner tag", owner)
     int_in("n", n, 1, MAX_TAKE)
-    op_id, op_key = ctx.new_op()
+    op = ctx.op(op_id, "claim")
     fixed = (
         k.rb_queue(task, "aborted"),
         k.rb_versions(task, "aborted"),
@@ -432,16 +464,18 @@ def claim_retry(ctx: Context, task: str, n: int, owner: str) -> Op[list[Group]]:
         k.owner(owner),
         k.rb_sids,
         k.rb_bytes,
-        op_key,
+        op.key,
         k.owners_lost,
+        k.stats,
     )
     window = min(2 * n + 8, 2 * MAX_TAKE)
     args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms, window)
-    r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op_id)), "rb_claim")
+    r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op)), "rb_claim")
     r.raw()  # OK
-    return _decode_groups(task, r)
+    return _decode_groups(ctx, task, r)
 
 
+@mutating
 def expire(
     ctx: Context,
     current_version: int,
@@ -449,6 +483,7 @@ def expire(
     *,
     retryable: bool | None = None,
     task: str | None = None,
+    op_id: str | None = None,
 ) -> Op[ExpireReport]:
     """Expire every completed group with ``current_version - min_version > max_staleness``.
 
@@ -460,21 +495,31 @@ def expire(
     per session, data purged). The order of the remaining groups is
     unchanged. ``task``: only this task (default: every task).
 
-    Raises InvalidId/InvalidInput before I/O. Idempotent under client
-    retries. Per task: two round trips per 1,000 groups, plus the purge.
+    Raises InvalidId/InvalidInput before I/O, OutcomeUnknown (call again
+    with its ``op_id``: each atomic call of the first one replays). Per
+    task: two round trips per 1,000 groups, plus the purge.
     """
-    k = ctx.keys
     cutoff = _cutoff(current_version, max_staleness)
     if retryable is not None and not isinstance(retryable, bool):
         raise InvalidInput("retryable", f"must be None or a bool, got {retryable!r}")
-    keep = "" if retryable is None else str(int(retryable))
     tasks = yield from _tasks(ctx, task)
+    return (yield from _expire(ctx, cutoff, retryable, tasks, ctx.op(op_id, "expire")))
+
+
+def _expire(
+    ctx: Context, cutoff: str, retryable: bool | None, tasks: list[str], op: OpId
+) -> Op[ExpireReport]:
+    """Expire the stale groups of ``tasks`` in calls of 1,000; call ``j`` of task ``t`` replays under its part of ``op``."""
+    k = ctx.keys
+    keep = "" if retryable is None else str(int(retryable))
     kept: list[str] = []
     rel_g: list[str] = []
     rel_s: list[str] = []
     for t in tasks:
-        while True:
-            op_id, op_key = ctx.new_op()
+        # The task's part of the op id: a digest, so that any task name fits in an op id.
+        tag = hashlib.blake2b(t.encode(), digest_size=8).hexdigest()
+        for j in itertools.count():
+            part = op.sub(tag, j)
             fixed = (
                 k.rb_queue(t, "completed"),
                 k.rb_versions(t, "completed"),
@@ -485,10 +530,11 @@ def expire(
                 k.events,
                 k.rb_sids,
                 k.rb_bytes,
-                op_key,
+                part.key,
+                k.stats,
             )
             args = (t, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms)
-            r = Reply((yield from _with_keys(ctx, "rb_expire", fixed, args, op_id)), "rb_expire")
+            r = Reply((yield from _with_keys(ctx, "rb_expire", fixed, args, part)), "rb_expire")
             r.raw()  # OK
             more = r.flag()
             kept += r.counted()
@@ -539,7 +585,8 @@ def stats(ctx: Context, task: str | None = None) -> Op[list[StatusStats]]:
         cmds.append(Cmd(("ZRANGE", k.rb_versions(t, s), 0, 0, "WITHSCORES"), key=k.rb_versions(t, s)))
     cmds.append(Cmd(("HGETALL", k.rb_bytes), key=k.rb_bytes))
     replies = yield Batch(tuple(cmds))
-    nbytes = {f: int(v) for f, v in field_map(replies[-1]).items()}
+    with stored(k.rb_bytes):
+        nbytes = {f: int(v) for f, v in field_map(replies[-1]).items()}
     out = []
     for j, (t, s) in enumerate(cells):
         n = int(replies[2 * j])
@@ -563,7 +610,7 @@ def groups(ctx: Context, task: str, status: str = "completed") -> Op[list[Group]
     if not gids:
         return []
     hashes = yield Batch(tuple(Cmd(("HGETALL", k.rb_group(g)), key=k.rb_group(g)) for g in gids))
-    return [group_from_hash(g, h) for g, h in zip(gids, hashes, strict=True) if h]
+    return [group_from_hash(k.rb_group(g), g, h) for g, h in zip(gids, hashes, strict=True) if h]
 
 
 class ReplayMethods:

@@ -9,16 +9,19 @@ operations read them through these helpers instead of index arithmetic:
   ``r.text()``, ``r.texts(n)``, ``r.counted()`` (a count, then that many
   items), ``r.rest()``;
 * :func:`field_map` and :func:`pairs` — HGETALL, XINFO, ZRANGE WITHSCORES
-  replies (a dict, a flat list or a list of pairs) as pairs or a dict.
+  replies (a dict, a flat list or a list of pairs) as pairs or a dict;
+* :func:`stored` — decode stored values inside it: a value that does not
+  decode (bad UTF-8, JSON or number) raises CorruptData naming its key.
 """
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from .errors import ScriptError
+from .errors import CorruptData, ScriptError, TracestoreError
 
 
 def text(x: Any) -> str:
@@ -114,4 +117,20 @@ class Reply:
         return len(self.items) - self.pos
 
 
-__all__ = ["Reply", "field_map", "pairs", "text"]
+@contextmanager
+def stored(key: str, field: str = "") -> Iterator[None]:
+    """Decode values read from ``key`` inside this block; raise CorruptData (naming it) when one does not.
+
+    Catches what decoding raises (ValueError, including UnicodeDecodeError and
+    orjson's JSONDecodeError; TypeError; KeyError for a missing field); a
+    TracestoreError raised inside passes unchanged.
+    """
+    try:
+        yield
+    except TracestoreError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptData(key, f"{type(exc).__name__}: {exc}", field) from None
+
+
+__all__ = ["Reply", "field_map", "pairs", "stored", "text"]

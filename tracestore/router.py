@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .context import Context
+from .context import Context, mutating
 from .errors import InvalidInput
 from .replies import Reply, text
 from .scripts import Batch, Eval, Op, script
@@ -96,45 +96,49 @@ def _keys(ctx: Context) -> tuple[str, str, str]:
     return (k.route, k.route_load, k.route_retired)
 
 
-def acquire_route(scope: RouteScope, sid: str) -> Op[Route]:
+@mutating
+def acquire_route(scope: RouteScope, sid: str, *, op_id: str | None = None) -> Op[Route]:
     """Route ``sid`` (sticky; least-loaded placement; moved off removed entrypoints).
 
     Returns the :class:`Route` (placement kind, previous entrypoint). Atomic:
     concurrent acquires of one new session all get the same answer. Raises
     SessionRetired for a retired session (HTTP 410 Gone), InvalidId before
-    I/O. A retried call (reply lost) returns its first reply. One round trip.
+    I/O, OutcomeUnknown (call again with its ``op_id``: the first reply).
+    One round trip.
     """
     validate_id("session id", sid)
     ctx = scope.ctx
-    op_id, op_key = ctx.new_op()
+    op = ctx.op(op_id, "route")
     reply = yield Eval(
         script("route_acquire"),
-        (*_keys(ctx), op_key),
+        (*_keys(ctx), op.key),
         (sid, ctx.op_ttl_ms, *scope.entrypoints),
-        op_id=op_id,
+        op_id=op.id,
     )
     r = Reply(reply, "route_acquire")
     entrypoint, how, prev = r.text(), r.text(), r.text()
     return Route(sid, entrypoint, how, prev or None)
 
 
-def acquire(scope: RouteScope, sid: str) -> Op[str]:
+@mutating
+def acquire(scope: RouteScope, sid: str, *, op_id: str | None = None) -> Op[str]:
     """The entrypoint that serves ``sid``: sticky, least-loaded when new.
 
     A session whose entrypoint is not in this router's list moves to one
-    that is. Raises SessionRetired (front ends: 410 Gone) and InvalidId
-    before I/O. One round trip (see :func:`acquire_route`).
+    that is. Raises SessionRetired (front ends: 410 Gone), InvalidId
+    before I/O and OutcomeUnknown (see :func:`acquire_route`). One round trip.
     """
-    route = yield from acquire_route(scope, sid)
+    route = yield from acquire_route(scope, sid, op_id=op_id)
     return route.entrypoint
 
 
-def retire(scope: RouteScope, sids: Sequence[str]) -> Op[list[str]]:
+@mutating
+def retire(scope: RouteScope, sids: Sequence[str], *, op_id: str | None = None) -> Op[list[str]]:
     """Retire sessions: drop their routes and tombstone them for the router's retention.
 
     Returns the sids retired by this call (already retired ones are left as
-    they are); a retried call (reply lost) returns its first reply. Raises
-    InvalidId before I/O. One round trip per 4,000 sids.
+    they are). Raises InvalidId before I/O and OutcomeUnknown (call again
+    with its ``op_id``: the first reply). One round trip per 4,000 sids.
     """
     ids = validate_ids("session id", sids)
     if not ids:
@@ -145,6 +149,7 @@ def retire(scope: RouteScope, sids: Sequence[str]) -> Op[list[str]]:
         ids,
         lambda op_key, part: (*_keys(ctx), op_key),
         lambda part: (scope.retention_ms, ctx.op_ttl_ms, *part),
+        op=ctx.op(op_id, "retire"),
     )
     replies = yield Batch(tuple(evals))
     return [text(x) for r in replies for x in r]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .context import SCHEMA_VERSION, Context
-from .replies import Reply, text
+from .errors import CorruptData
+from .replies import Reply, stored, text
 from .scripts import Batch, Cmd, Eval, Op, ServerTime, script, variadic_evals
 from .validate import validate_ids
 
@@ -38,6 +40,8 @@ def init_run(ctx: Context) -> Op[RunInfo]:
     )
     r = Reply(reply, "init_run")
     schema, created_ms, created = r.int(), r.int(), r.flag()
+    if created_ms < 0:
+        raise CorruptData(ctx.keys.meta, "created_ms is not a number", "created_ms")
     return RunInfo(ctx.keys.run, schema, created_ms, created)
 
 
@@ -59,12 +63,14 @@ def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str
     Raises InvalidId before I/O. One round trip per 4,000 sessions (pipelined).
     """
     sids = validate_ids("session id", sids)
-    evals = variadic_evals("session_states", (), [ctx.keys.session(s) for s in sids])
+    k = ctx.keys
+    evals = variadic_evals("session_states", (k.released,), k.session_keys(sids), (), sids)
     replies = yield Batch(tuple(evals))
     r = Reply([x for part in replies for x in part], "session_states")
     out: dict[str, tuple[str, str] | None] = {}
     for sid in sids:
-        owner, state = r.text(), r.text()
+        with stored(ctx.keys.session(sid), "owner/state"):
+            owner, state = r.text(), r.text()
         out[sid] = (owner, state) if state else None
     return out
 
@@ -93,3 +99,78 @@ def _parse_info(text: str) -> dict[str, str]:
             k, v = line.split(":", 1)
             out[k.strip()] = v.strip()
     return out
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """The run's exact counters (DESIGN section 12), from :func:`stats`.
+
+    Each counter is changed in the same atomic script as the state it counts
+    and never decreases; trimming the event stream or the tombstones (gc)
+    never changes it. ``sessions_released`` and ``release_events`` grow
+    together (one event per released session, in the releasing script).
+    ``groups_expired`` counts every group expiry, kept (status ``expired``)
+    or released; ``groups_claimed`` the groups ``claim_retry`` handed back.
+    ``turns_recorded`` counts the ``record_turn`` calls that wrote a new
+    response node (a retried or repeated turn writes nothing and is not
+    counted); it is kept in one shard per hash slot on the data plane (see
+    :meth:`~tracestore.keys.Keys.turn_shard`) and summed here.
+    """
+
+    sessions_opened: int = 0
+    sessions_released: int = 0
+    release_events: int = 0
+    groups_put: int = 0
+    groups_taken: int = 0
+    groups_expired: int = 0
+    groups_claimed: int = 0
+    turns_recorded: int = 0
+
+    @property
+    def sessions_live(self) -> int:
+        """Sessions opened and not released (live now, whoever owns them)."""
+        return self.sessions_opened - self.sessions_released
+
+
+#: The fields of :class:`RunStats` kept in the hash ``ts:{R}:stats``.
+STATS_FIELDS = (
+    "sessions_opened",
+    "sessions_released",
+    "release_events",
+    "groups_put",
+    "groups_taken",
+    "groups_expired",
+    "groups_claimed",
+)
+#: Turn counter shards read per MGET (standalone).
+_SHARDS_PER_MGET = 4096
+
+
+def _turn_shard_reads(ctx: Context) -> tuple[Cmd, ...]:
+    """Reads of the run's 16,384 turn counter shards: MGETs on a standalone
+    server, one GET per slot (grouped by node into one pipeline) on a cluster."""
+    shards = ctx.keys.turn_shards()
+    if ctx.cluster:
+        return tuple(Cmd(("GET", key), key=key) for key in shards)
+    parts = [shards[i : i + _SHARDS_PER_MGET] for i in range(0, len(shards), _SHARDS_PER_MGET)]
+    return tuple(Cmd(("MGET", *p), key=p[0]) for p in parts)
+
+
+def _sum_shards(replies: list[Any]) -> int:
+    values = [v for r in replies for v in (r if isinstance(r, list) else [r])]
+    return sum(int(v) for v in values if v is not None)
+
+
+def stats(ctx: Context) -> Op[RunStats]:
+    """The run's exact counters as :class:`RunStats`.
+
+    Read without a lock: on a quiet run (no call in flight) the figures are
+    exact; while calls run, each counter lies between its values at the
+    start and at the end of the read, and nothing is ever counted twice or
+    lost. One pipelined round trip (per node on a cluster): the counters'
+    hash and the run's turn counter shards.
+    """
+    k = ctx.keys
+    replies = yield Batch((Cmd(("HMGET", k.stats, *STATS_FIELDS), key=k.stats), *_turn_shard_reads(ctx)))
+    counts = {f: int(v) if v is not None else 0 for f, v in zip(STATS_FIELDS, replies[0], strict=True)}
+    return RunStats(**counts, turns_recorded=_sum_shards(replies[1:]))

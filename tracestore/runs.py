@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .context import Context
-from .errors import RunInUse
+from .errors import PermissionDenied, RunInUse
 from .keys import Keys, key_slot, meta_pattern, run_of_meta_key
 from .ownership import OwnerInfo, owners
 from .replay import REPLAY_OWNER
@@ -52,6 +52,9 @@ class RunSummary:
     control_bytes: int
     #: The server clock when this was read (ms), to show ages.
     server_ms: int
+    #: The run's counters (``store.stats()``): sessions opened and released, ever.
+    sessions_opened: int = 0
+    sessions_released: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,35 @@ class RunDeleted:
     sessions: int
     #: Owners that held live sessions and were overridden with ``force=True``.
     forced_owners: tuple[str, ...] = ()
+    #: Turn counter shards removed (``ts:{R|<tag>}:turns``, one per slot that counted turns).
+    turn_shards: int = 0
 
 
 def run_ids(ctx: Context) -> Op[list[str]]:
-    """Ids of every run under the store's key prefix, sorted (SCAN on every primary)."""
+    """Ids of the runs under the store's key prefix that this user may read, sorted.
+
+    SCAN on every primary finds every run's meta record (SCAN shows every
+    key name, whatever the ACL); a run whose meta record the server's ACL
+    does not let this user read is left out (one EXISTS each, pipelined; one
+    more round trip per run only when some are refused).
+    """
     prefix = ctx.keys.prefix
     keys = yield ScanAll(meta_pattern(prefix), count=1000)
-    return sorted({r for k in keys if (r := run_of_meta_key(k, prefix))})
+    runs = sorted({r for k in keys if (r := run_of_meta_key(k, prefix))})
+    metas = [Keys(prefix, r).meta for r in runs]
+    try:
+        yield Batch(tuple(Cmd(("EXISTS", m), key=m) for m in metas))
+        return runs
+    except PermissionDenied:
+        pass
+    readable = []
+    for run, meta in zip(runs, metas, strict=True):
+        try:
+            yield Cmd(("EXISTS", meta), key=meta)
+        except PermissionDenied:
+            continue
+        readable.append(run)
+    return readable
 
 
 def _i(x: Any) -> int | None:
@@ -94,13 +119,15 @@ def _summary(ctx: Context, run: str, now: int) -> Op[RunSummary]:
         Cmd(("XREVRANGE", k.events, "+", "-", "COUNT", 1), key=k.events),
         Cmd(("HMGET", k.gate, "sealed_ms", "installed_ms"), key=k.gate),
         Cmd(("ZRANGE", k.owners, 0, -1, "WITHSCORES"), key=k.owners),
+        Cmd(("HMGET", k.stats, "sessions_opened", "sessions_released"), key=k.stats),
     )
     sizes = tuple(Cmd(("SCARD", k.owner(t)), key=k.owner(t)) for t in tags)
     mem = tuple(Cmd(("MEMORY", "USAGE", key), key=key) for key in keys)
     replies = yield Batch(head + sizes + mem)
-    created, last_event, gate_ms, beats = replies[:4]
+    h = len(head)
+    created, last_event, gate_ms, beats, counts = replies[:h]
     held = sorted(
-        ((t, int(n)) for t, n in zip(tags, replies[4 : 4 + len(tags)], strict=True) if int(n)),
+        ((t, int(n)) for t, n in zip(tags, replies[h : h + len(tags)], strict=True) if int(n)),
         key=lambda x: (-x[1], x[0]),
     )
     deadlines = [int(float(beats[i + 1])) for i in range(0, len(beats), 2)]
@@ -117,8 +144,10 @@ def _summary(ctx: Context, run: str, now: int) -> Op[RunSummary]:
         heartbeating=sum(1 for d in deadlines if d > now),
         last_activity_ms=max(known) if known else None,
         control_keys=len(keys),
-        control_bytes=sum(int(x or 0) for x in replies[4 + len(tags) :]),
+        control_bytes=sum(int(x or 0) for x in replies[h + len(tags) :]),
         server_ms=now,
+        sessions_opened=_i(counts[0]) or 0,
+        sessions_released=_i(counts[1]) or 0,
     )
 
 
@@ -189,9 +218,10 @@ def delete_run(ctx: Context, *, force: bool = False) -> Op[RunDeleted]:
     data = [key for key in (yield ScanAll(k.data_pattern, count=1000)) if k.sid_of_data_key(key)]
     control = [key for key in (yield ScanAll(k.control_pattern, count=1000)) if k.control_suffix(key)]
     sessions = {k.sid_of_data_key(key) for key in data}
+    # the turn counter's shards by name (all 16,384: no SCAN, and no pattern to trust)
+    shards = _unlink_cmds(k.turn_shards(), ctx.cluster)
     cmds = _unlink_cmds(data, ctx.cluster) + _unlink_cmds([c for c in control if c != k.meta], ctx.cluster)
-    if cmds:
-        yield Batch(tuple(cmds))
+    replies = yield Batch(tuple(shards + cmds))
     if k.meta in control:
         yield Cmd(("UNLINK", k.meta), key=k.meta)
     return RunDeleted(
@@ -200,4 +230,5 @@ def delete_run(ctx: Context, *, force: bool = False) -> Op[RunDeleted]:
         data_keys=len(data),
         sessions=len(sessions),
         forced_owners=tuple(o.owner for o in live),
+        turn_shards=sum(int(r) for r in replies[: len(shards)]),
     )

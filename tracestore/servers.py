@@ -260,7 +260,7 @@ class EmbeddedServer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _launch(self) -> EmbeddedServer:
-        if self._own_dir:
+        if self._own_dir and self.dir is None:  # a killed server keeps its directory
             self.dir = Path(tempfile.mkdtemp(prefix=f"tracestore-{self.port}-"))
         assert self.dir is not None
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -381,17 +381,43 @@ class EmbeddedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the process (crash simulation); the directory is kept."""
+        """SIGKILL the process (crash simulation); the directory is kept (see :meth:`restart`)."""
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGKILL)
+                self.proc.send_signal(signal.SIGKILL)  # kills a paused process too
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def restart(self) -> EmbeddedServer:
+        """Start a killed server again on the same port and directory.
+
+        It finds its data files (RDB, AOF) and, as a cluster node, its
+        ``nodes.conf`` (same node id) there. Raises ServerError while it runs
+        or when it never ran.
+        """
+        if self.proc is not None:
+            raise ServerError(f"server on port {self.port} is still running; kill() it first")
+        if self.dir is None or not self.port:
+            raise ServerError("restart() of a server that never ran; use start()")
+        self.requested_port = self.port
+        return self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP the process: a hung node (connections stay open, nothing is answered)."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused process."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the process (SIGTERM, then SIGKILL) and remove an owned temp dir."""
         if self.proc is not None:
             if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGCONT)  # a paused server must see SIGTERM
                 self.proc.terminate()
                 try:
                     self.proc.wait(timeout=timeout_s)
@@ -425,7 +451,8 @@ class LocalCluster:
     Started from the same binary as :class:`EmbeddedServer`; slots are split
     evenly with ``CLUSTER ADDSLOTSRANGE``, nodes meet each other, replicas
     attach with ``CLUSTER REPLICATE``; ``start`` returns once every node
-    reports ``cluster_state:ok``.
+    reports ``cluster_state:ok`` and every replica is in sync with its primary.
+    ``extra_args`` are given to every node (e.g. ``["--appendonly", "yes"]``).
     """
 
     def __init__(
@@ -437,6 +464,7 @@ class LocalCluster:
         host: str = "127.0.0.1",
         ports: Sequence[int] | None = None,
         startup_timeout_s: float = 30.0,
+        extra_args: Sequence[str] = (),
     ) -> None:
         if primaries < 1:
             raise ServerError("a cluster needs at least one primary")
@@ -456,6 +484,8 @@ class LocalCluster:
                 binary=self.binary,
                 cluster_enabled=True,
                 port=ports[i] if ports else None,
+                # a replica syncs at once (the default waits 5 s for more replicas)
+                extra_args=["--repl-diskless-sync-delay", "0", *extra_args],
             )
             for i in range(n)
         ]
@@ -505,9 +535,161 @@ class LocalCluster:
         finally:
             for c in clients:
                 c.close()
+        if self.replicas:
+            self.wait_replicas_online()
 
-    def _wait(self, ok: Any, what: str) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+    def server_at(self, port: int) -> EmbeddedServer:
+        """The node listening on ``port``."""
+        for s in self.servers:
+            if s.port == port:
+                return s
+        raise ServerError(f"no node of this cluster listens on port {port}")
+
+    def shards(self) -> list[tuple[list[tuple[int, int]], EmbeddedServer, list[EmbeddedServer]]]:
+        """``(slot ranges, primary, replicas)`` per primary that serves slots, as a live node sees it.
+
+        Read from ``CLUSTER NODES`` of the first node that answers (``CLUSTER
+        SLOTS`` hides replicas that never received a write); replicas marked
+        ``fail`` are left out.
+        """
+        for s in self.servers:
+            if not s.running:
+                continue
+            c = s.client(socket_timeout=2.0)
+            try:
+                raw = text(c.execute_command("CLUSTER", "NODES"))
+            except redis.exceptions.RedisError:
+                continue
+            finally:
+                c.close()
+            rows = [line.split() for line in raw.splitlines() if line.strip()]
+            by_id = {r[0]: r for r in rows}
+            out = []
+            for r in rows:
+                flags = r[2].split(",")
+                ranges = [_slot_range(x) for x in r[8:] if not x.startswith("[")]
+                if "master" not in flags or not ranges:
+                    continue
+                reps = [
+                    self.server_at(_node_port(x))
+                    for x in by_id.values()
+                    if x[3] == r[0] and "fail" not in x[2].split(",")
+                ]
+                out.append((ranges, self.server_at(_node_port(r)), reps))
+            return out
+        raise ServerError("no node of the cluster answers CLUSTER NODES")
+
+    def primary_of(self, key: str) -> EmbeddedServer:
+        """The node serving ``key``'s hash slot now (after failovers too)."""
+        from .keys import key_slot
+
+        slot = key_slot(key)
+        for ranges, primary, _ in self.shards():
+            if any(lo <= slot <= hi for lo, hi in ranges):
+                return primary
+        raise ServerError(f"slot {slot} of {key!r} is not covered")
+
+    def replicas_of(self, primary: EmbeddedServer) -> list[EmbeddedServer]:
+        """The replicas of ``primary`` (as CLUSTER SLOTS lists them)."""
+        for _, p, reps in self.shards():
+            if p is primary:
+                return reps
+        return []
+
+    def cut_replica(self, primary: EmbeddedServer) -> EmbeddedServer:
+        """Freeze ``primary``'s replica and drop its link; returns the replica (paused).
+
+        First waits until the replica has every write the primary made so
+        far; then SIGSTOPs it and kills the replication connection on the
+        primary, so the primary's later writes reach no replica (a replica
+        lagging at the moment its primary dies, made deterministic). Resume
+        it with ``resume()``; :meth:`takeover` promotes it.
+        """
+        replicas = self.replicas_of(primary)
+        if not replicas:
+            raise ServerError(f"the primary on port {primary.port} has no replica")
+        replica = replicas[0]
+        pc, rc = primary.client(socket_timeout=2.0), replica.client(socket_timeout=2.0)
+        try:
+            def synced() -> bool:
+                want = int(pc.info("replication")["master_repl_offset"])
+                return int(rc.info("replication").get("slave_repl_offset", -1)) >= want
+
+            self._wait(synced, f"replica {replica.port} in sync with {primary.port}")
+            replica.pause()
+            pc.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        finally:
+            pc.close()
+            rc.close()
+        return replica
+
+    def takeover(self, replica: EmbeddedServer, timeout_s: float | None = None) -> None:
+        """Promote ``replica`` now (``CLUSTER FAILOVER TAKEOVER``: no vote, no agreement of its primary).
+
+        Returns when every running node sees it serving its slots. Whatever
+        its old primary wrote after the replica's last sync is lost: this is
+        the failover to a lagging replica that asynchronous replication allows.
+        """
+        c = replica.client(socket_timeout=2.0)
+        try:
+            c.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        except redis.exceptions.RedisError as exc:
+            raise ServerError(f"takeover by {replica.port} refused: {exc}") from exc
+        finally:
+            c.close()
+
+        def agreed() -> bool:
+            for s in self.servers:
+                if not s.running:
+                    continue
+                sc = s.client(socket_timeout=2.0)
+                try:
+                    rows = [r.split() for r in text(sc.execute_command("CLUSTER", "NODES")).splitlines()]
+                except redis.exceptions.RedisError:
+                    return False
+                finally:
+                    sc.close()
+                me = [r for r in rows if _node_port(r) == replica.port]
+                if not me or "master" not in me[0][2] or len(me[0]) < 9:
+                    return False
+            return True
+
+        self._wait(agreed, f"every node to see {replica.port} as a primary", timeout_s)
+
+    def wait_replicas_online(self, timeout_s: float | None = None) -> None:
+        """Wait until every primary has its replicas in sync and acknowledging.
+
+        Each primary needs as many ``online`` replicas as the cluster was
+        built with (or as ``CLUSTER NODES`` lists, if more): right after a
+        restart the rejoining node is still marked ``fail`` there, so the
+        listing alone would let this return before it has synced. Each of
+        them must also have acknowledged the primary's offset (a ``WAIT``).
+        Raises ServerError on timeout. A WAIT for replicas succeeds once this returns.
+        """
+
+        def online() -> bool:
+            for _, primary, reps in self.shards():
+                if not primary.running:
+                    return False
+                want = max(len(reps), self.replicas)
+                c = primary.client(socket_timeout=2.0)
+                try:
+                    info = c.info("replication")
+                    states = [v.get("state") for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                    if states.count("online") < want:
+                        return False
+                    if want and int(c.execute_command("WAIT", want, 200)) < want:
+                        return False
+                except redis.exceptions.RedisError:
+                    return False
+                finally:
+                    c.close()
+            return True
+
+        self._wait(online, "replicas in sync with their primaries", timeout_s)
+
+    def _wait(self, ok: Any, what: str, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (self.startup_timeout_s if timeout_s is None else timeout_s)
         while not ok():
             if time.monotonic() > deadline:
                 raise ServerError(f"local cluster: timed out waiting for {what}")
@@ -550,6 +732,16 @@ def node_status(host: str, port: int, password: str | None = None) -> dict[str, 
     finally:
         c.close()
     return row
+
+
+def _node_port(row: list[str]) -> int:
+    """Port of a ``CLUSTER NODES`` row (``host:port@bus``)."""
+    return int(row[1].split("@")[0].rsplit(":", 1)[1])
+
+
+def _slot_range(item: str) -> tuple[int, int]:
+    lo, _, hi = item.partition("-")
+    return int(lo), int(hi or lo)
 
 
 def _known_nodes(c: redis.Redis) -> int:

@@ -14,6 +14,7 @@ runs one request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from . import checkpoint as ckpt_ops
@@ -26,6 +27,9 @@ from . import traces as trace_ops
 from ._io import AsyncIO, SyncIO
 from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
+from .durability import OPTION_NAMES as DURABILITY_OPTIONS
+from .durability import Durability
+from .errors import DurabilityUnconfirmed, NotEnoughReplicas, TracestoreError
 from .gate import AsyncGate, Gate
 from .keys import Keys
 from .replay import AsyncReplay, Replay
@@ -34,20 +38,22 @@ from .scripts import Request, registry
 from .twin import AsyncRunner, SyncRunner, op, part, part_factory
 
 
-def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig]:
+def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig, Durability]:
     conn_fields = set(ConnectionOptions.__dataclass_fields__)
     store_fields = set(StoreConfig.__dataclass_fields__)
-    unknown = set(opts) - conn_fields - store_fields
+    unknown = set(opts) - conn_fields - store_fields - set(DURABILITY_OPTIONS)
     if unknown:
         from .errors import ConfigError
 
         raise ConfigError(
             f"unknown option(s) {sorted(unknown)}; connection options: {sorted(conn_fields)}, "
-            f"store options: {sorted(store_fields)}"
+            f"store options: {sorted(store_fields)}, durability options: {list(DURABILITY_OPTIONS)}"
         )
+    durability = Durability.from_options(opts := dict(opts))
     return (
         ConnectionOptions(**{k: v for k, v in opts.items() if k in conn_fields}),
         StoreConfig(**{k: v for k, v in opts.items() if k in store_fields}),
+        durability,
     )
 
 
@@ -90,6 +96,7 @@ class StoreMethods:
     run_ids = op(runs_ops.run_ids)
     list_runs = op(runs_ops.list_runs)
     delete_run = op(runs_ops.delete_run)
+    stats = op(run_ops.stats)
 
     # -- data plane (traces, purge.py) ----------------------------------------------
     lookup = op(trace_ops.lookup)
@@ -111,6 +118,7 @@ class StoreMethods:
     sessions = op(own_ops.sessions)
     owners = op(own_ops.owners)
     heartbeat = op(own_ops.heartbeat)
+    deregister = op(own_ops.deregister)
     gc = op(gc_ops.gc)
     # (end control plane)
 
@@ -170,19 +178,33 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
         """Connect to ``url`` (else ``$TRACESTORE_URL``, else the embedded server).
 
         ``opts`` are :class:`~tracestore.connection.ConnectionOptions` fields
-        (``retries``, ``socket_timeout_s``, ...) and
+        (``retries``, ``socket_timeout_s``, ...),
         :class:`~tracestore.context.StoreConfig` fields (``store_text``,
-        ``cache_bytes``, ...). Raises ConfigError (bad URL/option), InvalidId
-        (bad run or prefix), StorageError (unreachable). Two round trips:
-        cluster detection and the run's meta record (skipped with
-        ``create_run=False``, for tools that only inspect a server).
+        ``cache_bytes``, ...) and the durability level
+        (:class:`~tracestore.durability.Durability`): ``durability="none"|
+        "replicas"|"aof"|"replicas+aof"`` (default ``$TRACESTORE_DURABILITY``,
+        else ``"none"``), ``durability_replicas=1``, ``durability_timeout_s=1.0``;
+        see docs/durability.md. Raises ConfigError (bad URL/option; a
+        durability level the server cannot give: too few replicas, no AOF),
+        InvalidId (bad run or prefix), StorageError (unreachable). Two round
+        trips: cluster detection and the run's meta record (skipped with
+        ``create_run=False``, for tools that only inspect a server), plus one
+        per primary to check a durability level other than ``"none"``.
         """
         keys = Keys(prefix, run)
-        copts, config = _split_opts(opts)
+        copts, config, durability = _split_opts(opts)
         client, cluster, display = sync_client(url, copts)
-        store = cls(SyncIO(client, cluster=cluster), Context(keys, cluster, config), display)
+        io = SyncIO(client, cluster=cluster, durability=durability, opts=copts)
+        store = cls(io, Context(keys, cluster, config), display)
         try:
-            store.init_run() if create_run else store.ping()
+            io.check_durability()
+            if not create_run:
+                store.ping()
+            else:
+                with contextlib.suppress(DurabilityUnconfirmed, NotEnoughReplicas):
+                    # A replica that is down must not stop a connect: the run's meta
+                    # record is written again, idempotently, by any later connect.
+                    store.init_run()
         except BaseException:
             store.close()
             raise
@@ -197,7 +219,17 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
         return self._io.execute(request)
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Deregister the owner tags this store heart-beat for, then close the connection pool.
+
+        A tag that still owns sessions keeps its heartbeat (gc releases them
+        if its process does not come back); the others are dropped, so gc
+        never declares a cleanly closed client lost. A server that cannot be
+        reached at close is not an error here.
+        """
+        try:
+            self.run(own_ops.deregister_all(self._scope))
+        except TracestoreError:
+            pass
         self._io.close()
 
     def __enter__(self) -> TraceStore:
@@ -210,6 +242,11 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
     def redis(self) -> Any:
         """The underlying redis-py client (operators and tests; not needed for the API)."""
         return self._io.client
+
+    @property
+    def durability(self) -> Durability:
+        """What this store's mutating calls wait for (see docs/durability.md)."""
+        return self._io.durability
 
 
 class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
@@ -235,12 +272,18 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
     ) -> AsyncTraceStore:
         """Async counterpart of :meth:`TraceStore.connect` (same arguments and errors)."""
         keys = Keys(prefix, run)
-        copts, config = _split_opts(opts)
+        copts, config, durability = _split_opts(opts)
         await asyncio.to_thread(registry)  # read lua/ once, off the event loop
         client, cluster, display = await async_client(url, copts)
-        store = cls(AsyncIO(client, cluster=cluster), Context(keys, cluster, config), display)
+        io = AsyncIO(client, cluster=cluster, durability=durability, opts=copts)
+        store = cls(io, Context(keys, cluster, config), display)
         try:
-            await (store.init_run() if create_run else store.ping())
+            await io.check_durability()
+            if not create_run:
+                await store.ping()
+            else:
+                with contextlib.suppress(DurabilityUnconfirmed, NotEnoughReplicas):  # see TraceStore.connect
+                    await store.init_run()
         except BaseException:
             await store.close()
             raise
@@ -251,7 +294,11 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
         return await self._io.execute(request)
 
     async def close(self) -> None:
-        """Close the connection pool."""
+        """Async counterpart of :meth:`TraceStore.close` (deregisters, then closes)."""
+        try:
+            await self.run(own_ops.deregister_all(self._scope))
+        except TracestoreError:
+            pass
         await self._io.close()
 
     async def __aenter__(self) -> AsyncTraceStore:
@@ -264,6 +311,11 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
     def redis(self) -> Any:
         """The underlying redis-py asyncio client."""
         return self._io.client
+
+    @property
+    def durability(self) -> Durability:
+        """What this store's mutating calls wait for (see docs/durability.md)."""
+        return self._io.durability
 
 
 def connect(url: str | None = None, run: str = "default", **opts: Any) -> TraceStore:

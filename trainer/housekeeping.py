@@ -2,8 +2,8 @@
 
 These run in the driver process (no Ray needed), except
 :func:`reclaim_lost_worker`, which the learner runs when a rollout worker
-died with the run going on. :func:`store_counts` is the trainer's only read
-below the public API (see its docstring).
+died with the run going on. The counts come from the run's exact counters
+(``store.stats()``), never from what gc trims.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .config import TASK
 
 @dataclass(frozen=True)
 class StoreCounts:
-    """Sessions opened, released (tombstones) and live, and release events, read from the server."""
+    """Sessions opened, released and live, and release events: the run's counters on the server."""
 
     opened: int
     released: int
@@ -30,18 +30,16 @@ class StoreCounts:
 
 
 def store_counts(store: TraceStore) -> StoreCounts:
-    """The run's session counts, from the server (so they hold across a resume).
+    """The run's session counts: its exact counters (``store.stats()``).
 
-    The one place the trainer reads raw Redis (``store.redis``: ZCARD of the
-    release tombstones, XLEN of the release stream), because no public method
-    counts them yet; exact per-run counters (``store.stats()``) replace it.
-    Two round trips plus the owner scan of ``sessions()``.
+    Changed by the scripts that open and release, never by gc trimming the
+    event stream or the tombstones, and carried by the store checkpoint, so
+    they hold across gc during the run and across a resume. One round trip.
     """
-    k = store.keys
-    live = len(store.sessions())
-    released = int(store.redis.zcard(k.released))
-    events = int(store.redis.xlen(k.events))
-    return StoreCounts(opened=live + released, released=released, live=live, events=events)
+    s = store.stats()
+    return StoreCounts(
+        opened=s.sessions_opened, released=s.sessions_released, live=s.sessions_live, events=s.release_events
+    )
 
 
 def reclaim_dead_owners(
@@ -54,13 +52,19 @@ def reclaim_dead_owners(
     resuming trainer knows those holders are dead, so it waits for the
     deadlines and clears the poison (a weight update is refused until then),
     and reopens a gate that a learner killed inside a weight update left sealed.
+    The dead tags' heartbeats are dropped (``deregister``) once they hold
+    nothing, so a later gc does not report them lost a second time.
     Returns sessions released per owner tag, plus ``poisoned leases cleared``
     and ``gate reopened`` when it did those.
     """
     out: dict[str, int] = {}
     for o in store.owners():
-        if o.owner not in keep and o.sessions:
+        if o.owner in keep:
+            continue
+        if o.sessions:
             out[o.owner] = len(store.release_owner(o.owner, "owner-lost"))
+        if o.deadline_ms is not None:  # its process is dead: gc must not find a heartbeat to judge later
+            store.deregister(o.owner)
     deadline = time.monotonic() + lease_ttl_s + 5.0
     st = store.gate.status()
     while st.live and time.monotonic() < deadline:

@@ -15,6 +15,9 @@
 --   oreplay     KEYS: ts:{R}:o:<replay>     replay   ARGV: the buffer's owner tag
 --   to, oto     the taker's owner tag and its owner set (rb_hand_over)
 --   qc, vc, qe, ve, released, events, now, rel_s   (rb_expire_group)
+--   st          the script's counters (lua/_lib/stats.lua): the script flushes
+--               them into ts:{R}:stats at its end (rb_expire_group counts
+--               groups_expired and, through session_release, the releases)
 
 local RB_TWO32 = 4294967296
 
@@ -55,7 +58,12 @@ local function rb_missing(rb, gids, need)
   for i, gid in ipairs(gids) do
     if not rb.gmap[gid] then need.g[#need.g + 1] = gid end
     if js[i] then
-      for _, sid in ipairs(cjson.decode(js[i])) do
+      local ok, sids = pcall(cjson.decode, js[i])
+      if not ok or type(sids) ~= 'table' or not string.find(js[i], '^%s*%[') then
+        need.corrupt = {1, 'CORRUPT', rb.sidskey, gid, 'not a JSON list of session ids'}
+        return
+      end
+      for _, sid in ipairs(sids) do
         if not rb.smap[sid] then need.s[#need.s + 1] = sid end
       end
     end
@@ -73,14 +81,83 @@ end
 -- `need` holds already), or nil when every key is at hand. A NEED names the
 -- whole window cand[1..#cand], so a retry survives other takers removing the head.
 local function rb_need_window(rb, cand, npicked, need)
+  if need.corrupt then return need.corrupt end
   local picked, extra = {}, {}
   for i = 1, #cand do
     if i <= npicked then picked[#picked + 1] = cand[i] else extra[#extra + 1] = cand[i] end
   end
   rb_missing(rb, picked, need)
+  if need.corrupt then return need.corrupt end
   if #need.g == 0 and #need.s == 0 then return nil end
   rb_missing(rb, extra, need)
   return rb_need_reply(need)
+end
+
+-- True when s is valid UTF-8 without surrogates or overlong forms (what the
+-- client's JSON decoder accepts); ASCII is checked with one pattern search.
+local function rb_utf8(s)
+  if not string.find(s, '[\128-\255]') then return true end
+  local i, n = 1, #s
+  while i <= n do
+    local c = string.byte(s, i)
+    local len, lo, hi = 1, 0x80, 0xBF
+    if c < 0x80 then len = 1
+    elseif c >= 0xC2 and c <= 0xDF then len = 2
+    elseif c >= 0xE0 and c <= 0xEF then
+      len = 3
+      if c == 0xE0 then lo = 0xA0 elseif c == 0xED then hi = 0x9F end
+    elseif c >= 0xF0 and c <= 0xF4 then
+      len = 4
+      if c == 0xF0 then lo = 0x90 elseif c == 0xF4 then hi = 0x8F end
+    else return false end
+    for j = i + 1, i + len - 1 do
+      local cc = string.byte(s, j)
+      if not cc or cc < lo or cc > hi then return false end
+      lo, hi = 0x80, 0xBF
+    end
+    i = i + len
+  end
+  return true
+end
+
+-- nil when the stored group gid can be handed to a client that decodes it
+-- (task, status, sids a JSON list of strings, numeric min_version and seq, a
+-- JSON object payload, all valid UTF-8); else the CORRUPT error reply naming
+-- its key and field. Called before any write: a take or expiry never commits
+-- a group the client would fail to decode.
+local function rb_check_group(rb, gid)
+  local gk = rb.gmap[gid]
+  local f = redis.call('HMGET', gk, 'task', 'status', 'sids', 'min_version', 'seq', 'retryable', 'payload')
+  local function bad(field, what) return {1, 'CORRUPT', gk, field, what} end
+  if not f[1] or not rb_utf8(f[1]) then return bad('task', 'missing or not UTF-8') end
+  if f[2] ~= 'completed' and f[2] ~= 'aborted' and f[2] ~= 'expired' then
+    return bad('status', 'not a stored status')
+  end
+  local ok, sids = pcall(cjson.decode, f[3] or '')
+  if not ok or type(sids) ~= 'table' or not string.find(f[3], '^%s*%[') or not rb_utf8(f[3]) then
+    return bad('sids', 'not a JSON list')
+  end
+  for _, sid in ipairs(sids) do
+    if type(sid) ~= 'string' then return bad('sids', 'not a list of session ids') end
+  end
+  if not tonumber(f[4]) then return bad('min_version', 'not a number') end
+  if not tonumber(f[5]) then return bad('seq', 'not a number') end
+  if f[6] and f[6] ~= '0' and f[6] ~= '1' then return bad('retryable', 'not 0 or 1') end
+  local payload = f[7] or '{}'
+  local okp, body = pcall(cjson.decode, payload)
+  if not okp or type(body) ~= 'table' or not string.find(payload, '^%s*{') or not rb_utf8(payload) then
+    return bad('payload', 'not a JSON object')
+  end
+  return nil
+end
+
+-- The first CORRUPT reply of the groups gids[1..n], or nil.
+local function rb_check_groups(rb, gids, n)
+  for i = 1, math.min(n, #gids) do
+    local bad = rb_check_group(rb, gids[i])
+    if bad then return bad end
+  end
+  return nil
 end
 
 -- Stale gids of a version index (min_version < cutoff), oldest first:
@@ -109,6 +186,7 @@ end
 -- released sids to rb.rel_s. Returns true if kept.
 local function rb_expire_group(rb, gid, keep_override)
   local gk = rb.gmap[gid]
+  stats_add(rb.st, 'groups_expired', 1)
   local f = redis.call('HMGET', gk, 'task', 'seq', 'retryable', 'bytes', 'sids')
   local task, seq, bytes = f[1], f[2], tonumber(f[4]) or 0
   local vs = redis.call('ZSCORE', rb.vc, gid)
@@ -124,13 +202,12 @@ local function rb_expire_group(rb, gid, keep_override)
     rb_bytes_add(rb.bkey, 'expired', task, bytes)
     return true
   end
-  local rel = {owner = rb.replay, okey = rb.oreplay, released = rb.released, events = rb.events,
-    reason = 'expired', now = rb.now}
-  for _, sid in ipairs(cjson.decode(f[5])) do
-    if session_release(rb.smap[sid], sid, rel) then
-      rb.rel_s[#rb.rel_s + 1] = sid
-    end
-  end
+  rb.rel = rb.rel or {owner = rb.replay, okey = rb.oreplay, released = rb.released,
+    events = rb.events, reason = 'expired', now = rb.now, st = rb.st}
+  local sids = cjson.decode(f[5])
+  local skeys = {}
+  for i, sid in ipairs(sids) do skeys[i] = rb.smap[sid] end
+  sessions_release(rb.rel, skeys, sids, rb.rel_s)
   redis.call('DEL', gk)
   redis.call('HDEL', rb.sidskey, gid)
   return false

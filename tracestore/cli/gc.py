@@ -16,6 +16,7 @@ import click
 import orjson
 
 from .._table import format_table
+from ..gc import EVENT_RETENTION_S, GROUP_IDLE_LIMIT_S, TOMBSTONE_RETENTION_S
 from ..run import server_ms
 from . import connect, echo_json, guarded, main, run_option, url_option
 
@@ -27,7 +28,7 @@ from . import connect, echo_json, guarded, main, run_option, url_option
     "--tombstone-retention",
     "tombstone_retention_s",
     type=float,
-    default=7 * 86400,
+    default=TOMBSTONE_RETENTION_S,
     show_default=True,
     help="Seconds a released session id stays tombstoned (cannot be reopened).",
 )
@@ -35,7 +36,7 @@ from . import connect, echo_json, guarded, main, run_option, url_option
     "--group-idle-limit",
     "group_idle_limit_s",
     type=float,
-    default=3600,
+    default=GROUP_IDLE_LIMIT_S,
     show_default=True,
     help="Seconds after which an idle consumer group of the event stream (a gone holder) is removed.",
 )
@@ -43,7 +44,7 @@ from . import connect, echo_json, guarded, main, run_option, url_option
     "--event-retention",
     "event_retention_s",
     type=float,
-    default=86400,
+    default=EVENT_RETENTION_S,
     show_default=True,
     help="Seconds of events kept when no consumer group is left.",
 )

@@ -20,10 +20,11 @@ def _owners_cell(owners: tuple[str, ...], limit: int = 3) -> str:
 @click.argument("names", nargs=-1, metavar="[RUN]...")
 @json_option
 def runs_command(url: str | None, names: tuple[str, ...], as_json: bool) -> None:
-    """The runs on the server (or RUN...): created, live sessions, owners, last activity, memory.
+    """The runs on the server (or RUN...): created, live sessions, owners, last activity, memory, counts.
 
     Memory is what the run's control plane (keys ts:{RUN}:*, one hash slot)
-    takes on the server. Times are the server's clock; --json gives them raw
+    takes on the server; opened / released are the run's session counters
+    (`store.stats()`, never changed by gc's trimming). Times are the server's clock; --json gives them raw
     (ms since the epoch). Each run costs a SCAN of its control plane: on a
     standalone server with many runs, name the ones to show.
     """
@@ -47,12 +48,14 @@ def runs_command(url: str | None, names: tuple[str, ...], as_json: bool) -> None
             _owners_cell(r.owners),
             ("heartbeat now" if r.heartbeating else human_time(r.last_activity_ms, r.server_ms)),
             f"{human_bytes(r.control_bytes)} in {r.control_keys} key{'s' if r.control_keys != 1 else ''}",
+            f"{r.sessions_opened} / {r.sessions_released}",
         ]
         for r in runs
     ]
     click.echo(f"runs on {store.url}")
     click.echo(format_table(
-        ["run", "created", "live sessions", "owners", "last activity", "control plane"], rows
+        ["run", "created", "live sessions", "owners", "last activity", "control plane", "opened / released"],
+        rows,
     ))
 
 

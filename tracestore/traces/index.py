@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import InvalidInput, ScriptError
+from ..errors import CorruptData, InvalidInput
 from ..nodecache import NodeCache
 from ..replies import pairs, text
 from .types import Node
@@ -46,29 +46,37 @@ def node_id(key_text: str) -> str:
 class SessionIndex:
     """Immutable snapshot of a session index at one version (cached per session)."""
 
-    __slots__ = ("epoch", "version", "nodes", "ends")
+    __slots__ = ("epoch", "version", "nodes", "ends", "key")
 
-    def __init__(self, epoch: str, version: int, nodes: dict[str, Node]) -> None:
+    def __init__(self, epoch: str, version: int, nodes: dict[str, Node], key: str = "") -> None:
         self.epoch = epoch
         self.version = version
         self.nodes = nodes
         self.ends = sorted({n.end for n in nodes.values()})
+        self.key = key  # the idx key it was read from (named by CorruptData)
 
     @classmethod
-    def from_pairs(cls, epoch: str, version: int, flat: Sequence[Any]) -> SessionIndex:
-        """The snapshot of an ``idx`` hash read as ``[field, value, ...]`` (``#`` fields skipped)."""
+    def from_pairs(cls, epoch: str, version: int, flat: Sequence[Any], key: str) -> SessionIndex:
+        """The snapshot of the ``idx`` hash ``key`` read as ``[field, value, ...]`` (``#`` fields skipped).
+
+        Raises CorruptData naming ``key`` and the field when a record is malformed.
+        """
         nodes: dict[str, Node] = {}
         for f, v in pairs(flat):
-            digest = text(f)
-            if not digest.startswith("#"):
-                nodes[digest] = Node.parse(digest, text(v))
-        return cls(epoch, version, nodes)
+            digest = "?"
+            try:
+                digest = text(f)
+                if not digest.startswith("#"):
+                    nodes[digest] = Node.parse(digest, text(v))
+            except ValueError as exc:  # (UnicodeDecodeError too)
+                raise CorruptData(key, f"malformed index record ({exc})", digest) from None
+        return cls(epoch, version, nodes, key)
 
     def with_nodes(self, epoch: str, version: int, new: Sequence[Node]) -> SessionIndex:
         """A new snapshot with ``new`` nodes added (this one is never changed)."""
         nodes = dict(self.nodes)
         nodes.update((n.id, n) for n in new)
-        return SessionIndex(epoch, version, nodes)
+        return SessionIndex(epoch, version, nodes, self.key)
 
     @property
     def nbytes(self) -> int:
@@ -107,13 +115,19 @@ class SessionIndex:
         return best, best_h
 
     def path(self, node: Node | None) -> list[Node]:
-        """The nodes from the root to ``node`` (empty for None); ScriptError on a cycle."""
+        """The nodes from the root to ``node`` (empty for None).
+
+        CorruptData (naming the idx key and the node) when a parent is not
+        stored or the parents form a cycle.
+        """
         out: list[Node] = []
         while node is not None:
             out.append(node)
-            node = self.nodes.get(node.parent) if node.parent else None
+            if node.parent and node.parent not in self.nodes:
+                raise CorruptData(self.key or "session index", f"parent {node.parent} is not stored", node.id)
+            node = self.nodes[node.parent] if node.parent else None
             if len(out) > len(self.nodes):
-                raise ScriptError("read_index", "cycle in a session index")
+                raise CorruptData(self.key or "session index", "the parents form a cycle", out[-1].id)
         out.reverse()
         return out
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import codec, replies
 from ..context import Context
-from ..errors import InvalidInput, PromptMismatch, SessionReleased
+from ..errors import CorruptData, InvalidInput, PromptMismatch, SessionReleased
 from ..nodecache import node_cache
 from ..replies import Reply
 from ..scripts import Cmd, Eval, Op, script
@@ -53,12 +53,14 @@ def read_path(
     if dead:
         cache.discard(idx_key(sid))
         raise SessionReleased(sid, "its trace data was purged")
+    if version < 0:
+        raise CorruptData(k.idx(sid), "the index version is not a number", "#v")
     got: dict[str, bytes] = {}
     for digest, data in zip(want, r.rest(), strict=True):
         if snap is not None and snap.epoch == epoch and data != b"":
             got[digest] = as_bytes(data)
     if changed:
-        snap = SessionIndex.from_pairs(epoch, version, index_pairs)
+        snap = SessionIndex.from_pairs(epoch, version, index_pairs, k.idx(sid))
         cache.put(idx_key(sid), snap, snap.nbytes)
     assert snap is not None
     for digest, data in got.items():  # came over the wire: cache them
@@ -81,6 +83,12 @@ def read_path(
                 raise SessionReleased(sid, "its trace data was purged during the read")
             got[digest] = as_bytes(data)
             cache_payload(cache, sid, epoch, digest, got[digest])
+    for n in path:  # a payload of another size would decode to wrong tokens
+        if n.flags & ~codec.KNOWN_FLAGS or len(got[n.id]) != codec.payload_size(n.ntok, n.flags):
+            cache.discard(idx_key(sid))
+            raise CorruptData(
+                k.tok(sid), f"{len(got[n.id])} bytes do not hold {n.ntok} tokens with flags {n.flags}", n.id
+            )
     return snap, path, got
 
 
@@ -216,7 +224,10 @@ def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[Pro
         for t in texts:
             if t is None:
                 continue
-            seg = replies.text(t)
+            try:
+                seg = replies.text(t)
+            except UnicodeDecodeError:
+                raise CorruptData(ctx.keys.txt(sid), "node text is not UTF-8") from None
             lcp = 0
             for a, b in zip(seg, rest, strict=False):
                 if a != b:

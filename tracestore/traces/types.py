@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import codec
-from ..errors import ScriptError
 
 
 @dataclass(frozen=True)
@@ -43,22 +42,12 @@ class Node:
 
     @classmethod
     def parse(cls, digest: str, record: str) -> Node:
-        """Decode an index record; raise ScriptError on a malformed one."""
-        try:
-            parent, end, ntok, flags, version, expert_key = record.split(",", 5)
-            return cls(
-                digest,
-                parent or None,
-                int(end),
-                int(ntok),
-                int(flags),
-                int(version),
-                expert_key or None,
-            )
-        except ValueError:
-            raise ScriptError(
-                "read_index", f"malformed index record {record!r} of {digest}"
-            ) from None
+        """Decode an index record; raise ValueError on a malformed one."""
+        parent, end, ntok, flags, version, expert_key = record.split(",", 5)
+        node = cls(digest, parent or None, int(end), int(ntok), int(flags), int(version), expert_key or None)
+        if node.end < 0 or node.ntok < 0 or node.version < 0:
+            raise ValueError("negative end, token count or version")
+        return node
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import codec, validate
-from ..context import Context
+from ..context import Context, mutating
 from ..errors import InvalidInput, ScriptError
 from ..nodecache import node_cache
 from ..replies import Reply
@@ -56,6 +56,35 @@ def _expert_key(field_name: str, v: object) -> str | None:
         )
     utf8(field_name, v)
     return v
+
+
+#: Why a turn's expert keys must agree with each other and with the stored path.
+_ALL_OR_NONE = (
+    "every node on a session's path carries an expert key or none does "
+    "(export_training_trace refuses a mix, and stored nodes cannot change)"
+)
+
+
+def _check_expert_keys(
+    parent: Node | None, first: str | None, last: str | None, field_name: str = "response_expert_key"
+) -> None:
+    """Refuse new nodes whose expert keys would make the path unexportable (a mix of keyed and unkeyed).
+
+    ``first``/``last``: the expert keys of the first and last new node (the
+    delta and the response of a turn, or one node twice); ``parent``: the
+    stored node they hang under (its path is all-or-none already);
+    ``field_name`` names the last node's key in the error.
+    """
+    if (first is None) != (last is None):
+        missing = "delta_expert_key" if first is None else "response_expert_key"
+        raise InvalidInput(missing, f"missing while the other node of the turn has one; {_ALL_OR_NONE}")
+    if parent is not None and (parent.expert_key is None) != (last is None):
+        has = "has" if parent.expert_key is not None else "has no"
+        raise InvalidInput(
+            field_name,
+            f"{'missing' if last is None else 'given'} but the stored prefix node {parent.id} {has} "
+            f"expert key; {_ALL_OR_NONE}",
+        )
 
 
 def _check_size(ctx: Context, field_name: str, payload: bytes) -> None:
@@ -133,6 +162,7 @@ def _check_turn(
         raise InvalidInput("prefix", "node and text_len disagree")
     if dkey is not None and not d_ids:
         raise InvalidInput("delta_expert_key", "given for an empty delta")
+    _check_expert_keys(prefix.node, dkey if d_ids else rkey, rkey)
     if d_ids and start == len(prompt_text):
         raise InvalidInput(
             "delta_token_ids", "non-empty, but the prompt adds no text after the prefix"
@@ -195,7 +225,7 @@ def _after_write(
         snap = snap.with_nodes(epoch, after, [x.node for x in new])
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif before == 0 and after > 0:  # we wrote the first nodes: we know the whole index
-        snap = SessionIndex(epoch, after, {x.node.id: x.node for x in new})
+        snap = SessionIndex(epoch, after, {x.node.id: x.node for x in new}, ctx.keys.idx(sid))
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif snap is not None and (snap.epoch != epoch or snap.version != after):
         cache.discard(idx_key(sid))
@@ -206,6 +236,7 @@ def _after_write(
 # -- operations --------------------------------------------------------------------------------
 
 
+@mutating
 def record_turn(
     ctx: Context,
     sid: str,
@@ -219,6 +250,7 @@ def record_turn(
     version: int,
     delta_expert_key: str | None = None,
     response_expert_key: str | None = None,
+    op_id: str | None = None,
 ) -> Op[Turn]:
     """Record one turn atomically: the delta node and the response node.
 
@@ -237,7 +269,11 @@ def record_turn(
     the prompt, an empty response text, a version outside 0..2**53-1). From
     the script, with nothing written: SessionReleased (data purged),
     InvalidInput('prefix') (prefix node not stored), NodeConflict (a node
-    exists with another payload).
+    exists with another payload); OutcomeUnknown when the reply was lost.
+    Recording the same turn again is always safe (nodes are immutable);
+    with a caller's ``op_id`` the first reply is also recorded (in the
+    session's slot, for ``op_ttl_s``), so a call again with it returns the
+    first :class:`Turn` (its ``written`` count) even after a release.
 
     Round trips: 1. Only the new tokens and new text travel; the prompt does not.
     """
@@ -252,9 +288,12 @@ def record_turn(
     args: list[Any] = [sid, 1 if ctx.config.store_text else 0, len(new)]
     for x in new:
         args.extend(x.args(ctx.config.store_text))
-    reply = yield Eval(
-        script("record_turn"), (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid)), tuple(args)
-    )
+    keys: tuple[str, ...] = (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid), k.turn_shard(sid))
+    op = ctx.op(op_id, "turn")
+    if op.given:  # a caller's op id: record the reply (without one, content replays suffice)
+        keys += (k.data_op(sid, op.id),)
+        args.append(ctx.op_ttl_ms)
+    reply = yield Eval(script("record_turn"), keys, tuple(args), op_id=op.id)
     r = Reply(reply, "record_turn")
     epoch, before, after = r.text(), r.int(), r.int()
     _after_write(ctx, sid, epoch, before, after, new)
@@ -331,6 +370,9 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
                 "segment.text",
                 f"must equal the key after its parent's end (char {start}): {text[:WINDOW]!r}...",
             )
+        if existing is None:
+            parent_node = snap.nodes.get(parent_id) if parent_id else None
+            _check_expert_keys(parent_node, ekey, ekey, "segment.expert_key")
         new = _NewNode(Node(digest, parent_id, len(key_text), len(ids), flags, v, ekey), payload, text)
         store_text = ctx.config.store_text
         reply = yield Eval(
