@@ -10,7 +10,14 @@ from typing import Any, ParamSpec, TypeVar
 
 import orjson
 
-from .errors import ConfigError, NotEnoughReplicas, OutcomeUnknown, ScriptError, StateRolledBack, StorageError
+from .errors import (
+    ConfigError,
+    NotEnoughReplicas,
+    OutcomeUnknown,
+    ScriptError,
+    StateRolledBack,
+    StorageError,
+)
 from .keys import Keys
 from .scripts import Batch, Eval, Op, chunks, new_op_id, script
 from .validate import validate_op_id
