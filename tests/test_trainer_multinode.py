@@ -43,7 +43,7 @@ from tests.test_trainer_e2e import FAST
 from tracestore import TraceStore
 from tracestore.cli import main as cli
 from tracestore.cli.train import train_command
-from tracestore.trainer.actors import ConfigError, plan, unreachable_from
+from tracestore.trainer.actors import ConfigError, kill, plan, remote, unreachable_from
 from tracestore.trainer.checkpoint import load_state
 from tracestore.trainer.config import TrainConfig
 from tracestore.trainer.loop import run
@@ -152,6 +152,29 @@ def test_placement_and_reachability_are_checked_before_anything_starts(
     with pytest.raises(ConfigError, match="puts 2 on .* which cannot hold 2 x --worker-resources 'rollout=1'"):
         plan(_cfg(nodes, cluster_url, tmp_path, workers=4))
     assert set(plan(_cfg(nodes, cluster_url, tmp_path, placement="pack")).workers.values()) == {None}
+
+
+def test_the_drivers_durability_level_reaches_the_roles_on_other_nodes(
+    nodes: Nodes, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role's process inherits its node's ``ray start`` environment, not the driver's.
+
+    The nodes of this cluster were started before the variable was set (as
+    a ``TRACESTORE_DURABILITY`` exported only where ``tracestore train``
+    runs): the learner, on another node, still connects with that level.
+    """
+
+    class Env:  # local: Ray ships it by value (a worker cannot import this test module)
+        def get(self, name: str) -> str | None:
+            return os.environ.get(name)
+
+    monkeypatch.setenv("TRACESTORE_DURABILITY", "replicas")
+    p = plan(_cfg(nodes, None, tmp_path))
+    h = remote(Env, 1, **p.learner_options()).remote()
+    try:
+        assert ray.get(h.get.remote("TRACESTORE_DURABILITY"), timeout=120) == "replicas"
+    finally:
+        kill([h])
 
 
 def test_disaggregated_run_over_three_nodes_leaves_every_object_store_empty(

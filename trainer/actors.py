@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from urllib.parse import urlsplit
 import ray
 from ray.exceptions import TaskUnschedulableError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tracestore.durability import ENV_DURABILITY
 
 from .config import ConfigError, TrainConfig, resources
 
@@ -293,7 +296,9 @@ def unreachable_from(p: Plan, url: str, run: str) -> list[tuple[Node, str]]:
     if [n.id for n in p.candidates] == ([p.driver.id] if p.driver else []):
         return []
     tries = [
-        _try_store.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.id, soft=False)).remote(url, run)
+        _try_store.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n.id, soft=False), **store_env()
+        ).remote(url, run)
         for n in p.candidates
     ]
     out: list[tuple[Node, str]] = []
@@ -309,13 +314,31 @@ def unreachable_from(p: Plan, url: str, run: str) -> list[tuple[Node, str]]:
     return out
 
 
+#: Environment variables of the driver that every role must see as well: the durability
+#: level (``TRACESTORE_DURABILITY``) makes every process's acknowledged calls mean the same.
+STORE_ENV = (ENV_DURABILITY,)
+
+
+def store_env() -> dict[str, Any]:
+    """Ray options that give a role the driver's store settings from the environment.
+
+    A worker Ray starts on another machine inherits that machine's ``ray
+    start`` environment, not the driver's: a ``TRACESTORE_DURABILITY`` set
+    where ``tracestore train`` runs would reach the driver and the producer
+    only. Empty when none is set (the roles' own environment then decides).
+    """
+    env = {k: v for k in STORE_ENV if (v := os.environ.get(k))}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def remote(cls: type, concurrency: int = 1, **options: Any) -> Any:
     """``cls`` as a Ray actor class; ``concurrency`` > 1 runs that many methods at once (threads).
 
     ``options`` are Ray's (resources, scheduling strategy); without them the
-    actor claims no CPU.
+    actor claims no CPU. The actor gets the driver's store settings
+    (:func:`store_env`).
     """
-    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": concurrency, **options}
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": concurrency, **store_env(), **options}
     return ray.remote(**opts)(cls)
 
 
