@@ -23,6 +23,7 @@ the figures are counts and bytes, which do not depend on the machine's load.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import threading
@@ -73,6 +74,7 @@ def _figures(report: Any, url: str, seen: dict[str, int]) -> dict[str, Any]:
     out["object_store_bytes_per_node_max_seen"] = dict(seen)
     with TraceStore.connect(url, run=report.run, create_run=False) as store:
         entries = store.redis.xrange(store.keys.events)
+        out["run_counters"] = dataclasses.asdict(store.stats())  # what the report's counts come from
     per_sid = Counter(f[b"sid"] for _, f in entries)
     out["release_stream"] = {
         "entries": len(entries),

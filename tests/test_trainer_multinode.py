@@ -96,6 +96,14 @@ def _check_exact(report: Report, url: str) -> list[dict[str, str]]:
     assert report.object_store_bytes_at_end == 0
     with TraceStore.connect(url, run=report.run, create_run=False) as store:
         assert store.sessions() == []
+        # the report's counts are the run's exact counters (what the trainer reads)
+        st = store.stats()
+        assert (st.sessions_opened, st.sessions_released, st.sessions_live, st.release_events) == (
+            report.sessions_opened, report.sessions_opened, 0, report.sessions_opened
+        )
+        # no heartbeat left: every role deregistered its tags when it closed, a lost worker's
+        # tag was declared lost (which drops it), a resume deregistered the dead ones
+        assert store.redis.zcard(store.keys.owners) == 0
         events = _events(store)
     per_sid = Counter(e["sid"] for e in events)
     assert len(per_sid) == report.sessions_opened and set(per_sid.values()) == {1}
