@@ -5,6 +5,13 @@ adds new prompts, places every unfinished session on a worker (sticky),
 hands the sessions to that worker's owner tag, runs the samples there, takes
 the sessions back and puts each group into the buffer with its status
 (``replay.put``: failed and filtered groups are released there and then).
+
+Each worker heartbeats its own owner tag (``keep_alive``). When a worker
+dies (its node is lost), the groups it had a part in are dropped: their
+sessions the producer holds are released (reason ``worker-lost``), those the
+dead worker's tag holds are left to gc, which declares the tag lost once its
+heartbeat expires (the learner sees to it); groups claimed back that it
+had served go the same way (their routed experts died with it).
 """
 
 from __future__ import annotations
@@ -18,12 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tracestore import Group, TraceStore
-from tracestore.router import Router
 
-from .actors import Workers
+from .actors import Workers, node_id
 from .clock import Stopwatch
 from .config import TASK, TrainConfig
-from .dispatch import route, run_on_workers
+from .dispatch import WorkerPool
 from .http_agents import GATEWAY_HOLDER, HttpStats
 from .sample import Sample, from_payload, group_status, to_payload
 from .task import make_problem
@@ -32,6 +38,8 @@ from .task import make_problem
 HTTP = "http"
 #: Owner tags of long-lived roles heartbeat: gc reclaims them when a dead trainer is not resumed.
 HEARTBEAT_TTL_S = 120.0
+#: Status counted for a group dropped because a worker that served it died.
+LOST = "lost"
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,11 @@ class Job:
 
 @dataclass(frozen=True)
 class ProducerStats:
-    """Groups put by status, sessions opened, groups claimed back, time in tracestore and busy."""
+    """Groups put by status, sessions opened, groups claimed back, time in tracestore and busy.
+
+    ``groups`` counts dropped groups under ``lost`` (a worker that served them
+    died); ``lost_workers`` are the workers the producer found dead.
+    """
 
     groups: dict[str, int]
     opened: int
@@ -53,6 +65,7 @@ class ProducerStats:
     busy_s: float
     #: HTTP agents: what the SDK clients saw (None with local agents).
     http: HttpStats | None = None
+    lost_workers: tuple[str, ...] = ()
 
 
 class Producer:
@@ -60,12 +73,11 @@ class Producer:
 
     def __init__(self, cfg: TrainConfig, workers: Workers, start_step: int, gateway_url: str | None = None) -> None:
         self.cfg = cfg
-        self.workers = workers
         #: With --agents http: the session gateway the agents call (else workers run them).
         self.gateway_url = gateway_url
         self.http = HttpStats()
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
-        self.router: Router = self.store.router(sorted(workers))
+        self.pool = WorkerPool(self.store, workers)
         self.rng = random.Random(cfg.seed * 7919 + start_step)
         self.nonce = uuid.uuid4().hex[:6]
         self.tag = f"producer.{self.nonce}"
@@ -76,6 +88,14 @@ class Producer:
         self.store_time = Stopwatch()
         self.busy = Stopwatch()
         self._stop = threading.Event()
+        if gateway_url is None:  # every worker vouches for its own tag: when it dies, gc reclaims it
+            self.pool.gather(
+                {w: h.keep_alive.remote(self._rollout_tag(w), cfg.owner_ttl_s) for w, h in workers.items()}
+            )
+
+    def node_id(self) -> str:
+        """The Ray node the producer runs on."""
+        return node_id()
 
     # -- modes -----------------------------------------------------------------------------
 
@@ -111,8 +131,8 @@ class Producer:
                 jobs.append(self._new_job())
             with self.store_time():
                 version = self.store.gate.status().version
-            done = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
-            put = self._put(jobs, done, version)
+            done, lost = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
+            put = self._put(jobs, done, lost, version)
             if put.get("aborted"):  # a weight update is under way: let it finish first
                 self._wait_gate_open()
         return put
@@ -121,7 +141,12 @@ class Producer:
         with self.store_time():
             groups = self.store.replay.claim_retry(TASK, self.cfg.prompts_per_step, self.tag)
         self.claimed += len(groups)
-        return [Job(g.gid, from_payload(g.payload)) for g in groups]
+        jobs = [Job(g.gid, from_payload(g.payload)) for g in groups]
+        lost = set(self.pool.lost)
+        for job in [j for j in jobs if any(s.worker in lost for s in j.samples)]:
+            self._drop(job)  # a worker that served it died: its routed experts are gone
+            jobs.remove(job)
+        return jobs
 
     def _new_job(self) -> Job:
         self.n += 1
@@ -130,19 +155,26 @@ class Producer:
         n = self.cfg.group_size
         return Job(gid, [Sample.new(f"{gid}-{j}", prob, self.cfg.max_calls) for j in range(n)])
 
-    def _roll_out(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
-        """Run ``samples`` on their workers, each owned by the worker's tag meanwhile."""
+    def _roll_out(
+        self, samples: Sequence[Sample], version: int
+    ) -> tuple[dict[str, Sample], set[str]]:
+        """Run ``samples`` on their workers, each owned by the worker's tag meanwhile.
+
+        Returns the samples that came back, and the ids of those whose worker
+        died meanwhile (their sessions stay with its tag, for gc).
+        """
         if self.gateway_url is not None:
-            return self._roll_out_http(samples, version)
+            return self._roll_out_http(samples, version), set()
         with self.store_time():
-            by_worker = route(self.router, samples)
+            by_worker = self.pool.route(samples)
             for w, ss in by_worker.items():
                 self._hand_over(w, ss, version)
-        results = run_on_workers(self.workers, by_worker)
+        results = self.pool.run(by_worker)
         with self.store_time():
             for w, out in results.items():
                 self.store.transfer([s.sid for s in out], self._rollout_tag(w), self.tag)
-        return {s.sid: s for out in results.values() for s in out}
+        lost = {s.sid for w, ss in by_worker.items() if w not in results for s in ss}
+        return {s.sid: s for out in results.values() for s in out}, lost
 
     def _roll_out_http(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
         """Run ``samples`` as HTTP agents through the gateway, owned by ``rollout:http.<nonce>`` meanwhile.
@@ -172,9 +204,15 @@ class Producer:
         if resumed:
             self.store.transfer(resumed, self.tag, self._rollout_tag(worker))
 
-    def _put(self, jobs: Sequence[Job], done: dict[str, Sample], version: int) -> dict[str, int]:
+    def _put(
+        self, jobs: Sequence[Job], done: dict[str, Sample], lost: set[str], version: int
+    ) -> dict[str, int]:
         counts: dict[str, int] = {}
         for job in jobs:
+            if any(s.sid in lost for s in job.samples):
+                self._drop(job)
+                counts[LOST] = counts.get(LOST, 0) + 1
+                continue
             samples = [done.get(s.sid, s) for s in job.samples]
             status = group_status(samples)
             # min_version: put reads it from the sessions' traces (each member's oldest
@@ -193,6 +231,18 @@ class Producer:
             self.counts[status] = self.counts.get(status, 0) + 1
         return counts
 
+    def _drop(self, job: Job) -> None:
+        """Give up a group a dead worker served: release what we hold of it, retire its routes.
+
+        Its sessions still held by the dead worker's tag are not ours to
+        release: gc releases them once the tag's heartbeat expires.
+        """
+        sids = [s.sid for s in job.samples]
+        with self.store_time():
+            self.store.release(sids, self.tag, "worker-lost")
+            self.pool.router.retire(sids)
+        self.counts[LOST] = self.counts.get(LOST, 0) + 1
+
     # -- store plumbing --------------------------------------------------------------------
 
     def _rollout_tag(self, worker: str) -> str:
@@ -200,9 +250,9 @@ class Producer:
 
     def _heartbeat(self) -> None:
         with self.store_time():
-            rollouts = [HTTP] if self.gateway_url is not None else list(self.workers)
-            for tag in (self.tag, *(self._rollout_tag(w) for w in rollouts)):
-                self.store.heartbeat(tag, HEARTBEAT_TTL_S)
+            self.store.heartbeat(self.tag, HEARTBEAT_TTL_S)
+            if self.gateway_url is not None:  # HTTP agents' sessions: no worker vouches for them
+                self.store.heartbeat(self._rollout_tag(HTTP), HEARTBEAT_TTL_S)
 
     def _ready(self) -> int:
         with self.store_time():
@@ -227,6 +277,7 @@ class Producer:
             store_s=self.store_time.seconds,
             busy_s=self.busy.seconds,
             http=self.http if self.gateway_url is not None else None,
+            lost_workers=tuple(self.pool.lost),
         )
 
     def close(self) -> None:
