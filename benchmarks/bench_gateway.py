@@ -174,7 +174,10 @@ async def _latency(gws: dict[str, str], engine: str, counts: dict[int, int]) -> 
     return out
 
 
-async def _throughput(gw: str, concurrency: int, seconds: float, docs: list[str]) -> dict[str, Any]:
+async def _throughput(gw: str | list[str], concurrency: int, seconds: float, docs: list[str]) -> dict[str, Any]:
+    """Turns/s of ``concurrency`` agents for ``seconds``; with several gateways, turn ``i`` of a
+    session goes to gateway ``i % n`` (a round-robin load balancer)."""
+    urls = [gw] if isinstance(gw, str) else gw
     done = 0
     stop = time.perf_counter() + seconds
 
@@ -187,11 +190,11 @@ async def _throughput(gw: str, concurrency: int, seconds: float, docs: list[str]
                 {"role": "system", "content": SYSTEM + " " + docs[rng.randrange(len(docs))]},
                 {"role": "user", "content": _user(rng)},
             ]
-            for _ in range(TURNS):
+            for turn in range(TURNS):
                 if time.perf_counter() >= stop:
                     return
                 body = orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 64, "session_id": sid})
-                _, reply = await _post(http, gw + "/v1/chat/completions", body)
+                _, reply = await _post(http, urls[turn % len(urls)] + "/v1/chat/completions", body)
                 done += 1
                 messages += [reply["choices"][0]["message"], {"role": "user", "content": _user(rng)}]
 
@@ -217,6 +220,13 @@ def _parts(url: str) -> dict[str, float]:
     return {p: round(sums[p] / counts[p] * 1000, 3) for p in sums if counts.get(p)}
 
 
+def _gateway(engine: str, url: str, run: str) -> _Proc:
+    """A ``tracestore gateway`` process of run ``run`` on ``url``, in front of ``engine``."""
+    return _Proc(
+        sys.executable, "-m", "tracestore.cli", "gateway", "--engine", engine, "--url", url, "--run", run, "--port", "0"
+    )
+
+
 def run(quick: bool) -> dict[str, Any]:
     """Start the processes, measure latency then throughput, stop everything."""
     counts = SESSIONS_QUICK if quick else SESSIONS_FULL
@@ -227,10 +237,7 @@ def run(quick: bool) -> dict[str, Any]:
     try:
         engine = _Proc(py, "-m", "benchmarks.instant_engine", "--port", "0")
         procs.append(engine)
-        ours = _Proc(
-            py, "-m", "tracestore.cli", "gateway", "--engine", engine.url, "--url", server.url,
-            "--run", f"bench-gw-{uuid.uuid4().hex[:6]}", "--port", "0",
-        )
+        ours = _gateway(engine.url, server.url, f"bench-gw-{uuid.uuid4().hex[:6]}")
         procs.append(ours)
         base = _Proc(py, "-m", "benchmarks.baselines.xtuner_gateway", "--engine", engine.url, "--port", "0")
         procs.append(base)

@@ -1,15 +1,39 @@
-"""Ray plumbing of the trainer: a private local Ray, the roles as actors, object store usage.
+"""Ray plumbing of the trainer: which Ray, where each role runs, what the object stores hold.
 
-Kept in one place so that joining an existing cluster (placing workers on
-its nodes) changes these functions, not the roles.
+Kept in one place so that the roles never know where they run:
+
+* :func:`start_ray`: a private local Ray (the default), or an existing
+  cluster joined by address (``--ray-address``, ``$RAY_ADDRESS``), with no
+  resource arguments (the cluster's nodes declare their own);
+* :func:`plan`: the run's :class:`Plan`, which node each rollout worker is
+  pinned to (``spread``: round-robin over the nodes that offer the workers'
+  resources) or that Ray places them (``pack``), and the options that place
+  the learner by its resources and the producer beside the driver;
+* :func:`refuse_local_store` and :func:`unreachable_from`: whether every
+  node a role may run on can use the store (the default server answers on
+  the driver's host only; any other URL is tried from each of those nodes);
+* :func:`object_store_used` and :func:`object_store_used_per_node`: bytes
+  in Ray's object stores (one per node), as the raylets report them.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import ray
+from ray.exceptions import TaskUnschedulableError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tracestore.durability import ENV_DURABILITY
+
+from .config import ConfigError, TrainConfig, resources
 
 #: A Ray actor handle (methods are called as ``handle.method.remote(...)``; Ray types them loosely).
 Handle = Any
@@ -17,27 +41,304 @@ Handle = Any
 Workers = dict[str, Handle]
 
 
-def start_ray() -> bool:
-    """Start a private local Ray unless this process already has one; True when started here.
+def start_ray(address: str | None = None) -> bool:
+    """Start or join Ray unless this process already has it; True when done here.
 
-    ``address="local"`` always starts a new local instance: a stale cluster
-    record on the machine (``ray start`` run once) never makes the run join it.
+    ``address`` None or ``"local"``: a private local Ray (``address="local"``
+    always starts a new instance: a stale cluster record on the machine never
+    makes the run join it). Any other address joins that cluster
+    (``auto``, ``HOST:PORT`` of its GCS, ``ray://HOST:PORT`` for Ray Client)
+    without resource arguments. Raises ConfigError when the cluster cannot be
+    joined (the reason in one line).
     """
     if ray.is_initialized():
         return False
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-    )
+    quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
+    if address in (None, "", "local"):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, **quiet)
+        return True
+    _check_address(address)
+    try:
+        ray.init(address=address, **quiet)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"cannot join the Ray cluster at {address!r}: {reason}") from None
     return True
 
 
-def remote(cls: type, concurrency: int = 1) -> Any:
-    """``cls`` as a Ray actor class; ``concurrency`` > 1 runs that many methods at once (threads)."""
-    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": concurrency}
+def _check_address(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a ``HOST:PORT`` (or ``ray://HOST:PORT``) nobody listens on, before ``ray.init``.
+
+    ``ray.init`` retries an unreachable GCS for minutes; one TCP connect says
+    at once that nothing listens there. ``auto`` is left to Ray (it fails
+    fast when no cluster runs on this machine). Raises ConfigError.
+    """
+    if address == "auto":
+        return
+    parts = urlsplit(address if "://" in address else f"gcs://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or port is None:
+        raise ConfigError(
+            f"--ray-address {address!r} is not HOST:PORT, ray://HOST:PORT, auto or local"
+        )
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or ("timed out" if isinstance(exc, TimeoutError) else type(exc).__name__)
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address!r}: {reason} (is `ray start --head` "
+            "running there, on that port?)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Node:
+    """A live Ray node: its id, IP address and total resources."""
+
+    id: str
+    ip: str
+    resources: dict[str, float]
+
+    @property
+    def label(self) -> str:
+        """``IP/first 8 hex digits of the id``: how reports and messages name a node."""
+        return f"{self.ip}/{self.id[:8]}"
+
+    def offers(self, wanted: dict[str, float], times: int = 1) -> bool:
+        """True when the node's totals cover ``times`` requests of ``wanted``."""
+        return all(self.resources.get(k, 0.0) >= v * times for k, v in wanted.items())
+
+
+def alive_nodes() -> list[Node]:
+    """The cluster's live nodes, sorted by IP address, then id (``ray.nodes()``)."""
+    nodes = [
+        Node(n["NodeID"], n["NodeManagerAddress"], dict(n.get("Resources", {})))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+    return sorted(nodes, key=lambda n: (n.ip, n.id))
+
+
+def _ray_options(wanted: dict[str, float]) -> dict[str, Any]:
+    """``.options(...)`` keywords for a resource request (CPU and GPU have their own)."""
+    custom = {k: v for k, v in wanted.items() if k not in ("CPU", "GPU")}
+    opts: dict[str, Any] = {"num_cpus": wanted.get("CPU", 0)}
+    if "GPU" in wanted:
+        opts["num_gpus"] = wanted["GPU"]
+    if custom:
+        opts["resources"] = custom
+    return opts
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the run's roles go on the cluster.
+
+    ``workers`` maps each rollout worker to the node it is pinned to
+    (``spread``), or to None when Ray places it by its resources (``pack``).
+    ``candidates`` are the nodes any role may run on (the reachability checks
+    look at them). ``driver`` is the node of this process (None with Ray Client).
+    """
+
+    driver: Node | None
+    workers: dict[str, Node | None]
+    worker_resources: dict[str, float]
+    learner_resources: dict[str, float]
+    candidates: list[Node] = field(default_factory=list)
+
+    def worker_options(self, name: str) -> dict[str, Any]:
+        """Ray options of rollout worker ``name``: its resources, pinned to its node when spread."""
+        opts = _ray_options(self.worker_resources)
+        node = self.workers[name]
+        if node is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node.id, soft=False)
+        return opts
+
+    def learner_options(self) -> dict[str, Any]:
+        """Ray options of the learner: its resources, else on the driver's node."""
+        if self.learner_resources:
+            return _ray_options(self.learner_resources)
+        return self.driver_options()
+
+    def driver_options(self) -> dict[str, Any]:
+        """Ray options of the producer (and the gateway of HTTP agents): on the driver's node.
+
+        No resources; anywhere with Ray Client (the driver is on no node).
+
+        Pinned, not a preference: Ray's scheduler may place a zero-CPU actor
+        with a soft affinity on another node.
+        """
+        opts: dict[str, Any] = {"num_cpus": 0}
+        if self.driver is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.driver.id, soft=False)
+        return opts
+
+
+def plan(cfg: TrainConfig) -> Plan:
+    """Place the run's roles on the live nodes of the Ray this process is connected to.
+
+    ``spread`` pins worker ``i`` to the ``i``-th node (round-robin) of those
+    whose totals offer ``--worker-resources`` (every node when none are
+    asked); ``pack`` leaves the workers to Ray's scheduler. The learner goes
+    where its resources are. Raises ConfigError, before any actor starts,
+    when no node offers the learner's or the workers' resources, or when
+    the spread workers do not fit on their nodes.
+    """
+    nodes = alive_nodes()
+    driver_id = ray.get_runtime_context().get_node_id()
+    remote_driver = (cfg.ray_address or "").startswith("ray://")
+    driver = None if remote_driver else next((n for n in nodes if n.id == driver_id), None)
+    wres = resources(cfg.worker_resources, "worker_resources")
+    lres = resources(cfg.learner_resources, "learner_resources")
+    hosts = [n for n in nodes if n.offers(wres)]
+    if not hosts:
+        raise ConfigError(
+            f"no node of the Ray cluster offers --worker-resources {cfg.worker_resources!r} "
+            f"(nodes: {_describe(nodes)})"
+        )
+    learners = [n for n in nodes if n.offers(lres)] if lres else ([driver] if driver else nodes[:1])
+    if not learners:
+        raise ConfigError(
+            f"no node of the Ray cluster offers --learner-resources {cfg.learner_resources!r} "
+            f"(nodes: {_describe(nodes)})"
+        )
+    names = [f"w{i}" for i in range(cfg.workers)]
+    if cfg.placement == "spread":
+        workers: dict[str, Node | None] = {w: hosts[i % len(hosts)] for i, w in enumerate(names)}
+        for node in hosts:
+            n = sum(1 for p in workers.values() if p is node)
+            if wres and not node.offers(wres, n):
+                raise ConfigError(
+                    f"--workers {cfg.workers} spread over {len(hosts)} node(s) puts {n} on "
+                    f"{node.label}, which cannot hold {n} x --worker-resources "
+                    f"{cfg.worker_resources!r} (it has {_describe([node])})"
+                )
+    else:
+        workers = dict.fromkeys(names)
+    chosen = [p for p in workers.values() if p is not None] if cfg.placement == "spread" else hosts
+    candidates = {n.id: n for n in [*chosen, *learners, *([driver] if driver else [])]}
+    return Plan(driver, workers, wres, lres, sorted(candidates.values(), key=lambda n: (n.ip, n.id)))
+
+
+def _describe(nodes: Sequence[Node]) -> str:
+    shown = []
+    for n in nodes[:8]:
+        res = ", ".join(
+            f"{k}={v:g}" for k, v in sorted(n.resources.items())
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+        )
+        shown.append(f"{n.label} [{res or 'no CPU/GPU/custom resources'}]")
+    return "; ".join(shown) + (" ..." if len(nodes) > 8 else "")
+
+
+def local_only(url: str) -> bool:
+    """True when ``url`` names a unix socket or a loopback address (reachable on its host only)."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return True
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@ray.remote(num_cpus=0)
+def _try_store(url: str, run: str) -> str | None:
+    """On a node: connect to ``url`` as the roles will (one PING); the reason it failed, or None."""
+    from tracestore import TraceStore, TracestoreError
+    from tracestore.connection import failure_reason
+
+    try:
+        with TraceStore.connect(
+            url, run=run, create_run=False, retries=0, connect_timeout_s=5.0, socket_timeout_s=5.0
+        ):
+            return None
+    except TracestoreError as exc:
+        return failure_reason(exc.__cause__ or exc)
+
+
+def refuse_local_store(p: Plan, url: str) -> None:
+    """Raise ConfigError when the default server cannot serve the cluster (no ``--url`` given).
+
+    The default server (``url``) answers on a unix socket or a loopback
+    address, so when a node a role may run on is on another host (another IP
+    address than the driver's, or any node when the driver is a Ray Client)
+    the run is refused before anything starts. A default server that
+    listens on a reachable address passes (and is then tried like any URL).
+    """
+    others = [n for n in p.candidates if p.driver is None or n.ip != p.driver.ip]
+    if local_only(url) and others:
+        from tracestore.connection import mask_url
+
+        shown = ", ".join(sorted({n.ip for n in others}))
+        raise ConfigError(
+            f"the Ray cluster has nodes on other hosts ({shown}) and no --url was given: the "
+            f"default server ({mask_url(url)}) answers on this host only; start a server "
+            "every node reaches and pass its URL with --url or $TRACESTORE_URL (docs/deploy.md)"
+        )
+
+
+def unreachable_from(p: Plan, url: str, run: str) -> list[tuple[Node, str]]:
+    """The candidate nodes that cannot use the store at ``url``, each with the reason.
+
+    Each node tries as its roles will (a zero-CPU task pinned there, one
+    PING of run ``run``), which catches a firewall, a wrong address and a
+    loopback URL that only some hosts serve. Nothing to try when the only
+    candidate is the driver's node (the driver's own connection was the
+    test). Cost: one task per candidate node, in parallel.
+    """
+    if [n.id for n in p.candidates] == ([p.driver.id] if p.driver else []):
+        return []
+    tries = [
+        _try_store.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n.id, soft=False), **store_env()
+        ).remote(url, run)
+        for n in p.candidates
+    ]
+    out: list[tuple[Node, str]] = []
+    for n, ref in zip(p.candidates, tries, strict=True):
+        try:
+            why = ray.get(ref)
+        except TaskUnschedulableError:
+            raise ConfigError(
+                f"Ray node {n.label} left the cluster while the run was starting; start it again"
+            ) from None
+        if why is not None:
+            out.append((n, why))
+    return out
+
+
+#: Environment variables of the driver that every role must see as well: the durability
+#: level (``TRACESTORE_DURABILITY``) makes every process's acknowledged calls mean the same.
+STORE_ENV = (ENV_DURABILITY,)
+
+
+def store_env() -> dict[str, Any]:
+    """Ray options that give a role the driver's store settings from the environment.
+
+    A worker Ray starts on another machine inherits that machine's ``ray
+    start`` environment, not the driver's: a ``TRACESTORE_DURABILITY`` set
+    where ``tracestore train`` runs would reach the driver and the producer
+    only. Empty when none is set (the roles' own environment then decides).
+    """
+    env = {k: v for k in STORE_ENV if (v := os.environ.get(k))}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
+def remote(cls: type, concurrency: int = 1, **options: Any) -> Any:
+    """``cls`` as a Ray actor class; ``concurrency`` > 1 runs that many methods at once (threads).
+
+    ``options`` are Ray's (resources, scheduling strategy); without them the
+    actor claims no CPU. The actor gets the driver's store settings
+    (:func:`store_env`).
+    """
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": concurrency, **store_env(), **options}
     return ray.remote(**opts)(cls)
 
 
@@ -47,7 +348,38 @@ def kill(handles: list[Handle]) -> None:
         ray.kill(h, no_restart=True)
 
 
+def node_id() -> str:
+    """The id of the Ray node this process runs on (the roles' ``node_id`` methods call it)."""
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def serve_host(cfg: TrainConfig) -> str:
+    """The address a role's HTTP server listens on: loopback on a private local Ray, else this
+    node's IP address (the engines and the gateway of HTTP agents are called from other nodes)."""
+    return str(ray.util.get_node_ip_address()) if cfg.joins_cluster else "127.0.0.1"
+
+
 def object_store_used() -> int:
-    """Bytes in use in the Ray object store, as the raylet reports them (lags by a heartbeat)."""
+    """Bytes in use in the Ray object stores of every node, as the raylets report them (lags by a heartbeat)."""
     total = ray.cluster_resources().get("object_store_memory", 0.0)
     return int(total - ray.available_resources().get("object_store_memory", 0.0))
+
+
+def object_store_used_per_node() -> dict[str, int]:
+    """Bytes in use in each live node's object store, by :attr:`Node.label`.
+
+    Each node has its own store; a node that left the cluster is not listed.
+    Read from the resource view the raylets report to the GCS (Ray's
+    developer API ``ray._private.state``, the per-node form of
+    ``ray.available_resources()``), so it lags by a heartbeat too.
+    """
+    from ray._private import state
+
+    total = state.total_resources_per_node()
+    avail = state.available_resources_per_node()
+    out: dict[str, int] = {}
+    for n in alive_nodes():
+        cap = total.get(n.id, {}).get("object_store_memory", 0.0)
+        free = avail.get(n.id, {}).get("object_store_memory", 0.0)
+        out[n.label] = int(cap - free)
+    return out

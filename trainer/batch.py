@@ -5,8 +5,8 @@ training trace of its last turn (``export_training_trace``; key: the
 conversation up to its last answer) and its routed experts, borrowed from
 the worker whose ``RefHolder`` keeps them (one ``get_refs`` call per worker),
 concatenated, the dummy row dropped. A sample whose experts are gone (keys
-marked lost by a store restore, or a holder that no longer has them) trains
-without routing replay.
+marked lost by a store restore, a holder that no longer has them, or a
+worker that died with them) trains without routing replay.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tracestore import Group, Trace, TraceStore, expert_key_lost
 
 from .actors import Workers
 from .clock import Stopwatch
+from .dispatch import WorkerPool, WorkersLost
 from .grpo import TrainSample, group_advantages
 from .sample import Sample, from_payload
 
@@ -42,9 +43,13 @@ class Batch:
 class BatchBuilder:
     """``builder.build(groups, version)`` -> :class:`Batch`; counts routing fallbacks."""
 
-    def __init__(self, store: TraceStore, workers: Workers, store_time: Stopwatch) -> None:
+    def __init__(
+        self, store: TraceStore, pool: WorkerPool, store_time: Stopwatch, holders: Workers | None = None
+    ) -> None:
         self.store = store
-        self.workers = workers
+        self.pool = pool
+        #: Other holders of routed experts than the workers, by name (the session gateway).
+        self.holders: Workers = dict(holders or {})
         self.store_time = store_time
         #: Borrow calls that failed (those samples trained without routing replay).
         self.fallbacks = 0
@@ -98,10 +103,18 @@ class BatchBuilder:
         lent: dict[str, np.ndarray] = {}
         for w, keys in by_worker.items():
             try:
-                refs = ray.get(self.workers[w].get_refs.remote(keys))
+                if w in self.holders:
+                    refs = ray.get(self.holders[w].get_refs.remote(keys))
+                else:
+                    refs = self.pool.call("get_refs", keys, only=[w]).get(w)  # None: the worker died
+                if refs is None:
+                    self.fallbacks += 1
+                    continue
                 lent.update(zip(keys, ray.get(refs), strict=True))
                 del refs
-            except Exception:
+            except WorkersLost:
+                raise
+            except Exception:  # a key the holder no longer has (ExpertRefMissing), a lost object
                 self.fallbacks += 1
         return [
             [lent[k] for k in keys] if keys and all(k in lent for k in keys) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -11,11 +12,17 @@ MODES = ("colocated", "disaggregated")
 #: How agents reach the policy: ``local`` (in the rollout worker's process) or ``http``
 #: (the openai SDK through a session gateway in front of the workers' engines).
 AGENTS = ("local", "http")
+#: How rollout workers go over the Ray cluster's nodes (:func:`tracestore.trainer.actors.plan`).
+PLACEMENTS = ("spread", "pack")
 TASK = "calc"
 #: Options of ``tracestore train`` (the others are set from Python only).
 CLI_OPTIONS = frozenset(
-    {"mode", "agents", "steps", "url", "run", "out", "resume", "seed", "workers", "sync_every", "checkpoint_every"}
+    {
+        "mode", "agents", "steps", "url", "run", "out", "resume", "seed", "workers", "sync_every",
+        "checkpoint_every", "ray_address", "placement", "worker_resources", "learner_resources",
+    }
 )
+_RESOURCE = re.compile(r"([A-Za-z_][A-Za-z0-9_.:-]*)=([0-9]*\.?[0-9]+)\Z")
 #: What ``--resume`` takes from the checkpoint: a flag that disagrees is an error ...
 FROM_CHECKPOINT = ("url", "run", "mode")
 #: ... unless --override lets it replace the checkpoint's (a resumed run keeps its id).
@@ -64,6 +71,18 @@ class TrainConfig:
     holder_drain_s: float = 15.0
     #: HTTP agents: SDK retries of a request answered 503 (a weight update under way).
     http_retries: int = 30
+    #: Rollout workers heartbeat their owner tags with this TTL: when a worker (or its
+    #: node) dies, gc declares its tag lost this long after its last heartbeat.
+    owner_ttl_s: float = 30.0
+    #: The Ray cluster to join (``ray.init(address=...)``; ``auto``, ``HOST:PORT``,
+    #: ``ray://HOST:PORT``); None or ``local``: a private local Ray.
+    ray_address: str | None = None
+    #: Rollout workers over the nodes: ``spread`` (round-robin, pinned) or ``pack`` (Ray decides).
+    placement: str = "spread"
+    #: Ray resources each rollout worker claims, ``NAME=AMOUNT,...`` (``CPU``, ``GPU``, custom).
+    worker_resources: str = ""
+    #: Ray resources the learner claims (the evaluation runs in the learner's process).
+    learner_resources: str = ""
     #: Tests: after the checkpoint of this step, kill every actor without cleanup.
     crash_after_step: int | None = None
 
@@ -98,11 +117,24 @@ class TrainConfig:
                 raise ConfigError(f"{option_name(name)} must be at least 1, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ConfigError("group_size must be at least 2 (GRPO compares samples of a prompt)")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}"
+            )
+        resources(self.worker_resources, "worker_resources")
+        resources(self.learner_resources, "learner_resources")
+        if not self.owner_ttl_s > 0:
+            raise ConfigError(f"owner_ttl_s must be positive, got {self.owner_ttl_s}")
         if not self.eval_temperature > 0 or not self.lr > 0:
             raise ConfigError("eval_temperature and lr must be positive")
         if self.warmup_steps < 0 or self.max_staleness < 0:
             raise ConfigError("warmup_steps and max_staleness must be non-negative")
         return self
+
+    @property
+    def joins_cluster(self) -> bool:
+        """True when the run joins an existing Ray cluster (``ray_address`` other than ``local``)."""
+        return self.ray_address not in (None, "", "local")
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (sent to actors, stored in checkpoints and reports)."""
@@ -141,3 +173,27 @@ class TrainConfig:
                     )
             setattr(out, name, value)
         return out
+
+
+def resources(spec: str, name: str = "resources") -> dict[str, float]:
+    """Parse a Ray resource request ``NAME=AMOUNT[,NAME=AMOUNT...]`` (``""``: none).
+
+    ``CPU`` and ``GPU`` are Ray's own; other names are custom resources a
+    node declares (``ray start --resources '{"rollout": 1}'``). Raises
+    ConfigError naming the option for a malformed entry, a zero amount or a
+    name given twice.
+    """
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        m = _RESOURCE.match(part)
+        if m is None or float(m.group(2)) <= 0:
+            raise ConfigError(
+                f"{option_name(name)} {spec!r}: {part!r} is not NAME=AMOUNT with a positive "
+                "amount (e.g. CPU=4,GPU=1 or rollout=1)"
+            )
+        if m.group(1) in out:
+            raise ConfigError(f"{option_name(name)} {spec!r}: {m.group(1)} is given twice")
+        out[m.group(1)] = float(m.group(2))
+    return out

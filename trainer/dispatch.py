@@ -1,34 +1,97 @@
-"""The caller's side of a rollout: place each session on a worker, run the samples there.
+"""The caller's side of the rollout workers: place each session on a worker, call the workers.
 
-Used by the producer (training samples) and the evaluation. Placement is
-sticky (:meth:`tracestore.router.Router.acquire`): a continued session goes
-back to the worker that holds its routed experts.
+Used by the producer (training samples), the learner (weights, aborts,
+borrowed routed experts), its evaluation and the driver (stats). Each keeps
+a :class:`WorkerPool`: placement is sticky
+(:meth:`tracestore.router.Router.acquire`), so a continued session goes back
+to the worker that holds its routed experts, and a worker whose actor died
+(its node was lost) leaves the pool at the first call that finds it dead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
+from tracestore import TraceStore
 from tracestore.router import Router
 
 from .actors import Workers
 from .sample import Sample
 
 
-def route(router: Router, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
-    """The samples by worker, each with its ``worker`` set. One round trip (``acquire_many``)."""
-    by_worker: dict[str, list[Sample]] = {}
-    for s, w in zip(samples, router.acquire_many([s.sid for s in samples]), strict=True):
-        by_worker.setdefault(w, []).append(dataclasses.replace(s, worker=w))
-    return by_worker
+class WorkersLost(RuntimeError):
+    """Every rollout worker of the run died (their nodes were lost): nothing can roll out."""
+
+    def __init__(self, lost: Sequence[str]) -> None:
+        super().__init__(f"every rollout worker was lost ({', '.join(lost)})")
+        self.lost = list(lost)
 
 
-def run_on_workers(
-    workers: Workers, by_worker: dict[str, list[Sample]], temperature: float = 1.0
-) -> dict[str, list[Sample]]:
-    """Continue each worker's samples there (all workers at once); their results by worker."""
-    calls = {w: workers[w].run.remote(ss, temperature) for w, ss in by_worker.items()}
-    return {w: list(ray.get(ref)) for w, ref in calls.items()}
+class WorkerPool:
+    """The rollout workers a role calls, less those Ray reported dead, and a router over the live ones.
+
+    A call that finds a worker's actor dead or unreachable (Ray's
+    ``ActorDiedError``, or ``ActorUnavailableError``, which is what a caller
+    sees first when the worker's node dies) drops that worker: it is killed
+    (an unreachable one might come back, and must not write on), listed in
+    :attr:`lost`, its result is left out, and new sessions are routed over
+    the others only (a session routed to it moves). What its sessions and leases become is
+    the role's business (the producer drops their groups, the learner has gc
+    declare its owner tags lost and clears its poisoned leases). Raises
+    WorkersLost when the last worker goes. Not thread-safe: one per role.
+    """
+
+    def __init__(self, store: TraceStore, workers: Workers) -> None:
+        self.store = store
+        self.workers: Workers = dict(workers)
+        #: Workers found dead, in the order they were found.
+        self.lost: list[str] = []
+        self.router: Router = store.router(sorted(workers))
+
+    def call(self, method: str, *args: Any, only: Iterable[str] | None = None) -> dict[str, Any]:
+        """``method(*args)`` on every live worker (or those of ``only``) at once; results by worker.
+
+        Workers found dead are dropped and left out of the result.
+        """
+        names = [w for w in (self.workers if only is None else only) if w in self.workers]
+        return self.gather({w: getattr(self.workers[w], method).remote(*args) for w in names})
+
+    def gather(self, refs: dict[str, Any]) -> dict[str, Any]:
+        """``ray.get`` of each worker's call; a worker found dead or unreachable is dropped and left out."""
+        out: dict[str, Any] = {}
+        for w, ref in refs.items():
+            try:
+                out[w] = ray.get(ref)
+            except RayActorError:
+                self.lose(w)
+        return out
+
+    def lose(self, worker: str) -> None:
+        """Kill and drop ``worker`` (found dead or unreachable). Raises WorkersLost when none is left."""
+        if worker not in self.workers:
+            return
+        ray.kill(self.workers.pop(worker), no_restart=True)
+        self.lost.append(worker)
+        if not self.workers:
+            raise WorkersLost(self.lost)
+        self.router = self.store.router(sorted(self.workers))
+
+    def route(self, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
+        """The samples by worker, each with its ``worker`` set. One round trip (``acquire_many``)."""
+        by_worker: dict[str, list[Sample]] = {}
+        for s, w in zip(samples, self.router.acquire_many([s.sid for s in samples]), strict=True):
+            by_worker.setdefault(w, []).append(dataclasses.replace(s, worker=w))
+        return by_worker
+
+    def run(self, by_worker: dict[str, list[Sample]], temperature: float = 1.0) -> dict[str, list[Sample]]:
+        """Continue each worker's samples there (all workers at once); their results by worker.
+
+        A worker found dead is dropped: its samples are not in the result.
+        """
+        calls = {w: self.workers[w].run.remote(ss, temperature) for w, ss in by_worker.items()}
+        return {w: list(out) for w, out in self.gather(calls).items()}

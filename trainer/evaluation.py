@@ -13,12 +13,10 @@ import uuid
 import numpy as np
 
 from tracestore import TraceStore
-from tracestore.router import Router
 
-from .actors import Workers
 from .clock import Stopwatch
 from .config import TrainConfig
-from .dispatch import route, run_on_workers
+from .dispatch import WorkerPool
 from .sample import Sample
 from .task import make_problem
 
@@ -30,15 +28,13 @@ class Evaluator:
         self,
         cfg: TrainConfig,
         store: TraceStore,
-        router: Router,
-        workers: Workers,
+        pool: WorkerPool,
         store_time: Stopwatch,
         gateway_url: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.store = store
-        self.router = router
-        self.workers = workers
+        self.pool = pool
         self.store_time = store_time
         #: With --agents http: evaluate through the session gateway, as agents.
         self.gateway_url = gateway_url
@@ -53,7 +49,10 @@ class Evaluator:
         ]
 
     def __call__(self, step: int, version: int) -> float:
-        """Roll the evaluation samples out with weights ``version``; their mean reward."""
+        """Roll the evaluation samples out with weights ``version``; their mean reward.
+
+        Samples on a worker that died meanwhile are left out of the mean.
+        """
         owner = f"eval:{step}"
         samples = self.samples(step)
         sids = [s.sid for s in samples]
@@ -67,11 +66,11 @@ class Evaluator:
                 rewards = [s.reward for s in done]
             else:
                 with self.store_time():
-                    by_worker = route(self.router, samples)
-                out = run_on_workers(self.workers, by_worker, self.cfg.eval_temperature)
+                    by_worker = self.pool.route(samples)
+                out = self.pool.run(by_worker, self.cfg.eval_temperature)
                 rewards = [s.reward for ss in out.values() for s in ss]
             return float(np.mean(rewards))
         finally:
             with self.store_time():
                 self.store.release_owner(owner, "eval-done")
-                self.router.retire(sids)
+                self.pool.router.retire(sids)

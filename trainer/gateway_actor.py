@@ -17,6 +17,7 @@ from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
 from tracestore.gateway.server import GatewayStats
 from tracestore.ray import HolderStats, RefHolder
 
+from .actors import node_id, serve_host
 from .config import TrainConfig
 
 
@@ -42,7 +43,11 @@ class GatewayActor:
             name="gateway",
             lease_ttl_s=cfg.lease_ttl_s,
         )
-        self.server = start_gateway(config, holder=self.holder)
+        self.server = start_gateway(config, holder=self.holder, host=serve_host(cfg))
+
+    def node_id(self) -> str:
+        """The Ray node the gateway runs on."""
+        return node_id()
 
     def url(self) -> str:
         """The gateway's base URL (agents use ``<url>/v1``)."""

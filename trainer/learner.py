@@ -6,6 +6,11 @@ borrowed routed experts) -> one GRPO step -> ``release_owner`` of the step's
 tag and ``router.retire`` -> every ``sync_every`` steps, a weight update
 through the gate (abort generation in flight, seal, drain, push, install,
 reopen) -> every ``eval_every`` steps, an evaluation.
+
+A rollout worker found dead (its node was lost) is reclaimed before the
+next weight update (:func:`~.housekeeping.reclaim_lost_worker`: gc declares
+its owner tags lost, its poisoned leases are cleared), and the run goes on
+with the others.
 """
 
 from __future__ import annotations
@@ -18,16 +23,17 @@ import numpy as np
 import ray
 import torch
 
-from tracestore import Group, TraceStore
-from tracestore.router import Router
+from tracestore import GatePoisoned, Group, NotDrained, TraceStore
 
-from .actors import Handle, Workers
+from .actors import Handle, Workers, node_id
 from .batch import Batch, BatchBuilder
 from .checkpoint import CheckpointState, load_model, write_checkpoint
 from .clock import Stopwatch
 from .config import TASK, TrainConfig
+from .dispatch import WorkerPool
 from .evaluation import Evaluator
 from .grpo import collate, train_step
+from .housekeeping import reclaim_lost_worker
 from .http_agents import GATEWAY_HOLDER
 from .policy import new_policy, replay_logprobs, set_determinism, state_to_numpy
 from .report import StepRecord
@@ -45,6 +51,8 @@ class LearnerStats:
     version: int
     replay_fallbacks: int
     baseline_eval: float | None
+    #: Workers found dead, with what reclaiming each did (owner tags, sessions, leases).
+    lost_workers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 class Learner:
@@ -54,22 +62,26 @@ class Learner:
         self, cfg: TrainConfig, workers: Workers, gateway: Handle | None = None, gateway_url: str | None = None
     ) -> None:
         self.cfg = cfg
-        self.workers = workers
-        # where routed experts are borrowed from: the workers, and the gateway with --agents http
-        holders: Workers = {**workers, GATEWAY_HOLDER: gateway} if gateway is not None else workers
+        # routed experts are borrowed from the workers, and from the gateway with --agents http
+        holders: Workers = {GATEWAY_HOLDER: gateway} if gateway is not None else {}
         set_determinism(cfg.seed)
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
-        self.router: Router = self.store.router(sorted(workers))
+        self.pool = WorkerPool(self.store, workers)
         self.store_time = Stopwatch()
         self.busy = Stopwatch()
-        self.evaluate = Evaluator(cfg, self.store, self.router, workers, self.store_time, gateway_url)
-        self.batches = BatchBuilder(self.store, holders, self.store_time)
+        self.evaluate = Evaluator(cfg, self.store, self.pool, self.store_time, gateway_url)
+        self.batches = BatchBuilder(self.store, self.pool, self.store_time, holders)
         self.model = new_policy(TOK.vocab_size, seed=cfg.seed, max_len=256)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.version = 0
         self.history: list[StepRecord] = []
         self.gate_cycles = 0
         self.baseline_eval: float | None = None
+        self.lost_workers: dict[str, dict[str, int]] = {}
+
+    def node_id(self) -> str:
+        """The Ray node the learner runs on."""
+        return node_id()
 
     def init(self, state: CheckpointState | None) -> int:
         """Warm start (or load the checkpoint), push weights to the workers; returns the next step."""
@@ -163,7 +175,7 @@ class Learner:
         """Release the step's sessions (their holders drop the experts) and retire their routes."""
         with self.store_time():
             released = self.store.release_owner(owner, "trained")
-            self.router.retire(sids)
+            self.pool.router.retire(sids)
         return len(released)
 
     def _sync_weights(self, step: int) -> bool:
@@ -171,8 +183,24 @@ class Learner:
         if step % self.cfg.sync_every:
             return False
         new = self.version + 1
+        self.pool.call("node_id")  # a call to every worker finds the dead ones
+        self._reclaim_lost()
+        try:
+            self._weight_update(new)
+        except (GatePoisoned, NotDrained):
+            # a worker died with a request in flight since: reclaim it, then once more
+            self.pool.call("node_id")
+            if not self._reclaim_lost():
+                raise
+            self._weight_update(new)
+        self.version = new
+        self.gate_cycles += 1
+        return True
+
+    def _weight_update(self, new: int) -> None:
+        """Abort generation in flight, then seal, drain, push the weights, install, reopen."""
         # like an engine pause: abort generation in flight, so the drain is short
-        ray.get([w.abort_requests.remote() for w in self.workers.values()])
+        self.pool.call("abort_requests")
         t0 = time.perf_counter()
         with self.store.gate.weight_update(new, self.cfg.drain_timeout_s):
             t1 = time.perf_counter()
@@ -180,13 +208,19 @@ class Learner:
             t2 = time.perf_counter()
         # seal + drain before the push and install + reopen after it are tracestore time
         self.store_time.add((t1 - t0) + (time.perf_counter() - t2))
-        self.version = new
-        self.gate_cycles += 1
-        return True
+
+    def _reclaim_lost(self) -> bool:
+        """Reclaim the workers found dead since the last time (see the module); True if any."""
+        fresh = [w for w in self.pool.lost if w not in self.lost_workers]
+        for w in fresh:  # mostly waiting for deadlines: not counted as time in tracestore
+            self.lost_workers[w] = reclaim_lost_worker(
+                self.store, w, self.cfg.lease_ttl_s, self.cfg.owner_ttl_s
+            )
+        return bool(fresh)
 
     def _push(self, version: int) -> None:
         ref = ray.put(state_to_numpy(self.model))
-        ray.get([w.set_weights.remote(ref, version) for w in self.workers.values()])
+        self.pool.call("set_weights", ref, version)
         del ref
 
     # -- checkpoint and report -----------------------------------------------------------------
@@ -208,6 +242,7 @@ class Learner:
             version=self.version,
             replay_fallbacks=self.batches.fallbacks,
             baseline_eval=self.baseline_eval,
+            lost_workers=dict(self.lost_workers),
         )
 
     def close(self) -> None:

@@ -2,32 +2,51 @@
 
 :func:`run` is what ``tracestore train`` and ``python -m tracestore.trainer``
 call. It returns the :class:`~tracestore.trainer.report.Report` and writes
-``report.json`` and ``report.png`` into ``cfg.out``. The phases of a run are
-the methods of :class:`Driver`, in order: recover (after a crash), start the
-actors, loop over the steps, drain the run, close the actors.
+``report.json`` and ``report.png`` into ``cfg.out``. Before anything starts,
+it joins Ray (a private local one, or ``cfg.ray_address``), places the roles
+on its nodes (:func:`~.actors.plan`) and checks that every node they may
+run on reaches the store. The phases of a run are the methods of
+:class:`Driver`, in order: recover (after a crash), start the actors, loop
+over the steps, drain the run, close the actors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
+from ray.exceptions import RayActorError
 
 from tracestore import StorageError, TraceStore, TracestoreError, default_server
-from tracestore.connection import failure_reason, mask_url, resolve_url
+from tracestore.connection import ENV_URL, failure_reason, mask_url, resolve_url
+from tracestore.ray import destroy_events_group
 
-from .actors import Handle, Workers, kill, object_store_used, remote, start_ray
+from .actors import (
+    Handle,
+    Plan,
+    Workers,
+    kill,
+    object_store_used,
+    object_store_used_per_node,
+    plan,
+    refuse_local_store,
+    remote,
+    start_ray,
+    unreachable_from,
+)
 from .checkpoint import CheckpointState, ckpt_dir, load_state, store_path
 from .config import ConfigError, TrainConfig
+from .dispatch import WorkerPool, WorkersLost
 from .housekeeping import drain_run, reclaim_dead_owners, store_counts
 from .learner import Learner
 from .producer import Producer
 from .report import EndState, Phases, Report, Start, StepRecord, build_report
-from .rollout import RolloutWorker, WorkerStats
+from .rollout import RolloutWorker, WorkerStats, holder_name
 
 if TYPE_CHECKING:
     from .gateway_actor import GatewayActorStats
@@ -76,6 +95,23 @@ class StoreUnreachable(Exception):
         self.checkpoint = checkpoint
 
 
+class RoleLost(Exception):
+    """A role died mid-run (its process, or its Ray node): ``role`` (``learner``, ``producer``,
+    ``rollout workers``), where it ran, the last step trained and the last checkpoint.
+
+    Every other actor was killed; ``--resume`` continues from the checkpoint
+    on the nodes that are left (a lost rollout worker alone does not end
+    the run: the others go on).
+    """
+
+    def __init__(self, role: str, node: str, step: int, checkpoint: int | None) -> None:
+        super().__init__(f"the {role} was lost after step {step} (on Ray node {node})")
+        self.role = role
+        self.node = node
+        self.step = step
+        self.checkpoint = checkpoint
+
+
 def run(
     cfg: TrainConfig,
     progress: Progress | None = None,
@@ -84,37 +120,71 @@ def run(
     """Train; return the report (also written to ``cfg.out``).
 
     ``progress`` is called with each step's record, ``started`` with the
-    URL and run id once the store answers. Raises ConfigError (a
-    bad option, ``--resume`` without a checkpoint), StoreUnreachable (at the
-    start or mid-run), Interrupted (Ctrl-C), SimulatedCrash, and the roles'
-    errors; every actor is killed before any of them propagates.
+    URL and run id once the store answers. Raises ConfigError (a bad
+    option, ``--resume`` without a checkpoint, a Ray cluster that cannot be
+    joined or cannot hold the roles, the default server with nodes on other
+    hosts), StoreUnreachable (at the start, from the driver or a node, or
+    mid-run), RoleLost (the learner, the producer or every rollout worker
+    died), Interrupted (Ctrl-C), SimulatedCrash, and the roles' errors; every
+    actor is killed before any of them propagates.
     """
     cfg.validate()
     state = resume_state(cfg)
-    store = connect(cfg)
-    if started is not None:
-        started(cfg.url or "", cfg.run)
-    os.makedirs(cfg.out, exist_ok=True)
-    started_ray = start_ray()
-    driver = Driver(cfg, store, state, progress)
-    try:
-        report = driver.run()
-    except KeyboardInterrupt as exc:
-        raise Interrupted(driver.step, last_checkpoint(cfg)) from exc
-    except SimulatedCrash:
-        raise
-    except Exception as exc:
-        reason = unreachable(cfg)
-        if reason is None:
+    with _session(cfg) as (store, where):
+        if started is not None:
+            started(cfg.url or "", cfg.run)
+        os.makedirs(cfg.out, exist_ok=True)
+        driver = Driver(cfg, store, state, progress, where)
+        try:
+            report = driver.run()
+        except KeyboardInterrupt as exc:
+            raise Interrupted(driver.step, last_checkpoint(cfg)) from exc
+        except SimulatedCrash:
             raise
-        url = mask_url(cfg.url or "")
-        raise StoreUnreachable(url, reason, driver.step, last_checkpoint(cfg)) from exc
-    finally:
-        store.close()
-        if started_ray:
-            ray.shutdown()
+        except (RayActorError, WorkersLost) as exc:
+            role, node = driver.lost_role(exc)
+            raise RoleLost(role, node, driver.step, last_checkpoint(cfg)) from exc
+        except Exception as exc:
+            reason = unreachable(cfg)
+            if reason is None:
+                raise
+            url = mask_url(cfg.url or "")
+            raise StoreUnreachable(url, reason, driver.step, last_checkpoint(cfg)) from exc
     report.write(cfg.out)
     return report
+
+
+@contextlib.contextmanager
+def _session(cfg: TrainConfig) -> Iterator[tuple[TraceStore, Plan]]:
+    """Ray joined, the roles placed, the driver's store connected and reachable from every node.
+
+    A given URL is tried first (a wrong one fails before Ray starts). With
+    no URL, the placement comes first: the default server is started only
+    when every node can reach it (:func:`~.actors.refuse_local_store`).
+    Closes the store and leaves Ray (when it joined or started it here) on
+    the way out.
+    """
+    default = not cfg.url and not os.environ.get(ENV_URL)
+    with contextlib.ExitStack() as stack:
+        store = None if default else stack.enter_context(connect(cfg))
+        if start_ray(cfg.ray_address):
+            stack.callback(ray.shutdown)
+        where = plan(cfg)
+        if store is None:
+            refuse_local_store(where, _default_url())
+            store = stack.enter_context(connect(cfg))
+        bad = unreachable_from(where, cfg.url or "", cfg.run)
+        if bad:
+            node, why = bad[0]
+            more = f" (and {len(bad) - 1} more node(s))" if len(bad) > 1 else ""
+            raise StoreUnreachable(mask_url(cfg.url or ""), f"from Ray node {node.label}{more}: {why}", None, None)
+        yield store, where
+
+
+def _default_url() -> str:
+    """The default server's URL, without starting it (what it answers on when it starts)."""
+    info = default_server.find()
+    return info.url if info is not None else f"unix://{default_server.server_dir() / 'server.sock'}"
 
 
 def resume_state(cfg: TrainConfig) -> CheckpointState | None:
@@ -185,7 +255,7 @@ class Actors:
 
 
 class Driver:
-    """One run in this process: ``Driver(cfg, store, state, progress).run()`` -> the report."""
+    """One run in this process: ``Driver(cfg, store, state, progress, plan).run()`` -> the report."""
 
     def __init__(
         self,
@@ -193,14 +263,27 @@ class Driver:
         store: TraceStore,
         state: CheckpointState | None,
         progress: Progress | None,
+        where: Plan,
     ) -> None:
         self.cfg = cfg
         self.store = store
         self.state = state
         self.progress = progress
+        self.plan = where
         #: The last step trained (and reported) in this process, 0 before the first.
         self.step = 0
+        #: Where each role runs (role -> node label), once the actors started.
+        self.placement: dict[str, str] = {}
         self._handles: list[Handle] = []
+        self._roles: dict[str, str] = {}  # actor id (hex) -> role
+
+    def lost_role(self, exc: BaseException) -> tuple[str, str]:
+        """The role and node of an actor whose death ended the run (``exc`` as Ray raised it)."""
+        if isinstance(exc, WorkersLost):
+            nodes = sorted({self.placement.get(w, "?") for w in exc.lost})
+            return "rollout workers", ", ".join(nodes)
+        role = self._roles.get(getattr(exc, "actor_id", None) or "", "an actor")
+        return role, self.placement.get(role, "?")
 
     def run(self) -> Report:
         """Every phase in order; on any error the actors are killed and the error raised."""
@@ -215,7 +298,7 @@ class Driver:
             t3 = time.perf_counter()
             end = self.drain(actors, plasma_max)
             t4 = time.perf_counter()
-            self.close(actors)
+            self.close(actors, end.lost_workers)
         except BaseException:
             kill(self._handles)  # a crash, an error or Ctrl-C: a resume reclaims what they held
             raise
@@ -239,26 +322,42 @@ class Driver:
 
         Returns the actors and the first step to train.
         """
-        cfg = self.cfg
+        cfg, p = self.cfg, self.plan
         # threaded: the learner borrows refs and pushes weights while a rollout runs (safe: a
         # weight push happens with the gate sealed and drained, so no generation is in flight)
-        workers = {f"w{i}": self._spawn(RolloutWorker, 3, cfg, f"w{i}") for i in range(cfg.workers)}
+        workers = {
+            w: self._spawn(w, RolloutWorker, 3, p.worker_options(w), cfg, w) for w in p.workers
+        }
         gateway, url = None, None
         if cfg.agents == "http":  # the workers serve engines; agents reach them through the gateway
             from .gateway_actor import GatewayActor
 
             engines = ray.get([w.serve_http.remote() for w in workers.values()])
-            gateway = self._spawn(GatewayActor, 4, cfg, engines)
+            gateway = self._spawn("gateway", GatewayActor, 4, p.driver_options(), cfg, engines)
             url = ray.get(gateway.url.remote())
-        learner = self._spawn(Learner, 1, cfg, workers, gateway, url)
+        learner = self._spawn("learner", Learner, 1, p.learner_options(), cfg, workers, gateway, url)
         first: int = ray.get(learner.init.remote(self.state))
-        producer = self._spawn(Producer, 2, cfg, workers, first, url)
-        return Actors(workers, learner, producer, gateway), first
+        producer = self._spawn("producer", Producer, 2, p.driver_options(), cfg, workers, first, url)
+        actors = Actors(workers, learner, producer, gateway)
+        self._locate(actors)
+        return actors, first
 
-    def _spawn(self, cls: type, concurrency: int, *args: object) -> Handle:
-        handle = remote(cls, concurrency).remote(*args)
+    def _spawn(self, role: str, cls: type, concurrency: int, options: dict[str, object], *args: object) -> Handle:
+        handle = remote(cls, concurrency, **options).remote(*args)
         self._handles.append(handle)
+        self._roles[handle._actor_id.hex()] = role
         return handle
+
+    def _locate(self, actors: Actors) -> None:
+        """Ask every role which node it runs on (for messages and the report)."""
+        from .actors import alive_nodes
+
+        labels = {n.id: n.label for n in alive_nodes()}
+        roles = {"producer": actors.producer, "learner": actors.learner, **actors.workers}
+        if actors.gateway is not None:
+            roles["gateway"] = actors.gateway
+        ids = ray.get([h.node_id.remote() for h in roles.values()])
+        self.placement = {role: labels.get(i, i[:8]) for role, i in zip(roles, ids, strict=True)}
 
     def loop(self, actors: Actors, first: int) -> tuple[list[StepRecord], int]:
         """Steps ``first..steps``; the history (with the checkpoint's) and the object store's peak.
@@ -294,7 +393,8 @@ class Driver:
         learner = ray.get(actors.learner.stats.remote())
         producer = ray.get(actors.producer.stats.remote())
         drained = drain_run(self.store)
-        workers, gateway, plasma_used = self._wait_for_holders(actors.workers, actors.gateway)
+        pool = WorkerPool(self.store, actors.workers)
+        workers, gateway, per_node = self._wait_for_holders(pool, actors.gateway)
         return EndState(
             counts=store_counts(self.store),
             gate=self.store.gate.status(),
@@ -302,35 +402,47 @@ class Driver:
             producer=producer,
             learner=learner,
             drained=drained,
-            object_store_bytes=plasma_used,
+            object_store_bytes=sum(per_node.values()),
             object_store_bytes_max=plasma_max,
             gateway=gateway,
+            object_store_bytes_per_node=per_node,
+            placement=dict(self.placement),
+            lost_workers=sorted({*pool.lost, *producer.lost_workers, *learner.lost_workers}),
         )
 
     def _wait_for_holders(
-        self, workers: Workers, gateway: Handle | None
-    ) -> tuple[list[WorkerStats], GatewayActorStats | None, int]:
-        """The workers' (and gateway's) stats once their holders hold no ref and Ray's object store is empty.
+        self, pool: WorkerPool, gateway: Handle | None
+    ) -> tuple[list[WorkerStats], GatewayActorStats | None, dict[str, int]]:
+        """The live workers' (and the gateway's) stats once their holders hold no ref and every
+        node's object store is empty.
 
         The holders drop refs as their event consumers see the releases, and
-        the raylet's view of the object store catches up within a few
-        heartbeats; after ``holder_drain_s``, the stats as they are.
+        the raylets' view of their object stores catches up within a few
+        heartbeats; after ``holder_drain_s``, the stats as they are. A
+        worker that died is left out (its refs and its node's store went
+        with it).
         """
         deadline = time.monotonic() + self.cfg.holder_drain_s
         while True:
-            stats: list[WorkerStats] = ray.get([w.stats.remote() for w in workers.values()])
+            stats: list[WorkerStats] = list(pool.call("stats").values())
             gw: GatewayActorStats | None = ray.get(gateway.stats.remote()) if gateway is not None else None
-            used = object_store_used()
+            used = object_store_used_per_node()
             refs = sum(w.holder.refs for w in stats) + (gw.holder.refs if gw is not None else 0)
-            if (refs == 0 and used == 0) or time.monotonic() > deadline:
+            if (refs == 0 and not any(used.values())) or time.monotonic() > deadline:
                 return stats, gw, used
             time.sleep(0.1)
 
-    def close(self, actors: Actors) -> None:
-        """Close every role (holders remove their consumer groups), then end the actors."""
+    def close(self, actors: Actors, lost: list[str]) -> None:
+        """Close every role (holders remove their consumer groups), then end the actors.
+
+        The consumer groups of holders that died with their workers are
+        removed here (nobody else would, until gc finds them idle).
+        """
         if actors.gateway is not None:  # before the engines it serves
             ray.get(actors.gateway.close.remote())
-        ray.get([w.close.remote() for w in actors.workers.values()])
+        WorkerPool(self.store, actors.workers).call("close")
         ray.get(actors.producer.close.remote())
         ray.get(actors.learner.close.remote())
+        for w in lost:
+            self.store.run(destroy_events_group(self.store.context, holder_name(w)))
         kill(actors.all())

@@ -4,7 +4,15 @@ Each round claims aborted groups back from the buffer (``claim_retry``),
 adds new prompts, places every unfinished session on a worker (sticky),
 hands the sessions to that worker's owner tag, runs the samples there, takes
 the sessions back and puts each group into the buffer with its status
-(``replay.put``: failed and filtered groups are released there and then).
+(one ``replay.put_many`` per round: failed and filtered groups are released
+there and then).
+
+Each worker heartbeats its own owner tag (``keep_alive``). When a worker
+dies (its node is lost), the groups it had a part in are dropped: their
+sessions the producer holds are released (reason ``worker-lost``), those the
+dead worker's tag holds are left to gc, which declares the tag lost once its
+heartbeat expires (the learner sees to it); groups claimed back that it
+had served go the same way (their routed experts died with it).
 """
 
 from __future__ import annotations
@@ -19,13 +27,12 @@ from dataclasses import dataclass
 
 from tracestore import Group, TraceStore
 from tracestore.ownership import open_sessions, transfer
-from tracestore.router import Router
 from tracestore.scripts import Op, gather
 
-from .actors import Workers
+from .actors import Workers, node_id
 from .clock import Stopwatch
 from .config import TASK, TrainConfig
-from .dispatch import route, run_on_workers
+from .dispatch import WorkerPool
 from .http_agents import GATEWAY_HOLDER, HttpStats
 from .sample import Sample, from_payload, group_status, to_payload
 from .task import make_problem
@@ -34,6 +41,8 @@ from .task import make_problem
 HTTP = "http"
 #: Owner tags of long-lived roles heartbeat: gc reclaims them when a dead trainer is not resumed.
 HEARTBEAT_TTL_S = 120.0
+#: Status counted for a group dropped because a worker that served it died.
+LOST = "lost"
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,11 @@ class Job:
 
 @dataclass(frozen=True)
 class ProducerStats:
-    """Groups put by status, sessions opened, groups claimed back, time in tracestore and busy."""
+    """Groups put by status, sessions opened, groups claimed back, time in tracestore and busy.
+
+    ``groups`` counts dropped groups under ``lost`` (a worker that served them
+    died); ``lost_workers`` are the workers the producer found dead.
+    """
 
     groups: dict[str, int]
     opened: int
@@ -55,6 +68,7 @@ class ProducerStats:
     busy_s: float
     #: HTTP agents: what the SDK clients saw (None with local agents).
     http: HttpStats | None = None
+    lost_workers: tuple[str, ...] = ()
 
 
 class Producer:
@@ -62,12 +76,11 @@ class Producer:
 
     def __init__(self, cfg: TrainConfig, workers: Workers, start_step: int, gateway_url: str | None = None) -> None:
         self.cfg = cfg
-        self.workers = workers
         #: With --agents http: the session gateway the agents call (else workers run them).
         self.gateway_url = gateway_url
         self.http = HttpStats()
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
-        self.router: Router = self.store.router(sorted(workers))
+        self.pool = WorkerPool(self.store, workers)
         self.rng = random.Random(cfg.seed * 7919 + start_step)
         self.nonce = uuid.uuid4().hex[:6]
         self.tag = f"producer.{self.nonce}"
@@ -78,6 +91,14 @@ class Producer:
         self.store_time = Stopwatch()
         self.busy = Stopwatch()
         self._stop = threading.Event()
+        if gateway_url is None:  # every worker vouches for its own tag: when it dies, gc reclaims it
+            self.pool.gather(
+                {w: h.keep_alive.remote(self._rollout_tag(w), cfg.owner_ttl_s) for w, h in workers.items()}
+            )
+
+    def node_id(self) -> str:
+        """The Ray node the producer runs on."""
+        return node_id()
 
     # -- modes -----------------------------------------------------------------------------
 
@@ -113,8 +134,8 @@ class Producer:
                 jobs.append(self._new_job())
             with self.store_time():
                 version = self.store.gate.status().version
-            done = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
-            put = self._put(jobs, done, version)
+            done, lost = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
+            put = self._put(jobs, done, lost, version)
             if put.get("aborted"):  # a weight update is under way: let it finish first
                 self._wait_gate_open()
         return put
@@ -123,7 +144,12 @@ class Producer:
         with self.store_time():
             groups = self.store.replay.claim_retry(TASK, self.cfg.prompts_per_step, self.tag)
         self.claimed += len(groups)
-        return [Job(g.gid, from_payload(g.payload)) for g in groups]
+        jobs = [Job(g.gid, from_payload(g.payload)) for g in groups]
+        lost = set(self.pool.lost)
+        for job in [j for j in jobs if any(s.worker in lost for s in j.samples)]:
+            self._drop(job)  # a worker that served it died: its routed experts are gone
+            jobs.remove(job)
+        return jobs
 
     def _new_job(self) -> Job:
         self.n += 1
@@ -132,20 +158,27 @@ class Producer:
         n = self.cfg.group_size
         return Job(gid, [Sample.new(f"{gid}-{j}", prob, self.cfg.max_calls) for j in range(n)])
 
-    def _roll_out(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
-        """Run ``samples`` on their workers, each owned by the worker's tag meanwhile."""
+    def _roll_out(
+        self, samples: Sequence[Sample], version: int
+    ) -> tuple[dict[str, Sample], set[str]]:
+        """Run ``samples`` on their workers, each owned by the worker's tag meanwhile.
+
+        Returns the samples that came back, and the ids of those whose worker
+        died meanwhile (their sessions stay with its tag, for gc).
+        """
         if self.gateway_url is not None:
-            return self._roll_out_http(samples, version)
+            return self._roll_out_http(samples, version), set()
         with self.store_time():
-            by_worker = route(self.router, samples)
+            by_worker = self.pool.route(samples)
             for w, ss in by_worker.items():
                 self._hand_over(w, ss, version)
-        results = run_on_workers(self.workers, by_worker)
+        results = self.pool.run(by_worker)
         ctx = self.store.context
         back = [transfer(ctx, [s.sid for s in out], self._rollout_tag(w), self.tag) for w, out in results.items()]
         with self.store_time():
-            self.store.run(gather(back))  # every worker's sessions back: one round trip
-        return {s.sid: s for out in results.values() for s in out}
+            self.store.run(gather(back))  # every live worker's sessions back: one round trip
+        lost = {s.sid for w, ss in by_worker.items() if w not in results for s in ss}
+        return {s.sid: s for out in results.values() for s in out}, lost
 
     def _roll_out_http(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
         """Run ``samples`` as HTTP agents through the gateway, owned by ``rollout:http.<nonce>`` meanwhile.
@@ -178,10 +211,20 @@ class Producer:
         self.store.run(gather(calls))
         self.opened += len(fresh)
 
-    def _put(self, jobs: Sequence[Job], done: dict[str, Sample], version: int) -> dict[str, int]:
-        """Put every job's group into the buffer with its status (one ``put_many``)."""
+    def _put(
+        self, jobs: Sequence[Job], done: dict[str, Sample], lost: set[str], version: int
+    ) -> dict[str, int]:
+        """Put every job's group into the buffer with its status (one ``put_many``); counts by status.
+
+        A group a dead worker served is dropped instead (counted ``lost``).
+        """
+        counts: dict[str, int] = {}
         groups = []
         for job in jobs:
+            if any(s.sid in lost for s in job.samples):
+                self._drop(job)
+                counts[LOST] = counts.get(LOST, 0) + 1
+                continue
             samples = [done.get(s.sid, s) for s in job.samples]
             status = group_status(samples)
             # min_version: put reads it from the sessions' traces (each member's oldest
@@ -198,11 +241,22 @@ class Producer:
             )
         with self.store_time():
             self.store.replay.put_many(groups, self.tag, current_version=version)
-        counts: dict[str, int] = {}
         for g in groups:
             counts[g.status] = counts.get(g.status, 0) + 1
             self.counts[g.status] = self.counts.get(g.status, 0) + 1
         return counts
+
+    def _drop(self, job: Job) -> None:
+        """Give up a group a dead worker served: release what we hold of it, retire its routes.
+
+        Its sessions still held by the dead worker's tag are not ours to
+        release: gc releases them once the tag's heartbeat expires.
+        """
+        sids = [s.sid for s in job.samples]
+        with self.store_time():
+            self.store.release(sids, self.tag, "worker-lost")
+            self.pool.router.retire(sids)
+        self.counts[LOST] = self.counts.get(LOST, 0) + 1
 
     # -- store plumbing --------------------------------------------------------------------
 
@@ -210,10 +264,11 @@ class Producer:
         return f"rollout:{worker}.{self.nonce}"
 
     def _heartbeat(self) -> None:
-        """Heartbeat this process's tags (its own and its rollouts'): one round trip."""
-        rollouts = [HTTP] if self.gateway_url is not None else list(self.workers)
-        tags = [self.tag, *(self._rollout_tag(w) for w in rollouts)]
+        """Heartbeat this process's tag (and the HTTP agents'): one round trip."""
         with self.store_time():
+            # the workers heartbeat their own tags (keep_alive): when one dies, gc reclaims its tag;
+            # HTTP agents' sessions have no worker to vouch for them, so the producer does
+            tags = [self.tag, *([self._rollout_tag(HTTP)] if self.gateway_url is not None else [])]
             self.store.heartbeat_many(tags, HEARTBEAT_TTL_S)
 
     def _ready(self) -> int:
@@ -239,6 +294,7 @@ class Producer:
             store_s=self.store_time.seconds,
             busy_s=self.busy.seconds,
             http=self.http if self.gateway_url is not None else None,
+            lost_workers=tuple(self.pool.lost),
         )
 
     def close(self) -> None:

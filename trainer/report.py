@@ -86,6 +86,12 @@ class EndState:
     object_store_bytes_max: int
     #: With ``--agents http``: the gateway's counters and holder.
     gateway: GatewayActorStats | None = None
+    #: Each live node's object store (node label -> bytes in use).
+    object_store_bytes_per_node: dict[str, int] = field(default_factory=dict)
+    #: Role -> the node it ran on.
+    placement: dict[str, str] = field(default_factory=dict)
+    #: Rollout workers that died during the run.
+    lost_workers: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,8 @@ class Report:
     expert_bytes_held_at_end: int
     object_store_bytes_at_end: int
     object_store_bytes_max_seen: int
+    #: Each live node's object store at the end (node ``IP/id`` -> bytes in use).
+    object_store_bytes_per_node_at_end: dict[str, int]
     gate_cycles: int
     gate_version: int
     poisoned_leases: int
@@ -150,6 +158,9 @@ class Report:
     gateway_410s: int | None
     agent_turns_given_up: int | None
     gateway_overhead_p50_ms: float | None
+    # the cluster: where each role ran, rollout workers lost mid-run and how each was reclaimed
+    placement: dict[str, str]
+    workers_lost: dict[str, dict[str, int]]
     # resume and end of run
     reclaimed_after_crash: dict[str, int]
     store_restored: bool
@@ -231,6 +242,7 @@ def build_report(
         expert_bytes_held_at_end=sum(h.bytes for h in holders),
         object_store_bytes_at_end=end.object_store_bytes,
         object_store_bytes_max_seen=end.object_store_bytes_max,
+        object_store_bytes_per_node_at_end=end.object_store_bytes_per_node,
         gate_cycles=end.learner.gate_cycles,
         gate_version=end.gate.version,
         poisoned_leases=end.gate.poisoned,
@@ -243,6 +255,8 @@ def build_report(
         gateway_410s=by_status.get("410", 0) if gw is not None else None,
         agent_turns_given_up=http.gave_up if http is not None else None,
         gateway_overhead_p50_ms=1000 * overhead if overhead is not None else None,
+        placement=end.placement,
+        workers_lost={w: end.learner.lost_workers.get(w, {}) for w in end.lost_workers},
         reclaimed_after_crash=start.reclaimed,
         store_restored=start.restored,
         drained_at_end=end.drained,
@@ -284,6 +298,8 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("refs held at end", "refs_held_at_end"),
     ("routed-expert bytes held at end", "expert_bytes_held_at_end"),
     ("Ray object store bytes in use at end", "object_store_bytes_at_end"),
+    ("Ray nodes used", "placement"),
+    ("rollout workers lost", "workers_lost"),
     ("gate cycles", "gate_cycles"),
     ("poisoned leases", "poisoned_leases"),
     ("p50 turn latency (ms)", "p50_turn_latency_ms"),
@@ -308,7 +324,11 @@ def report_rows(report: Report) -> list[list[object]]:
     rows: list[list[object]] = []
     for label, key in REPORT_ROWS:
         v = getattr(report, key)
-        if isinstance(v, float):
+        if key == "placement":
+            v = len(set(v.values())) or "-"
+        elif key == "workers_lost":
+            v = ", ".join(v) if v else 0
+        elif isinstance(v, float):
             v = f"{100 * v:.1f}%" if key.endswith("time_share") else f"{v:.3g}"
         rows.append([label, "-" if v is None else v])
     return rows

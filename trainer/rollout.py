@@ -15,6 +15,7 @@ given over it, round by round, and keeps the sessions' routed experts in its
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -24,12 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracestore import GateSealed, Lease, TraceStore, TracestoreError, TurnRecorder
+from tracestore import GateSealed, Lease, OwnerLost, TraceStore, TracestoreError, TurnRecorder
 from tracestore.gate import admit_many, settle_many
 from tracestore.ray import HolderStats, RefHolder
 from tracestore.scripts import Op, gather
 from tracestore.session import Request, Response, prepare_many
 
+from .actors import node_id, serve_host
 from .agent import NoReply, Outcome, Reply, TurnRequest, drive_many, play
 from .chat import render, strip_stop
 from .clock import Stopwatch
@@ -37,6 +39,13 @@ from .config import TrainConfig
 from .policy import load_numpy_state, new_policy, set_determinism
 from .sample import Sample
 from .tokenizer import TOKENIZER as TOK
+
+log = logging.getLogger(__name__)
+
+
+def holder_name(worker: str) -> str:
+    """The name of worker ``worker``'s RefHolder (its consumer group on the release events)."""
+    return f"holder-{worker}"
 
 
 @dataclass(frozen=True)
@@ -208,11 +217,50 @@ class RolloutWorker:
         self.cfg = cfg
         set_determinism(cfg.seed)
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
-        self.holder = RefHolder(self.store, name=f"holder-{name}")
+        self.holder = RefHolder(self.store, name=holder_name(name))
         self.model = LocalModel(self.store, self.holder, name, cfg)
         self.busy = Stopwatch()
         self.engine: Any = None  # a PolicyEngine over the same policy, with --agents http
         self._server: Any = None
+        self._alive = threading.Event()
+        self._heartbeats: threading.Thread | None = None
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        return node_id()
+
+    def keep_alive(self, owner: str, ttl_s: float) -> None:
+        """Heartbeat ``owner`` (the tag the producer hands this worker's sessions to) from now on.
+
+        A background thread renews the tag every ``ttl_s / 3`` seconds until
+        :meth:`close`, so when this process or its node dies, the heartbeat
+        stops and ``gc`` declares the tag lost ``ttl_s`` later (its sessions
+        are released as ``owner-lost``). Replaces the tag kept alive before.
+        The first heartbeat is sent before this returns.
+        """
+        self._stop_heartbeats()
+        self.store.heartbeat(owner, ttl_s)
+        stop = threading.Event()
+        self._alive = stop
+
+        def beat() -> None:
+            while not stop.wait(ttl_s / 3):
+                try:
+                    self.store.heartbeat(owner, ttl_s)
+                except OwnerLost:  # gc gave up on us (a pause longer than the TTL): stop vouching
+                    log.error("owner %s was declared lost; its heartbeat stops", owner)
+                    return
+                except TracestoreError as exc:  # the store is away: the next beat retries
+                    log.warning("heartbeat of %s failed: %s", owner, exc)
+
+        self._heartbeats = threading.Thread(target=beat, name=f"heartbeat-{owner}", daemon=True)
+        self._heartbeats.start()
+
+    def _stop_heartbeats(self) -> None:
+        self._alive.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join()
+            self._heartbeats = None
 
     def serve_http(self) -> str:
         """Serve this worker's policy over HTTP (SGLang's /generate shape); returns its URL.
@@ -230,7 +278,7 @@ class RolloutWorker:
             async def make() -> Any:
                 return self.engine.app()
 
-            self._server = BackgroundServer(make)
+            self._server = BackgroundServer(make, host=serve_host(self.cfg))
             self._server.start()
         return str(self._server.url)
 
@@ -284,7 +332,8 @@ class RolloutWorker:
         )
 
     def close(self) -> None:
-        """Stop the engine (if served), the holder's consumer (its group removed), close the store."""
+        """Stop the heartbeat, the engine (if served), the holder's consumer (its group removed), close the store."""
+        self._stop_heartbeats()
         if self._server is not None:
             self._server.stop()
         self.holder.close(destroy_group=True)

@@ -28,6 +28,7 @@ EXIT_OK = 0
 EXIT_INVARIANT = 1
 EXIT_CONFIG = 2
 EXIT_UNREACHABLE = 3
+EXIT_ROLE_LOST = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -107,7 +108,7 @@ def train_command(**kw: Any) -> None:
         from tqdm import tqdm
 
         from tracestore.trainer.config import ConfigError
-        from tracestore.trainer.loop import Interrupted, StoreUnreachable, run
+        from tracestore.trainer.loop import Interrupted, RoleLost, StoreUnreachable, run
         from tracestore.trainer.report import report_rows
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the trainer needs the extra tracestore[ray] (torch, ray, tqdm): {exc}", EXIT_CONFIG)
@@ -153,6 +154,13 @@ def train_command(**kw: Any) -> None:
                 err=True,
             )
         sys.exit(EXIT_INTERRUPTED)
+    except RoleLost as exc:
+        resume = (
+            f"resume on the nodes left with: {_resume_command(cfg.out)}"
+            if exc.checkpoint is not None
+            else "the run had no checkpoint yet; start it again"
+        )
+        fail(f"{exc}; {resume}", EXIT_ROLE_LOST)
     except StoreUnreachable as exc:
         if exc.step is None:
             fail(f"cannot reach the store at {exc.url}: {exc.reason}", EXIT_UNREACHABLE)
@@ -165,6 +173,12 @@ def train_command(**kw: Any) -> None:
              EXIT_UNREACHABLE)
     click.echo("")
     click.echo(format_table(["report", "value"], report_rows(report)))
+    if len(set(report.placement.values())) > 1:  # a cluster: where each role ran, each node's store
+        click.echo("\n" + format_table(["role", "Ray node"], [[r, n] for r, n in report.placement.items()]))
+        used = report.object_store_bytes_per_node_at_end
+        click.echo(
+            "\n" + format_table(["Ray node", "object store bytes at end"], [[n, b] for n, b in used.items()])
+        )
     click.echo(f"\nreport: {cfg.out}/report.json, plot: {cfg.out}/report.png, run: {report.run}")
     bad = report.violations()
     if bad:
@@ -224,6 +238,37 @@ def train_options(f: Any) -> Any:
             default=None,
             help="Checkpoint every N steps (default 4).",
         ),
+        click.option(
+            "--ray-address",
+            envvar="RAY_ADDRESS",
+            default=None,
+            metavar="ADDR",
+            help="Join this Ray cluster instead of starting a private local Ray: HOST:PORT of its "
+            "head, `auto` (the cluster `ray start` runs on this machine) or ray://HOST:PORT (Ray "
+            "Client); `local` forces a private Ray. Falls back to $RAY_ADDRESS. On a cluster with "
+            "nodes on other hosts, --url must name a server they all reach (docs/deploy.md).",
+        ),
+        click.option(
+            "--placement",
+            type=click.Choice(["spread", "pack"]),
+            default=None,
+            help="Rollout workers over the nodes: spread (round-robin over the nodes that offer "
+            "--worker-resources, each pinned; the default) or pack (Ray places them by resources).",
+        ),
+        click.option(
+            "--worker-resources",
+            default=None,
+            metavar="NAME=N,...",
+            help="Ray resources each rollout worker claims, e.g. GPU=1 or rollout=1 (a custom "
+            "resource the rollout nodes declare). Default: none.",
+        ),
+        click.option(
+            "--learner-resources",
+            default=None,
+            metavar="NAME=N,...",
+            help="Ray resources the learner claims (its evaluation runs in it), e.g. GPU=1 or "
+            "learner=1. Default: none (beside the driver).",
+        ),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -242,8 +287,11 @@ def train(**kw: Any) -> None:
       1    a leak or a violated invariant
       2    a bad configuration (unknown mode, --steps 0, a --resume flag that
            disagrees with the checkpoint, no checkpoint to resume)
-      3    the store is unreachable (at the start, or mid-run: the message
-           names the URL and the command that resumes)
+      3    the store is unreachable (at the start, from the driver or from a
+           Ray node, or mid-run: the message names the URL and the command
+           that resumes)
+      4    the learner, the producer or every rollout worker was lost (its
+           Ray node died); a lost rollout worker alone does not end the run
       130  interrupted (Ctrl-C): the message gives the command that resumes
     """
     train_command(**kw)

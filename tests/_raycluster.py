@@ -1,0 +1,107 @@
+"""Ray's multi-node test cluster for the trainer's tests and benchmarks (issue 16).
+
+:class:`Nodes` starts a head and three nodes on this machine, each with its
+own raylet and object store: two rollout nodes (custom resource
+``rollout``; one on 127.0.0.2, which the trainer takes for another host) and
+a learner node (``learner``). :func:`freeze_in_flight` stops a node's
+processes at a moment a worker holds a gate lease, so that removing the node
+then leaves a request in flight deterministically.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import psutil  # a dependency of ray
+from ray.cluster_utils import Cluster
+
+from tracestore import TraceStore
+
+NODE: dict[str, Any] = {"num_cpus": 0, "object_store_memory": 80 * 1024**2}
+
+
+class Nodes:
+    """The test cluster and its nodes by role (``Nodes().address`` for ``ray.init``)."""
+
+    def __init__(self) -> None:
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **NODE,
+                "include_dashboard": False,
+                # a removed node is declared dead within ~10 s (a loaded 2-core machine must not
+                # miss a check of a live node)
+                "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10},
+            },
+        )
+        self.rollout_a = self.cluster.add_node(**NODE, resources={"rollout": 1})
+        self.rollout_b = self.cluster.add_node(**NODE, resources={"rollout": 1}, node_ip_address="127.0.0.2")
+        self.learner = self.cluster.add_node(**NODE, resources={"learner": 1})
+
+    @property
+    def address(self) -> str:
+        """The GCS address (``--ray-address``)."""
+        return str(self.cluster.address)
+
+    def by_id(self, node_id: str) -> Any:
+        """The node with id ``node_id``."""
+        return next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
+
+    def label(self, node: Any) -> str:
+        """How the trainer names ``node`` (``IP/first 8 hex digits of its id``)."""
+        return f"{node.node_ip_address}/{node.node_id[:8]}"
+
+    def wait_dead(self, node: Any, timeout_s: float = 60.0) -> None:
+        """Wait until the cluster has declared ``node`` (removed) dead."""
+        import ray
+
+        end = time.monotonic() + timeout_s
+        while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > end:
+                raise TimeoutError(f"node {self.label(node)} still alive {timeout_s}s after its removal")
+            time.sleep(0.2)
+
+    def add_learner(self) -> Any:
+        """Start another learner node (after the first was removed)."""
+        self.learner = self.cluster.add_node(**NODE, resources={"learner": 1})
+        return self.learner
+
+    def add_rollout_b(self) -> Any:
+        """Start another rollout node on 127.0.0.2 (after the first was removed)."""
+        self.rollout_b = self.cluster.add_node(**NODE, resources={"rollout": 1}, node_ip_address="127.0.0.2")
+        return self.rollout_b
+
+
+def worker_processes(node: Any) -> list[psutil.Process]:
+    """The processes the node's raylet started (its Ray workers among them)."""
+    raylet = node.all_processes["raylet"][0].process.pid
+    return list(psutil.Process(raylet).children(recursive=True))
+
+
+def freeze_in_flight(node: Any, url: str, run_id: str, worker: str) -> tuple[str, str]:
+    """Freeze ``node``'s processes while ``worker`` holds a lease on a session its tag owns.
+
+    Returns (lease id, session id). Polls the gate's live leases; after the
+    freeze, checks the lease is still unsettled (else thaws and tries again).
+    """
+    with TraceStore.connect(url, run=run_id, create_run=False) as store:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ids = [x.decode() for x in store.redis.zrange(store.keys.gate_leases, 0, -1)]
+            for rec in store.gate.lease_records(ids):
+                if rec is None or rec.holder != worker or rec.outcome is not None:
+                    continue
+                if not (store.owner_of(rec.sid) or "").startswith(f"rollout:{worker}."):
+                    continue
+                procs = worker_processes(node)
+                for p in procs:
+                    p.send_signal(signal.SIGSTOP)
+                (after,) = store.gate.lease_records([rec.lease_id])
+                if after is not None and after.outcome is None:
+                    return rec.lease_id, rec.sid
+                for p in procs:
+                    p.send_signal(signal.SIGCONT)
+            time.sleep(0.01)
+    raise AssertionError(f"{worker} never held a lease on a session of its own tag")
