@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
 from tests._docker import build_image, engine_reason
-from tracestore import NotEnoughReplicas, TraceStore
+from tracestore import NotEnoughReplicas, StorageError, TraceStore
 from tracestore.servers import LocalCluster, port_is_free
 
 COMPOSE = Path(__file__).resolve().parent.parent / "compose.yaml"
@@ -92,6 +93,29 @@ def _compose(project: str, *args: str, timeout: float = 180) -> subprocess.Compl
     )
 
 
+def _compose_cluster_ready(url: str) -> bool:
+    """Every node says ``cluster_state:ok`` and every primary has an in-sync replica
+    (``min-replicas-to-write 1``), so that a durable write goes through now."""
+    for port in range(7001, 7007):
+        c = redis.Redis(port=port, socket_timeout=2)
+        try:
+            if "cluster_state:ok" not in c.execute_command("CLUSTER", "INFO").decode():
+                return False
+        except redis.RedisError:
+            return False
+        finally:
+            c.close()
+    try:
+        with TraceStore.connect(url, run="compose-probe", create_run=False) as st:
+            infos = st.redis.info("replication", target_nodes=st.redis.PRIMARIES)
+            return len(infos) == 3 and all(
+                int(i.get("connected_slaves", 0)) >= 1 and i.get("slave0", {}).get("state") == "online"
+                for i in infos.values()
+            )
+    except StorageError:
+        return False
+
+
 @pytest.mark.ray
 def test_compose_cluster_comes_up_trains_and_comes_down(tmp_path: Path) -> None:
     reason = engine_reason()
@@ -111,14 +135,9 @@ def test_compose_cluster_comes_up_trains_and_comes_down(tmp_path: Path) -> None:
         waited = subprocess.run(["docker", "wait", init], capture_output=True, text=True, timeout=120)
         assert waited.stdout.strip() == "0", _compose(project, "logs", "cluster-init").stdout
         url = "redis+cluster://127.0.0.1:7001"
-        deadline = time.monotonic() + 30
-        while True:  # the replicas finish their sync after the slots are covered
-            with TraceStore.connect(url, run="compose-probe", create_run=False) as st:
-                # writable: every primary has its replica (min-replicas-to-write 1)
-                infos = st.redis.info("replication", target_nodes=st.redis.PRIMARIES)
-                if len(infos) == 3 and all(int(i.get("connected_slaves", 0)) >= 1 for i in infos.values()):
-                    break
-            assert time.monotonic() < deadline
+        deadline = time.monotonic() + 60
+        while not _compose_cluster_ready(url):  # the replicas finish their sync after the slots are covered
+            assert time.monotonic() < deadline, "the compose cluster did not become writable within 60 s"
             time.sleep(0.2)
         out = tmp_path / "train-out"
         res = subprocess.run(
