@@ -137,3 +137,30 @@ def test_store_lost_mid_run_is_one_line_with_the_url_and_the_resume_command(tmp_
         lines[0],
     ), lines[0]
     assert "Traceback" not in err and "RayTaskError" not in err and "StorageError" not in err
+
+
+def test_store_lost_before_the_first_step_is_not_blamed_on_a_role(tmp_path: Path) -> None:
+    """The server dies while the roles start: a role then dies of it (its calls fail), and the
+    run ends as store-unreachable (exit 3, one line), not as a lost role (exit 4)."""
+    srv = EmbeddedServer().start()
+    out = tmp_path / "out"
+    proc = _start(tmp_path, mode="colocated", url=srv.url, steps=6, checkpoint_every=1, out=str(out))
+    try:
+        assert proc.stderr is not None
+        head = []
+        for line in proc.stderr:
+            head.append(line)
+            if line.startswith("# run"):  # the store answered; the roles are starting
+                break
+        srv.kill()
+        _, rest = proc.communicate(timeout=300)
+        err = "".join(head) + rest
+    finally:
+        srv.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 3, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(f"error: store unreachable at {srv.url}"), err
+    assert "lost" not in lines[0] and "Traceback" not in err

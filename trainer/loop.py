@@ -142,6 +142,12 @@ def run(
         except SimulatedCrash:
             raise
         except (RayActorError, WorkersLost) as exc:
+            # A role that died while the store does not answer died of it (its calls
+            # failed): say so, and how to resume, rather than blame its node.
+            reason = unreachable(cfg)
+            if reason is not None:
+                url = mask_url(cfg.url or "")
+                raise StoreUnreachable(url, reason, driver.step, last_checkpoint(cfg)) from exc
             role, node = driver.lost_role(exc)
             raise RoleLost(role, node, driver.step, last_checkpoint(cfg)) from exc
         except Exception as exc:
