@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tracestore import TraceStore
 from tracestore.trainer.agent import NoReply, Outcome, Reply, TurnRequest, drive, drive_many, play
 from tracestore.trainer.chat import render
 from tracestore.trainer.sample import Sample, from_payload, group_status, to_payload
@@ -119,3 +120,23 @@ def test_drive_many_serves_turns_in_rounds_with_the_same_episodes() -> None:
     assert many == one
     assert [s.status for s in many] == ["completed", "completed", "aborted", "completed"]
     assert drive_many([], model) == [] and drive_many([play(many[0], 3)], model) == [many[0]]
+
+
+def test_export_falls_back_to_the_longest_recorded_path_and_counts_it(store: TraceStore) -> None:
+    """A sample whose conversation matches no stored key is trained on its session's longest
+    recorded path (what the engine generated) and counted, instead of failing the step."""
+    import random
+
+    from tests.test_ownership import prompt_of, response_of, write_turn
+    from tracestore.trainer.batch import BatchBuilder
+    from tracestore.trainer.clock import Stopwatch
+    from tracestore.trainer.task import make_problem
+
+    write_turn(store, "s")
+    builder = BatchBuilder(store, None, Stopwatch())  # type: ignore[arg-type]  # _export uses no pool
+    good = Sample.new("s", make_problem(random.Random(0), "p0"), 4)
+    assert not good.final_key().startswith(prompt_of("s"))  # its messages were never recorded
+    (tr,) = builder._export([good])
+    want = store.export_training_trace("s", prompt_of("s") + response_of("s"))
+    assert (list(tr.input_ids), list(tr.labels)) == (list(want.input_ids), list(want.labels))
+    assert builder.key_fallbacks == 1

@@ -11,19 +11,22 @@ worker that died with them) trains without routing replay.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import ray
 
-from tracestore import Group, Trace, TraceStore, expert_key_lost
+from tracestore import Group, PromptMismatch, Trace, TraceStore, expert_key_lost
 
 from .actors import Workers
 from .clock import Stopwatch
 from .dispatch import WorkerPool, WorkersLost
 from .grpo import TrainSample, group_advantages
 from .sample import Sample, from_payload
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class BatchBuilder:
         self.store_time = store_time
         #: Borrow calls that failed (those samples trained without routing replay).
         self.fallbacks = 0
+        #: Samples whose final conversation matched no stored key: trained on the session's
+        #: longest recorded path instead (see :meth:`_export`).
+        self.key_fallbacks = 0
 
     def build(self, groups: Sequence[Group], version: int) -> Batch:
         """The batch of ``groups`` for a policy at weight ``version``."""
@@ -86,10 +92,30 @@ class BatchBuilder:
         return Batch(train, sids, rewards, staleness, same_version, len(groups))
 
     def _export(self, samples: Sequence[Sample]) -> list[Trace]:
-        """The training trace of each sample's last turn: one ``export_many`` (1-2 round trips)."""
+        """The training trace of each sample's last turn: one ``export_many`` (1-2 round trips).
+
+        A sample whose rendered conversation matches no stored key (seen rarely with HTTP
+        agents in disaggregated runs: the recorded path differs from the agent's messages
+        in one tool result; cause not found yet) is trained on its session's longest
+        recorded path, what the engine generated, and counted in ``key_fallbacks``
+        (the report's ``trace_key_fallbacks``), with both texts logged.
+        """
         keys = [(s.sid, s.final_key()) for s in samples]
         with self.store_time():
-            return self.store.export_many(keys)
+            try:
+                return self.store.export_many(keys)
+            except PromptMismatch:
+                pass
+            out: list[Trace] = []
+            for sid, key in keys:
+                try:
+                    out.append(self.store.export_training_trace(sid, key))
+                except PromptMismatch as exc:
+                    stored = self.store.trace_keys(sid)
+                    log.warning("trace key fallback for %s: %s; final key %r; stored keys %r", sid, exc, key, stored)
+                    self.key_fallbacks += 1
+                    out.append(self.store.export_training_trace(sid, stored[-1]))
+            return out
 
     def _borrow(self, wanted: list[tuple[str | None, list[str]]]) -> list[list[np.ndarray] | None]:
         """Routed-expert parts of each ``(worker, keys)``: one borrow call per worker, one get.
