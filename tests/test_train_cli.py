@@ -115,46 +115,33 @@ def test_ctrl_c_then_resume_keeps_mode_and_url_of_a_disaggregated_cluster_run(
             assert report["run"] not in st.run_ids()
 
 
-def test_store_lost_mid_run_is_one_line_with_the_url_and_the_resume_command(tmp_path: Path) -> None:
-    srv = EmbeddedServer().start()
-    out = tmp_path / "out"
-    proc = _start(tmp_path, mode="colocated", url=srv.url, steps=6, checkpoint_every=1, out=str(out))
-    try:
+def _until(proc: subprocess.Popen[str], when: str) -> str:
+    """Wait until the run is at ``when``; return what it wrote to stderr meanwhile."""
+    if when == "mid-run":
         _wait_for_step(proc, 2)
-        srv.kill()  # the server dies mid-run
-        _, err = proc.communicate(timeout=300)
-    finally:
-        srv.stop()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 3, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, err
-    assert re.fullmatch(
-        rf"error: store unreachable at {re.escape(srv.url)} after step \d+ \(Connection refused\); "
-        rf"once it is back, resume with: tracestore train --resume --out {re.escape(str(out))}",
-        lines[0],
-    ), lines[0]
-    assert "Traceback" not in err and "RayTaskError" not in err and "StorageError" not in err
+        return ""
+    assert proc.stderr is not None
+    head = []
+    for line in proc.stderr:  # "at start": the store answered, the roles are starting
+        head.append(line)
+        if line.startswith("# run"):
+            break
+    return "".join(head)
 
 
-def test_store_lost_before_the_first_step_is_not_blamed_on_a_role(tmp_path: Path) -> None:
-    """The server dies while the roles start: a role then dies of it (its calls fail), and the
-    run ends as store-unreachable (exit 3, one line), not as a lost role (exit 4)."""
+@pytest.mark.parametrize("when", ["mid-run", "at start"])
+def test_store_lost_is_one_line_with_the_url_and_never_blamed_on_a_role(tmp_path: Path, when: str) -> None:
+    """The server dies after step 2, or while the roles start (a role then dies of it, its calls
+    failing): either way the run ends as store-unreachable (exit 3, one line), not as a lost
+    role (exit 4), and mid-run the line gives the resume command."""
     srv = EmbeddedServer().start()
     out = tmp_path / "out"
     proc = _start(tmp_path, mode="colocated", url=srv.url, steps=6, checkpoint_every=1, out=str(out))
     try:
-        assert proc.stderr is not None
-        head = []
-        for line in proc.stderr:
-            head.append(line)
-            if line.startswith("# run"):  # the store answered; the roles are starting
-                break
+        head = _until(proc, when)
         srv.kill()
         _, rest = proc.communicate(timeout=300)
-        err = "".join(head) + rest
+        err = head + rest
     finally:
         srv.stop()
         if proc.poll() is None:
@@ -163,4 +150,11 @@ def test_store_lost_before_the_first_step_is_not_blamed_on_a_role(tmp_path: Path
     assert proc.returncode == 3, err
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(f"error: store unreachable at {srv.url}"), err
-    assert "lost" not in lines[0] and "Traceback" not in err
+    assert " was lost " not in lines[0]  # (the RoleLost message)
+    assert "Traceback" not in err and "RayTaskError" not in err and "StorageError" not in err
+    if when == "mid-run":
+        assert re.fullmatch(
+            rf"error: store unreachable at {re.escape(srv.url)} after step \d+ \(Connection refused\); "
+            rf"once it is back, resume with: tracestore train --resume --out {re.escape(str(out))}",
+            lines[0],
+        ), lines[0]
