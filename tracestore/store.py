@@ -145,7 +145,7 @@ class StoreMethods:
     )
     # (end gate)
 
-    # -- replay buffer and checkpoint (replay.py, checkpoint.py) --------------------
+    # -- replay buffer and checkpoint (replay/, checkpoint.py) --------------------
     replay = part(
         Replay,
         AsyncReplay,
