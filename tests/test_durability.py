@@ -120,6 +120,30 @@ def test_the_default_level_comes_from_the_environment(
         TraceStore.connect(standalone_url, run=_run())
 
 
+def test_replicas_and_timeout_come_from_the_environment_too(
+    monkeypatch: pytest.MonkeyPatch, pair: tuple[EmbeddedServer, EmbeddedServer]
+) -> None:
+    """What a launcher exports (``tracestore train --durability-replicas``) reaches ``connect``."""
+    primary, _ = pair
+    monkeypatch.setenv("TRACESTORE_DURABILITY", "replicas")
+    monkeypatch.setenv("TRACESTORE_DURABILITY_REPLICAS", "2")
+    monkeypatch.setenv("TRACESTORE_DURABILITY_TIMEOUT_S", "2.5")
+    assert Durability.from_options({}) == Durability("replicas", 2, 2.5)
+    assert Durability.from_options({"durability_replicas": 1}) == Durability("replicas", 1, 2.5)
+    with pytest.raises(ConfigError, match=r"needs 2 replica\(s\) .* has 1"):  # the pair has one
+        TraceStore.connect(primary.url, run=_run())
+    monkeypatch.setenv("TRACESTORE_DURABILITY_REPLICAS", "1")
+    with TraceStore.connect(primary.url, run=_run()) as st:
+        assert st.durability == Durability("replicas", 1, 2.5)
+    monkeypatch.setenv("TRACESTORE_DURABILITY_REPLICAS", "two")
+    with pytest.raises(ConfigError, match=r"\$TRACESTORE_DURABILITY_REPLICAS='two' is not an integer"):
+        Durability.from_options({})
+    monkeypatch.setenv("TRACESTORE_DURABILITY_REPLICAS", "1")
+    monkeypatch.setenv("TRACESTORE_DURABILITY_TIMEOUT_S", "0")
+    with pytest.raises(ConfigError, match=r"durability_timeout_s must be a number of seconds in \(0, 60\]"):
+        Durability.from_options({})
+
+
 def test_connect_refuses_a_level_the_server_cannot_give(
     standalone_url: str, pair: tuple[EmbeddedServer, EmbeddedServer], arun: Any
 ) -> None:

@@ -158,3 +158,30 @@ def test_store_lost_is_one_line_with_the_url_and_never_blamed_on_a_role(tmp_path
             rf"once it is back, resume with: tracestore train --resume --out {re.escape(str(out))}",
             lines[0],
         ), lines[0]
+
+
+def test_durability_options_are_checked_against_the_server_before_the_run(
+    standalone_url: str, tmp_path: Path
+) -> None:
+    """``--durability replicas`` on a server without replicas: exit 2, one line, no run written."""
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", "train", "--url", standalone_url, "--run", "dur-refused",
+         "--durability", "replicas", "--durability-replicas", "2", "--steps", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert re.fullmatch(r"error: durability='replicas' needs 2 replica\(s\) per primary, but \S+ has 0 "
+                        r"connected; .*", lines[-1]), res.stderr
+    assert "Traceback" not in res.stderr
+    with TraceStore.connect(standalone_url, run="dur-refused", create_run=False) as st:
+        assert st.redis.keys(f"{st.keys.prefix}:{{dur-refused*") == []
+    bad = subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", "train", "--url", standalone_url, "--steps", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TRACESTORE_DURABILITY_TIMEOUT_S": "soon"},
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == "error: $TRACESTORE_DURABILITY_TIMEOUT_S='soon' is not a number"

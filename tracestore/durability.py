@@ -40,6 +40,11 @@ from .errors import ConfigError
 LEVELS = ("none", "replicas", "aof", "replicas+aof")
 #: Environment variable giving the default level of ``connect`` (``durability=`` wins).
 ENV_DURABILITY = "TRACESTORE_DURABILITY"
+#: Environment variables giving the defaults of ``durability_replicas`` and ``durability_timeout_s``.
+ENV_REPLICAS = "TRACESTORE_DURABILITY_REPLICAS"
+ENV_TIMEOUT = "TRACESTORE_DURABILITY_TIMEOUT_S"
+#: Every environment variable :meth:`Durability.from_options` reads.
+ENV_NAMES = (ENV_DURABILITY, ENV_REPLICAS, ENV_TIMEOUT)
 #: ``connect`` keywords read by :meth:`Durability.from_options`.
 OPTION_NAMES = ("durability", "durability_replicas", "durability_timeout_s")
 
@@ -69,15 +74,25 @@ class Durability:
 
     @classmethod
     def from_options(cls, opts: dict[str, Any]) -> Durability:
-        """The level given by ``connect``'s keywords (removed from ``opts``), else ``$TRACESTORE_DURABILITY``."""
+        """The level given by ``connect``'s keywords (removed from ``opts``), else the environment's.
+
+        Each keyword not given falls back to its variable
+        (``$TRACESTORE_DURABILITY``, ``$TRACESTORE_DURABILITY_REPLICAS``,
+        ``$TRACESTORE_DURABILITY_TIMEOUT_S``), then to ``none``, 1 and 1.0 s:
+        a process started by a launcher (a Ray role, a gateway) gets the
+        deployment's level without code. A variable that does not parse is a
+        ConfigError naming it.
+        """
         level = opts.pop("durability", None)
         if level is None:
             level = os.environ.get(ENV_DURABILITY, "").strip() or "none"
-        return cls(
-            level,
-            opts.pop("durability_replicas", 1),
-            opts.pop("durability_timeout_s", 1.0),
-        )
+        replicas = opts.pop("durability_replicas", None)
+        if replicas is None:
+            replicas = _env_number(ENV_REPLICAS, int, 1)
+        timeout_s = opts.pop("durability_timeout_s", None)
+        if timeout_s is None:
+            timeout_s = _env_number(ENV_TIMEOUT, float, 1.0)
+        return cls(level, replicas, timeout_s)
 
     @property
     def waits(self) -> bool:
@@ -129,7 +144,18 @@ class Durability:
         return "; ".join(missing) or None
 
 
+def _env_number(name: str, kind: type[int] | type[float], default: float) -> Any:
+    """``$name`` parsed as ``kind`` (``default`` when unset or blank); ConfigError naming it otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"${name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
 #: The default: no wait.
 NONE = Durability()
 
-__all__ = ["ENV_DURABILITY", "LEVELS", "NONE", "OPTION_NAMES", "Durability"]
+__all__ = ["ENV_DURABILITY", "ENV_NAMES", "ENV_REPLICAS", "ENV_TIMEOUT", "LEVELS", "NONE", "OPTION_NAMES", "Durability"]

@@ -186,7 +186,9 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
         ``cache_bytes``, ...) and the durability level
         (:class:`~tracestore.durability.Durability`): ``durability="none"|
         "replicas"|"aof"|"replicas+aof"`` (default ``$TRACESTORE_DURABILITY``,
-        else ``"none"``), ``durability_replicas=1``, ``durability_timeout_s=1.0``;
+        else ``"none"``), ``durability_replicas`` (default
+        ``$TRACESTORE_DURABILITY_REPLICAS``, else 1), ``durability_timeout_s``
+        (default ``$TRACESTORE_DURABILITY_TIMEOUT_S``, else 1.0);
         see docs/durability.md. Raises ConfigError (bad URL/option; a
         durability level the server cannot give: too few replicas, no AOF),
         InvalidId (bad run or prefix), StorageError (unreachable). Two round

@@ -31,7 +31,7 @@ import ray
 from ray.exceptions import TaskUnschedulableError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tracestore.durability import ENV_DURABILITY
+from tracestore.durability import ENV_NAMES
 
 from .config import ConfigError, TrainConfig, resources
 
@@ -315,8 +315,9 @@ def unreachable_from(p: Plan, url: str, run: str) -> list[tuple[Node, str]]:
 
 
 #: Environment variables of the driver that every role must see as well: the durability
-#: level (``TRACESTORE_DURABILITY``) makes every process's acknowledged calls mean the same.
-STORE_ENV = (ENV_DURABILITY,)
+#: level (``TRACESTORE_DURABILITY``, ``_REPLICAS``, ``_TIMEOUT_S``) makes every process's
+#: acknowledged calls mean the same.
+STORE_ENV = ENV_NAMES
 
 
 def store_env() -> dict[str, Any]:

@@ -107,6 +107,7 @@ def train_command(**kw: Any) -> None:
     try:
         from tqdm import tqdm
 
+        from tracestore.errors import ConfigError as StoreConfigError
         from tracestore.trainer.config import ConfigError
         from tracestore.trainer.loop import Interrupted, RoleLost, StoreUnreachable, run
         from tracestore.trainer.report import report_rows
@@ -114,6 +115,7 @@ def train_command(**kw: Any) -> None:
         fail(f"the trainer needs the extra tracestore[ray] (torch, ray, tqdm): {exc}", EXIT_CONFIG)
     # Errors of tasks whose results nobody reads any more (the run is ending) are not news.
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    _export_durability(kw)
     try:
         cfg = _config(dict(kw)).validate()
     except ConfigError as exc:
@@ -137,7 +139,7 @@ def train_command(**kw: Any) -> None:
         finally:
             for bar in bars:
                 bar.close()
-    except ConfigError as exc:
+    except (ConfigError, StoreConfigError) as exc:  # the store's: e.g. a level the server cannot give
         fail(str(exc), EXIT_CONFIG)
     except Interrupted as exc:
         click.echo("", err=True)
@@ -183,6 +185,31 @@ def train_command(**kw: Any) -> None:
     bad = report.violations()
     if bad:
         fail("invariants violated: " + ", ".join(bad), EXIT_INVARIANT)
+
+
+def _export_durability(kw: dict[str, Any]) -> None:
+    """Move the --durability options out of ``kw`` into the environment every role inherits.
+
+    The store reads them in each process at ``connect`` (and the trainer
+    hands the driver's variables to roles on other nodes), so a run's calls
+    are all acknowledged on the same terms. A combination the store refuses
+    ends here with exit 2, before Ray starts.
+    """
+    from tracestore.durability import ENV_DURABILITY, ENV_REPLICAS, ENV_TIMEOUT, Durability
+    from tracestore.errors import ConfigError as StoreConfigError
+
+    given = {
+        ENV_DURABILITY: kw.pop("durability", None),
+        ENV_REPLICAS: kw.pop("durability_replicas", None),
+        ENV_TIMEOUT: kw.pop("durability_timeout", None),
+    }
+    for name, value in given.items():
+        if value is not None:
+            os.environ[name] = str(value)
+    try:
+        Durability.from_options({})
+    except StoreConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
 
 
 def train_options(f: Any) -> Any:
@@ -261,6 +288,30 @@ def train_options(f: Any) -> Any:
             metavar="NAME=N,...",
             help="Ray resources each rollout worker claims, e.g. GPU=1 or rollout=1 (a custom "
             "resource the rollout nodes declare). Default: none.",
+        ),
+        click.option(
+            "--durability",
+            type=click.Choice(["none", "replicas", "aof", "replicas+aof"]),
+            default=None,
+            help="What every role's mutating calls wait for (docs/durability.md): none (the "
+            "default), replicas (WAIT), aof (WAITAOF) or replicas+aof. Falls back to "
+            "$TRACESTORE_DURABILITY; the server must be able to give it.",
+        ),
+        click.option(
+            "--durability-replicas",
+            type=click.IntRange(1, 16),
+            default=None,
+            metavar="N",
+            help="Replicas a write must reach with --durability replicas (default 1, or "
+            "$TRACESTORE_DURABILITY_REPLICAS).",
+        ),
+        click.option(
+            "--durability-timeout",
+            type=click.FloatRange(0, 60, min_open=True),
+            default=None,
+            metavar="SECONDS",
+            help="How long a call waits for that confirmation before it raises "
+            "DurabilityUnconfirmed (default 1, or $TRACESTORE_DURABILITY_TIMEOUT_S).",
         ),
         click.option(
             "--learner-resources",
