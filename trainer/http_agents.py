@@ -7,7 +7,10 @@ through the session gateway (``X-Session-Id``: the sample's session;
 ``X-Tracestore-Owner``: the tag that owns it during the rollout) with the
 calculator as tools (``add``/``sub``/``mul`` with one integer ``n``). The
 builtin template renders a tool call as ``add 3``, exactly what the policy
-writes, so the conversation the SDK sends back stays on one trie path.
+writes, so the conversation the SDK sends back stays on one trie path. An
+answer the gateway did not parse as a call (`` add 3``: the task strips it
+and runs the call, the gateway's parser does not) goes back as the text it
+was, never as a call (:func:`to_openai`).
 
 A weight update answers 503 with ``Retry-After``: the SDK waits and retries
 (``http_retries`` times), and the turn is generated under the new weights.
@@ -65,22 +68,30 @@ class HttpStats:
 def to_openai(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """The episode's conversation as OpenAI messages: calculator turns as tool calls and results.
 
-    An assistant turn that is a call (``add 3``) becomes a ``tool_calls``
-    message, the tool message after it names the call's id; ``done`` and
-    anything else stay content. Rendered by the builtin template, both forms
-    are the same text.
+    An assistant turn that is exactly a call's text (``add 3``) becomes a
+    ``tool_calls`` message, the tool message after it names the call's id;
+    ``done`` and anything else stay content, verbatim. Rendered by the
+    builtin template, both forms are the text the model wrote, so the
+    gateway finds the turn it recorded. A call the task accepts but written
+    otherwise (`` add 3``, ``add 3 ``: :func:`~.task.parse_action` strips it)
+    came back from the gateway as content, and stays content: sent as a
+    ``tool_calls`` message it would render as ``add 3``, a text the model
+    never wrote, and the session would branch off its recorded path (the
+    learner then finds no stored key for the sample's conversation).
     """
     out: list[dict[str, Any]] = []
     last_call = ""
     for i, m in enumerate(messages):
         action = parse_action(m["content"]) if m["role"] == "assistant" else None
-        if action is not None and action[0] != "done":
+        if action is not None and action[0] != "done" and m["content"] == f"{action[0]} {action[1]}":
             last_call = f"call_{i}"
             fn = {"name": action[0], "arguments": f'{{"n": {action[1]}}}'}
             out.append({"role": "assistant", "content": None, "tool_calls": [{"id": last_call, "type": "function", "function": fn}]})
         elif m["role"] == "tool":
             out.append({"role": "tool", "tool_call_id": last_call, "content": m["content"]})
         else:
+            if m["role"] == "assistant":
+                last_call = ""  # a result after it answers no call of the API's
             out.append({"role": m["role"], "content": m["content"]})
     return out
 
