@@ -111,9 +111,8 @@ def test_short_run_leaks_nothing(
     assert report.gate_cycles == 4 and len(report.history) == 4
     if mode == "disaggregated":  # buffered groups' experts were in the object store mid-run
         assert report.object_store_bytes_max_seen > 0
-    # routed experts came back from the holders for every sample (no fallback), and every
-    # sample's conversation was a recorded key
-    assert report.routing_replay_fallbacks == 0 and report.trace_key_fallbacks == 0
+    # routed experts came back from the holders for every sample (no fallback)
+    assert report.routing_replay_fallbacks == 0
     assert os.path.exists(tmp_path / "report.png")
     with open(tmp_path / "report.json") as f:  # report.json is the report
         assert json.load(f) == json.loads(json.dumps(report.to_json()))
@@ -136,9 +135,9 @@ def test_http_agents_through_the_gateway_leak_nothing(
     # the rollout log-probabilities of the engines' traces
     assert report.routing_replay_fallbacks == 0
     assert report.replay_max_abs_diff is not None and report.replay_max_abs_diff < 1e-4
-    # every sample's conversation is a recorded key: the agents sent back what the gateway
-    # recorded (an answer like ' mul 7' used to go back as a tool call and branch off)
-    assert report.trace_key_fallbacks == 0
+    # every sample's conversation was a recorded key, or the learner's export would have
+    # failed the run (PromptMismatch): the agents sent back what the gateway recorded (an
+    # answer like ' mul 7' used to go back as a tool call, and the turn branched off)
 
 
 def test_gc_during_a_live_run_keeps_the_counts_exact(standalone_url: str, tmp_path: Any) -> None:
