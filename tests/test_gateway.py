@@ -333,7 +333,14 @@ def _scripted_engine(answers: list[str]) -> BackgroundServer:
     return BackgroundServer(make)
 
 
-def test_http_agent_sends_back_an_unparsed_call_as_written(gateways: _Gateways, url: str) -> None:
+@pytest.mark.parametrize(
+    ("answers", "finish", "value"),
+    [([" mul 7", "add 3", "done"], "done", 17), (["add 3\nsub 2", "done"], "malformed", 2)],
+    ids=["space-before-a-call", "two-calls"],
+)
+def test_http_agent_sends_back_each_answer_as_written(
+    gateways: _Gateways, url: str, answers: list[str], finish: str, value: int
+) -> None:
     """The HTTP-agent PromptMismatch flake of disaggregated runs, made certain.
 
     The policy sometimes writes a call with a space before it (`` mul 7``).
@@ -342,29 +349,32 @@ def test_http_agent_sends_back_an_unparsed_call_as_written(gateways: _Gateways, 
     call. The agent used to send it back as a ``tool_calls`` message, which
     the template renders ``mul 7``: the next turn branched off the recorded
     path (the first answer's tokens became prompt), and the learner found no
-    stored key for the sample's conversation. Sent back as written, every
-    turn extends the recorded path and the sample's key exports.
+    stored key for the sample's conversation. Likewise an answer with two
+    calls: the agent ran the first and sent only it back (the answer's labels
+    silently lost), where a local agent's episode reads it as malformed. Sent
+    back as written, every turn extends the recorded path, the episode is the
+    local agents' one, and the sample's key exports with every answer labelled.
     """
     from tracestore.trainer.config import TrainConfig
     from tracestore.trainer.http_agents import run_over_http
     from tracestore.trainer.sample import Sample
     from tracestore.trainer.task import Problem
 
-    answers = [" mul 7", "add 3", "done"]
     engine = _scripted_engine(answers)
     engine.start()
     try:
         g = next(_gw(gateways, url, engine.url))
         s = Sample.new(sid(), Problem("p1", start=2, target=9), max_calls=3)
         (out,), seen = run_over_http(g.url, [s], TrainConfig(url=url, run=g.run, http_retries=0), "agents")
-        assert (out.status, out.calls, out.value, seen.gave_up) == ("completed", 2, 17, 0)
-        assert [m["content"] for m in out.messages if m["role"] == "assistant"] == answers
+        played = [m["content"] for m in out.messages if m["role"] == "assistant"]
+        assert (out.status, out.finish, out.value, seen.gave_up) == ("completed", finish, value, 0)
+        assert played == answers[: len(played)]
         # the sample's conversation is the recorded path: one branch, every answer generated
         tr = g.store.export_training_trace(out.sid, out.final_key())
         generated = [t for t, label in zip(tr.input_ids, tr.labels, strict=True) if label != -100]
-        assert BuiltinTokenizer().decode(generated) == "".join(a + "<|im_end|>" for a in answers)
+        assert BuiltinTokenizer().decode(generated) == "".join(a + "<|im_end|>" for a in played)
         keys = g.store.trace_keys(out.sid)
-        assert len(keys) == 6 and all(b.startswith(a) for a, b in zip(keys, keys[1:], strict=False))
+        assert len(keys) == 2 * len(played) and all(b.startswith(a) for a, b in zip(keys, keys[1:], strict=False))
         g.store.close()
     finally:
         engine.stop()

@@ -7,10 +7,13 @@ through the session gateway (``X-Session-Id``: the sample's session;
 ``X-Tracestore-Owner``: the tag that owns it during the rollout) with the
 calculator as tools (``add``/``sub``/``mul`` with one integer ``n``). The
 builtin template renders a tool call as ``add 3``, exactly what the policy
-writes, so the conversation the SDK sends back stays on one trie path. An
-answer the gateway did not parse as a call (`` add 3``: the task strips it
-and runs the call, the gateway's parser does not) goes back as the text it
-was, never as a call (:func:`to_openai`).
+writes, so the conversation the SDK sends back stays on one trie path. The
+episode reads each answer as the template renders what the gateway returned
+(:func:`_as_written`: the text it recorded), and :func:`to_openai` sends it
+back in the form that renders to that text again: an answer the gateway did
+not parse as a call (`` add 3``, which the task strips and runs) goes back
+as content, never as a call, and an answer with two calls is one malformed
+turn, as for local agents.
 
 A weight update answers 503 with ``Retry-After``: the SDK waits and retries
 (``http_retries`` times), and the turn is generated under the new weights.
@@ -21,6 +24,7 @@ goes back to the buffer, as with local agents).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,17 +123,25 @@ async def _turn(client: Any, req: TurnRequest, cfg: TrainConfig, owner: str, tem
         return NoReply("failed", f"{type(exc).__name__}: {exc}")
     r = raw.parse()
     choice = r.choices[0]
-    calls = choice.message.tool_calls or []
-    if calls:
-        fn = calls[0].function
-        import json
-
-        content = " ".join([fn.name, *(str(v) for v in json.loads(fn.arguments).values())])
-    else:
-        content = choice.message.content or ""
     stats.turns += 1
     stats.turn_s.append(time.perf_counter() - t0)
-    return Reply(content, choice.finish_reason != "length", int(raw.headers["x-tracestore-version"]))
+    return Reply(_as_written(choice.message), choice.finish_reason != "length", int(raw.headers["x-tracestore-version"]))
+
+
+def _as_written(message: Any) -> str:
+    """An answer's text as the builtin template renders it: its content, then one line per call.
+
+    That is the text the gateway recorded for the turn, and what the model
+    wrote (up to blank space the parser dropped around a call): the episode
+    reads it as a local agent's episode reads the engine's text (two calls
+    are a malformed turn, not the first call), and :func:`to_openai` sends
+    it back in the form that renders to it again.
+    """
+    lines = [message.content] if message.content else []
+    for call in message.tool_calls or []:
+        values = json.loads(call.function.arguments).values()
+        lines.append(" ".join([call.function.name, *(str(v) for v in values)]))
+    return "\n".join(lines)
 
 
 async def _episode(client: Any, sample: Sample, cfg: TrainConfig, owner: str, temperature: float, stats: HttpStats) -> Sample:
