@@ -25,6 +25,7 @@ import pytest
 
 from tests._gateway import CliServer, dump_run, lease_outcomes
 from tracestore import TraceStore
+from tracestore.gateway._http import BackgroundServer
 from tracestore.gateway.tokenizer import BuiltinTokenizer, HFTokenizer
 from tracestore.trainer.http_agents import CALC_TOOLS
 
@@ -293,6 +294,90 @@ def test_anthropic_tool_use_round_trip(gw: GW) -> None:
     msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "= 9"}]})
     r2 = client.messages.create(messages=msgs, **kw)
     assert labelled(gw.trace(s)) == r.usage.output_tokens + r2.usage.output_tokens
+
+
+def _scripted_engine(answers: list[str]) -> BackgroundServer:
+    """SGLang's non-streaming ``/generate`` answering ``answers[k]`` to the k-th assistant turn.
+
+    The model's side of a test, over real HTTP: the gateway, the SDK and the
+    store are the real ones; only what the model writes is chosen (a rare
+    sample of the reference policy, made certain).
+    """
+    from aiohttp import web
+
+    from tracestore.trainer.tokenizer import TOKENIZER
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        turn = TOKENIZER.decode(body["input_ids"]).count("<|im_start|>assistant") - 1
+        out = [*TOKENIZER.encode(answers[turn]), TOKENIZER.stop_id]
+        meta = {
+            "id": body["rid"],
+            "finish_reason": {"type": "stop", "matched": TOKENIZER.stop_id},
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(out),
+            "output_token_logprobs": [[-0.5, t, None] for t in out],
+            "weight_version": "0",
+        }
+        return web.json_response({"output_ids": out, "meta_info": meta})
+
+    async def abort(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def make() -> web.Application:
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/abort_request", abort)
+        return app
+
+    return BackgroundServer(make)
+
+
+@pytest.mark.parametrize(
+    ("answers", "finish", "value"),
+    [([" mul 7", "add 3", "done"], "done", 17), (["add 3\nsub 2", "done"], "malformed", 2)],
+    ids=["space-before-a-call", "two-calls"],
+)
+def test_http_agent_sends_back_each_answer_as_written(
+    gateways: _Gateways, url: str, answers: list[str], finish: str, value: int
+) -> None:
+    """The HTTP-agent PromptMismatch flake of disaggregated runs, made certain.
+
+    The policy sometimes writes a call with a space before it (`` mul 7``).
+    The gateway's tool parser does not read that as a call, so it answers
+    content `` mul 7`` and records that text; the task strips it and runs the
+    call. The agent used to send it back as a ``tool_calls`` message, which
+    the template renders ``mul 7``: the next turn branched off the recorded
+    path (the first answer's tokens became prompt), and the learner found no
+    stored key for the sample's conversation. Likewise an answer with two
+    calls: the agent ran the first and sent only it back (the answer's labels
+    silently lost), where a local agent's episode reads it as malformed. Sent
+    back as written, every turn extends the recorded path, the episode is the
+    local agents' one, and the sample's key exports with every answer labelled.
+    """
+    from tracestore.trainer.config import TrainConfig
+    from tracestore.trainer.http_agents import run_over_http
+    from tracestore.trainer.sample import Sample
+    from tracestore.trainer.task import Problem
+
+    engine = _scripted_engine(answers)
+    engine.start()
+    try:
+        g = next(_gw(gateways, url, engine.url))
+        s = Sample.new(sid(), Problem("p1", start=2, target=9), max_calls=3)
+        (out,), seen = run_over_http(g.url, [s], TrainConfig(url=url, run=g.run, http_retries=0), "agents")
+        played = [m["content"] for m in out.messages if m["role"] == "assistant"]
+        assert (out.status, out.finish, out.value, seen.gave_up) == ("completed", finish, value, 0)
+        assert played == answers[: len(played)]
+        # the sample's conversation is the recorded path: one branch, every answer generated
+        tr = g.store.export_training_trace(out.sid, out.final_key())
+        generated = [t for t, label in zip(tr.input_ids, tr.labels, strict=True) if label != -100]
+        assert BuiltinTokenizer().decode(generated) == "".join(a + "<|im_end|>" for a in played)
+        keys = g.store.trace_keys(out.sid)
+        assert len(keys) == 2 * len(played) and all(b.startswith(a) for a, b in zip(keys, keys[1:], strict=False))
+        g.store.close()
+    finally:
+        engine.stop()
 
 
 # -- concurrency ------------------------------------------------------------------------------------

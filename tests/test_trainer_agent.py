@@ -7,6 +7,7 @@ sample) is the agent's alone, whatever carries a turn to the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 
@@ -122,21 +123,34 @@ def test_drive_many_serves_turns_in_rounds_with_the_same_episodes() -> None:
     assert drive_many([], model) == [] and drive_many([play(many[0], 3)], model) == [many[0]]
 
 
-def test_export_falls_back_to_the_longest_recorded_path_and_counts_it(store: TraceStore) -> None:
-    """A sample whose conversation matches no stored key is trained on its session's longest
-    recorded path (what the engine generated) and counted, instead of failing the step."""
+def test_export_of_an_unrecorded_conversation_fails_and_logs_both_texts(
+    store: TraceStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sample whose conversation is no stored key fails the step (no other path is trained in
+    its place); the learner's log has the sample's key and the session's stored keys."""
     import random
 
     from tests.test_ownership import prompt_of, response_of, write_turn
+    from tracestore import PromptMismatch
     from tracestore.trainer.batch import BatchBuilder
     from tracestore.trainer.clock import Stopwatch
     from tracestore.trainer.task import make_problem
 
     write_turn(store, "s")
     builder = BatchBuilder(store, None, Stopwatch())  # type: ignore[arg-type]  # _export uses no pool
-    good = Sample.new("s", make_problem(random.Random(0), "p0"), 4)
-    assert not good.final_key().startswith(prompt_of("s"))  # its messages were never recorded
-    (tr,) = builder._export([good])
-    want = store.export_training_trace("s", prompt_of("s") + response_of("s"))
-    assert (list(tr.input_ids), list(tr.labels)) == (list(want.input_ids), list(want.labels))
-    assert builder.key_fallbacks == 1
+    bad = Sample.new("s", make_problem(random.Random(0), "p0"), 4)
+    assert not bad.final_key().startswith(prompt_of("s"))  # its messages were never recorded
+    fresh = Sample.new("t", make_problem(random.Random(0), "p0"), 4)
+    ok = dataclasses.replace(fresh, messages=(*fresh.messages, {"role": "assistant", "content": "done"}))
+    prompt = render(fresh.messages, True)
+    m = store.lookup("t", prompt)
+    store.record_turn("t", prompt, "done<|im_end|>", prefix=m, delta_token_ids=[1, 2], response_token_ids=[3, 4],
+                      response_logprobs=[-0.5, -0.5], version=1)
+    (tr,) = builder._export([ok])  # a recorded conversation exports
+    assert list(tr.input_ids) == [1, 2, 3, 4]
+    with caplog.at_level("ERROR", logger="tracestore.trainer.batch"), pytest.raises(PromptMismatch, match="'s'"):
+        builder._export([ok, bad])
+    (rec,) = caplog.records  # only the unrecorded one is reported, with both texts
+    assert repr(bad.final_key()) in rec.getMessage()
+    assert repr([prompt_of("s"), prompt_of("s") + response_of("s")]) in rec.getMessage()
+    assert "'t'" not in rec.getMessage()

@@ -135,6 +135,9 @@ def test_http_agents_through_the_gateway_leak_nothing(
     # the rollout log-probabilities of the engines' traces
     assert report.routing_replay_fallbacks == 0
     assert report.replay_max_abs_diff is not None and report.replay_max_abs_diff < 1e-4
+    # every sample's conversation was a recorded key, or the learner's export would have
+    # failed the run (PromptMismatch): the agents sent back what the gateway recorded (an
+    # answer like ' mul 7' used to go back as a tool call, and the turn branched off)
 
 
 def test_gc_during_a_live_run_keeps_the_counts_exact(standalone_url: str, tmp_path: Any) -> None:

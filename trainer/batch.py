@@ -56,9 +56,6 @@ class BatchBuilder:
         self.store_time = store_time
         #: Borrow calls that failed (those samples trained without routing replay).
         self.fallbacks = 0
-        #: Samples whose final conversation matched no stored key: trained on the session's
-        #: longest recorded path instead (see :meth:`_export`).
-        self.key_fallbacks = 0
 
     def build(self, groups: Sequence[Group], version: int) -> Batch:
         """The batch of ``groups`` for a policy at weight ``version``."""
@@ -94,28 +91,24 @@ class BatchBuilder:
     def _export(self, samples: Sequence[Sample]) -> list[Trace]:
         """The training trace of each sample's last turn: one ``export_many`` (1-2 round trips).
 
-        A sample whose rendered conversation matches no stored key (seen rarely with HTTP
-        agents in disaggregated runs: the recorded path differs from the agent's messages
-        in one tool result; cause not found yet) is trained on its session's longest
-        recorded path, what the engine generated, and counted in ``key_fallbacks``
-        (the report's ``trace_key_fallbacks``), with both texts logged.
+        A sample whose rendered conversation is no stored key was not recorded as it was
+        played: a bug of whatever carried its turns (an HTTP agent once sent back a call
+        in another form than the gateway recorded it). Any stored path would be another
+        conversation than the one its reward scores, so the step fails with the
+        PromptMismatch, after logging each such sample's key and its session's stored
+        keys (the difference shows in those two texts).
         """
         keys = [(s.sid, s.final_key()) for s in samples]
         with self.store_time():
             try:
                 return self.store.export_many(keys)
             except PromptMismatch:
-                pass
-            out: list[Trace] = []
-            for sid, key in keys:
-                try:
-                    out.append(self.store.export_training_trace(sid, key))
-                except PromptMismatch as exc:
-                    stored = self.store.trace_keys(sid)
-                    log.warning("trace key fallback for %s: %s; final key %r; stored keys %r", sid, exc, key, stored)
-                    self.key_fallbacks += 1
-                    out.append(self.store.export_training_trace(sid, stored[-1]))
-            return out
+                for sid, key in keys:
+                    try:
+                        self.store.export_training_trace(sid, key)
+                    except PromptMismatch as exc:
+                        log.error("%s; the sample's key %r; stored keys %r", exc, key, self.store.trace_keys(sid))
+                raise
 
     def _borrow(self, wanted: list[tuple[str | None, list[str]]]) -> list[list[np.ndarray] | None]:
         """Routed-expert parts of each ``(worker, keys)``: one borrow call per worker, one get.

@@ -7,7 +7,13 @@ through the session gateway (``X-Session-Id``: the sample's session;
 ``X-Tracestore-Owner``: the tag that owns it during the rollout) with the
 calculator as tools (``add``/``sub``/``mul`` with one integer ``n``). The
 builtin template renders a tool call as ``add 3``, exactly what the policy
-writes, so the conversation the SDK sends back stays on one trie path.
+writes, so the conversation the SDK sends back stays on one trie path. The
+episode reads each answer as the template renders what the gateway returned
+(:func:`_as_written`: the text it recorded), and :func:`to_openai` sends it
+back in the form that renders to that text again: an answer the gateway did
+not parse as a call (`` add 3``, which the task strips and runs) goes back
+as content, never as a call, and an answer with two calls is one malformed
+turn, as for local agents.
 
 A weight update answers 503 with ``Retry-After``: the SDK waits and retries
 (``http_retries`` times), and the turn is generated under the new weights.
@@ -18,6 +24,7 @@ goes back to the buffer, as with local agents).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,22 +72,30 @@ class HttpStats:
 def to_openai(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """The episode's conversation as OpenAI messages: calculator turns as tool calls and results.
 
-    An assistant turn that is a call (``add 3``) becomes a ``tool_calls``
-    message, the tool message after it names the call's id; ``done`` and
-    anything else stay content. Rendered by the builtin template, both forms
-    are the same text.
+    An assistant turn that is exactly a call's text (``add 3``) becomes a
+    ``tool_calls`` message, the tool message after it names the call's id;
+    ``done`` and anything else stay content, verbatim. Rendered by the
+    builtin template, both forms are the text the model wrote, so the
+    gateway finds the turn it recorded. A call the task accepts but written
+    otherwise (`` add 3``, ``add 3 ``: :func:`~.task.parse_action` strips it)
+    came back from the gateway as content, and stays content: sent as a
+    ``tool_calls`` message it would render as ``add 3``, a text the model
+    never wrote, and the session would branch off its recorded path (the
+    learner then finds no stored key for the sample's conversation).
     """
     out: list[dict[str, Any]] = []
     last_call = ""
     for i, m in enumerate(messages):
         action = parse_action(m["content"]) if m["role"] == "assistant" else None
-        if action is not None and action[0] != "done":
+        if action is not None and action[0] != "done" and m["content"] == f"{action[0]} {action[1]}":
             last_call = f"call_{i}"
             fn = {"name": action[0], "arguments": f'{{"n": {action[1]}}}'}
             out.append({"role": "assistant", "content": None, "tool_calls": [{"id": last_call, "type": "function", "function": fn}]})
         elif m["role"] == "tool":
             out.append({"role": "tool", "tool_call_id": last_call, "content": m["content"]})
         else:
+            if m["role"] == "assistant":
+                last_call = ""  # a result after it answers no call of the API's
             out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -108,17 +123,25 @@ async def _turn(client: Any, req: TurnRequest, cfg: TrainConfig, owner: str, tem
         return NoReply("failed", f"{type(exc).__name__}: {exc}")
     r = raw.parse()
     choice = r.choices[0]
-    calls = choice.message.tool_calls or []
-    if calls:
-        fn = calls[0].function
-        import json
-
-        content = " ".join([fn.name, *(str(v) for v in json.loads(fn.arguments).values())])
-    else:
-        content = choice.message.content or ""
     stats.turns += 1
     stats.turn_s.append(time.perf_counter() - t0)
-    return Reply(content, choice.finish_reason != "length", int(raw.headers["x-tracestore-version"]))
+    return Reply(_as_written(choice.message), choice.finish_reason != "length", int(raw.headers["x-tracestore-version"]))
+
+
+def _as_written(message: Any) -> str:
+    """An answer's text as the builtin template renders it: its content, then one line per call.
+
+    That is the text the gateway recorded for the turn, and what the model
+    wrote (up to blank space the parser dropped around a call): the episode
+    reads it as a local agent's episode reads the engine's text (two calls
+    are a malformed turn, not the first call), and :func:`to_openai` sends
+    it back in the form that renders to it again.
+    """
+    lines = [message.content] if message.content else []
+    for call in message.tool_calls or []:
+        values = json.loads(call.function.arguments).values()
+        lines.append(" ".join([call.function.name, *(str(v) for v in values)]))
+    return "\n".join(lines)
 
 
 async def _episode(client: Any, sample: Sample, cfg: TrainConfig, owner: str, temperature: float, stats: HttpStats) -> Sample:

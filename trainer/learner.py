@@ -51,8 +51,6 @@ class LearnerStats:
     version: int
     replay_fallbacks: int
     baseline_eval: float | None
-    #: Samples trained on their session's longest recorded path (see BatchBuilder._export).
-    key_fallbacks: int = 0
     #: Workers found dead, with what reclaiming each did (owner tags, sessions, leases).
     lost_workers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
@@ -244,7 +242,6 @@ class Learner:
             version=self.version,
             replay_fallbacks=self.batches.fallbacks,
             baseline_eval=self.baseline_eval,
-            key_fallbacks=self.batches.key_fallbacks,
             lost_workers=dict(self.lost_workers),
         )
 

@@ -123,8 +123,6 @@ class Report:
     eval_reward_last: float | None
     replay_max_abs_diff: float | None
     routing_replay_fallbacks: int
-    #: Samples whose conversation matched no stored key, trained on the longest recorded path.
-    trace_key_fallbacks: int
     # speed
     steps_per_s: float
     wall_s: float
@@ -228,7 +226,6 @@ def build_report(
         eval_reward_last=evals[-1] if evals else None,
         replay_max_abs_diff=max(aligns) if aligns else None,
         routing_replay_fallbacks=end.learner.replay_fallbacks,
-        trace_key_fallbacks=end.learner.key_fallbacks,
         steps_per_s=steps_done / max(1e-9, phases.loop),
         wall_s=phases.wall,
         phases_s={k: v for k, v in dataclasses.asdict(phases).items() if k != "wall"},
@@ -311,7 +308,6 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("  of which Redis calls", "store_call_time_share"),
     ("  of which expert puts (ray.put)", "expert_put_time_share"),
     ("routing replay max |dlogp|", "replay_max_abs_diff"),
-    ("trace key fallbacks", "trace_key_fallbacks"),
     ("requests aborted in flight", "aborted_requests"),
     ("aborted groups claimed back", "aborted_groups_claimed"),
     ("agents", "agents"),
