@@ -16,7 +16,7 @@ import pytest
 
 from tests._dump import dump_run
 from tests.test_ownership import prompt_of, response_of, write_turn
-from tracestore import CorruptData, TraceStore
+from tracestore import CorruptData, Segment, TraceStore
 from tracestore.replay import Group
 from tracestore.traces import node_id
 
@@ -82,6 +82,21 @@ def test_corrupt_trace_index_payload_and_text(store: TraceStore) -> None:
     with pytest.raises(CorruptData) as ei:
         store.export_training_trace("t", prompt_of("t") + "X")
     assert ei.value.key == k.txt("t")
+
+
+def test_a_write_refuses_a_node_number_that_is_taken(store: TraceStore) -> None:
+    """Nodes are numbered HLEN idx - 2 + 1; an index edited by hand (a node's record deleted)
+    would hand out a number whose payload exists: CorruptData, nothing written."""
+    r, k = _raw(store), store.keys
+    write_turn(store, "n")
+    r.hdel(k.idx("n"), node_id(prompt_of("n")))  # node 1's record: the count says 1 node
+    _fresh(store)
+    before = {key: r.dump(key) for key in (k.idx("n"), k.tok("n"), k.txt("n"))}
+    full = prompt_of("n") + response_of("n")
+    with pytest.raises(CorruptData) as ei:
+        store.insert("n", full + "more", Segment([9]))
+    assert ei.value.key == k.tok("n") and "node number 2 is taken" in str(ei.value)
+    assert {key: r.dump(key) for key in before} == before
 
 
 def _groups(store: TraceStore, n: int, **kw: Any) -> list[Group]:
