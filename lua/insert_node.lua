@@ -13,17 +13,18 @@
 -- ARGV[2] = store text (1|0)
 -- ARGV[3] = expected epoch ('' = no data yet)
 -- ARGV[4] = expected index version (int)
--- ARGV[5..8] = digest, record, payload, text
--- returns: {0, stale (1: index changed, nothing written), epoch, version_before, version_after, fresh}
--- errors: SESSION_RELEASED, INVALID_INPUT ('prefix', ...), NODE_CONFLICT (as record_turn)
+-- ARGV[5..9] = id, parent id, fields, payload, text (as record_turn)
+-- returns: {0, stale (1: index changed, nothing written), epoch, version_before, version_after, fresh, num}
+--   (num: the node's number, 0 when stale)
+-- errors: SESSION_RELEASED, INVALID_INPUT ('prefix', ...), NODE_CONFLICT, CORRUPT (as record_turn)
 -- include: nodes
 local meta = redis.call('HMGET', KEYS[1], '#e', '#v')
 local epoch, version = meta[1] or '', tonumber(meta[2] or '0')
 if redis.call('EXISTS', KEYS[4]) == 0 and (epoch ~= ARGV[3] or version ~= tonumber(ARGV[4])) then
-  return {0, 1, epoch, version, version, 0}
+  return {0, 1, epoch, version, version, 0, 0}
 end
-local nodes = {{ARGV[5], ARGV[6], ARGV[7], ARGV[8]}}
-local fresh, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
+local nodes = {{ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}}
+local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
 if err then return err end
-local e, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, fresh, ARGV[2] == '1')
-return {0, 0, e, before, after, fresh[1] and 1 or 0}
+local e, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1')
+return {0, 0, e, before, after, plan.fresh[1] and 1 or 0, tonumber(plan.nums[1])}

@@ -4,12 +4,13 @@
 -- in one round trip. The whole index (tens of bytes per node) is returned
 -- only when it changed since the version the client holds.
 -- KEYS: 3
--- KEYS[1] = ts:{R/sid}:idx   hash digest -> record; '#e' epoch, '#v' index version
--- KEYS[2] = ts:{R/sid}:tok   hash digest -> packed payload
+-- KEYS[1] = ts:{R/sid}:idx   hash node id -> record; '#e' epoch, '#v' index version
+-- KEYS[2] = ts:{R/sid}:tok   hash node number -> packed payload
 -- KEYS[3] = ts:{R/sid}:dead  tombstone
 -- ARGV[1] = epoch the client holds ('' = none)
 -- ARGV[2] = index version the client holds (int; -1 = none, always returns the index)
--- ARGV[3..] = digests whose payloads to return
+-- ARGV[3..] = node numbers whose payloads to return (numbers of the client's epoch: a
+--   client keeps them only when the returned epoch is the one it sent)
 -- returns: {0, dead (0|1), epoch, version, changed (0|1), n, field_1, value_1, ..., (n items),
 --           payload_1, ..., payload_m} ('' for a missing payload)
 -- errors: none

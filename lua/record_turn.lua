@@ -8,20 +8,23 @@
 -- id (KEYS[6]) the first reply is recorded too, so a call again returns it
 -- (its fresh flags) even after the session's data was purged.
 -- KEYS: 5+
--- KEYS[1] = ts:{R/sid}:idx   hash digest -> "parent,end,ntok,flags,version,expert_key"; '#e' epoch, '#v' index version
--- KEYS[2] = ts:{R/sid}:tok   hash digest -> packed payload (int32 ids, float32 logprobs[, int32 labels])
--- KEYS[3] = ts:{R/sid}:txt   hash digest -> node text (segment text)
+-- KEYS[1] = ts:{R/sid}:idx   hash node id -> "num,parent_num,end,ntok,flags,version,expert_key"; '#e' epoch, '#v' index version
+-- KEYS[2] = ts:{R/sid}:tok   hash node number -> packed payload (int32 ids, float32 logprobs[, int32 labels])
+-- KEYS[3] = ts:{R/sid}:txt   hash node number -> node text (segment text)
 -- KEYS[4] = ts:{R/sid}:dead  tombstone (string)
 -- KEYS[5] = ts:{R|<tag>}:turns  the run's turn counter shard of this hash slot (string, int)
 -- KEYS[6] = ts:{R/sid}:op:<op_id>  (optional) the recorded reply
 -- ARGV[1] = session id (for error fields)
 -- ARGV[2] = store text (1|0)
 -- ARGV[3] = number of nodes n (1 or 2, parents first)
--- ARGV[4 + 4(i-1) .. 7 + 4(i-1)] = node i: digest (hex), record, payload (bytes), text
--- ARGV[4 + 4n] = op record ttl (ms), when KEYS[6] is given
--- returns: {0, epoch, version_before, version_after, fresh_1, ..., fresh_n} (fresh: 1 = newly written)
+-- ARGV[4 + 5(i-1) .. 8 + 5(i-1)] = node i: id (hex), parent id ('' at the root),
+--   fields "end,ntok,flags,version,expert_key", payload (bytes), text
+-- ARGV[4 + 5n] = op record ttl (ms), when KEYS[6] is given
+-- returns: {0, epoch, version_before, version_after, fresh_1, ..., fresh_n, num_1, ..., num_n}
+--   (fresh: 1 = newly written; num: the node's number, its field in tok and txt)
 -- errors: SESSION_RELEASED (sid, detail), INVALID_INPUT ('prefix', msg) when a parent is missing,
---         NODE_CONFLICT (sid, digest, detail) when a node exists with another payload
+--         NODE_CONFLICT (sid, id, detail) when a node exists with another payload,
+--         CORRUPT (key, field, detail) when a stored record does not parse
 -- include: op
 -- include: nodes
 local opkey = KEYS[6]
@@ -31,14 +34,15 @@ if opkey then
 end
 local nodes = {}
 for i = 1, tonumber(ARGV[3]) do
-  local b = 4 + 4 * (i - 1)
-  nodes[i] = {ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]}
+  local b = 4 + 5 * (i - 1)
+  nodes[i] = {ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]}
 end
-local fresh, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
+local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
 if err then return err end
-local epoch, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, fresh, ARGV[2] == '1')
-if fresh[#nodes] then redis.call('INCR', KEYS[5]) end
+local epoch, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1')
+if plan.fresh[#nodes] then redis.call('INCR', KEYS[5]) end
 local out = {0, epoch, before, after}
-for i = 1, #nodes do out[#out + 1] = fresh[i] and 1 or 0 end
-if opkey then return op_record(opkey, tonumber(ARGV[4 + 4 * #nodes]), out) end
+for i = 1, #nodes do out[#out + 1] = plan.fresh[i] and 1 or 0 end
+for i = 1, #nodes do out[#out + 1] = tonumber(plan.nums[i]) end
+if opkey then return op_record(opkey, tonumber(ARGV[4 + 5 * #nodes]), out) end
 return out

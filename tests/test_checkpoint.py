@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tracestore import InvalidInput, SessionReleased, StorageError, TraceStore
+from tracestore import InvalidInput, Segment, SessionReleased, StorageError, TraceStore
 from tracestore.checkpoint import LOST_PREFIX, expert_key_lost
 from tracestore.errors import RunNotEmpty
 from tracestore.replay import REPLAY_OWNER, STORED_STATUSES, Group
@@ -103,9 +103,9 @@ def _mark_lost(dump: dict[str, Any]) -> dict[str, Any]:
         if name.endswith(":idx"):
             new = {}
             for f, rec in v.items():
-                parts = rec.split(b",", 5)
-                if not f.startswith(b"#") and parts[5]:
-                    parts[5] = LOST_PREFIX.encode() + parts[5]
+                parts = rec.split(b",", 6)  # num,parent_num,end,ntok,flags,version,expert_key
+                if not f.startswith(b"#") and parts[6]:
+                    parts[6] = LOST_PREFIX.encode() + parts[6]
                 new[f] = b",".join(parts)
             out[name] = new
     return out
@@ -119,7 +119,7 @@ def test_round_trip(store: TraceStore, store_factory: Any, url: str, tmp_path: P
     assert info.groups == 5 and info.sessions == 17 and info.nodes > 0
     assert not (tmp_path / "run.tsck.tmp").exists()
     head = orjson.loads(path.read_bytes().splitlines()[0])
-    assert head["format"] == "tracestore-checkpoint" and head["version"] == 2
+    assert head["format"] == "tracestore-checkpoint" and head["version"] == 3
     # groups are in the file queue by queue, in FIFO order
     recs = [orjson.loads(x) for x in path.read_bytes().splitlines()[1:]]
     assert [r["gid"] for r in recs if r["k"] == "group"] == ["g6", "g3", "g7", "g5", "g1"]
@@ -188,7 +188,7 @@ def test_restore_refuses_bad_files(store: TraceStore, url: str, tmp_path: Path) 
         "not-json": b"hello\n",
         "pickle": b"\x80\x04\x95\x00",
         "truncated": b"".join(lines[:-1]),
-        "future": lines[0].replace(b'"version":2', b'"version":99') + b"".join(lines[1:]),
+        "future": lines[0].replace(b'"version":3', b'"version":99') + b"".join(lines[1:]),
         "bad-record": lines[0] + b'{"k":"what"}\n' + lines[-1],
     }
     for name, data in cases.items():
@@ -297,22 +297,108 @@ def test_aof_survives_sigkill(tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_a_version_1_file_still_restores(store: TraceStore, url: str, tmp_path: Path) -> None:
-    """Format 1 had no turns record: it restores, with the turn count at 0 and the other counters kept."""
-    _build(store)
-    new = tmp_path / "v2.tsck"
-    store.checkpoint(new)
-    lines = new.read_bytes().splitlines(keepends=True)
-    old = tmp_path / "v1.tsck"
-    old.write_bytes(
-        lines[0].replace(b'"version":2', b'"version":1')
-        + b"".join(x for x in lines[1:] if orjson.loads(x)["k"] != "turns")
-    )
+#: Written by tracestore at c508673 (checkpoint format 2, run schema 1: 32-hex node ids,
+#: tok and txt keyed by them) from _build plus _extra (tests/snapshots/checkpoint_v2.tsck).
+V2_FILE = Path(__file__).parent / "snapshots" / "checkpoint_v2.tsck"
+
+
+def _extra(url: str, st: TraceStore) -> dict[str, str]:
+    """What the v2 file holds besides _build: a retried turn (siblings) and an insert with
+    explicit labels written without text; the keys to export."""
+    m = st.lookup("loose", "<p>")
+    st.record_turn("loose", "<p>", "A", prefix=m, delta_token_ids=[1], response_token_ids=[2],
+                   response_logprobs=[-0.5], version=1)
+    m = st.lookup("loose", "<p>")
+    st.record_turn("loose", "<p>", "B", prefix=m, delta_token_ids=[], response_token_ids=[3],
+                   response_logprobs=[-0.25], version=2)
+    nt = TraceStore.connect(url, run=st.keys.run, store_text=False)
+    try:
+        nt.insert("loose", "<p>B!", Segment([4, 5], labels=[-100, 5], version=3))
+    finally:
+        nt.close()
+    return {"loose.A": "<p>A", "loose.B!": "<p>B!"}
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_schema_1_file_restores_converted(
+    store: TraceStore, url: str, tmp_path: Path, version: int
+) -> None:
+    """A file written before node ids were shortened (format 2, and format 1, which also
+    had no turns record) restores: ids cut to 16 hex characters, tok and txt renumbered,
+    and every trace exports as the same calls recorded today export it."""
+    finals = _build(store)
+    extra = _extra(url, store)
+    lines = V2_FILE.read_bytes().splitlines(keepends=True)
+    path = V2_FILE
+    if version == 1:
+        path = tmp_path / "v1.tsck"
+        path.write_bytes(
+            lines[0].replace(b'"version":2', b'"version":1')
+            + b"".join(x for x in lines[1:] if orjson.loads(x)["k"] != "turns")
+        )
     other = TraceStore.connect(url, run=f"t-{uuid.uuid4().hex[:12]}")
     try:
-        other.restore(old)
+        info = other.restore(path)
+        assert info.sessions == 17 and info.nodes == 70 and info.lost_expert_keys > 0
         want = store.stats()
-        assert want.turns_recorded > 0
-        assert other.stats() == dataclasses.replace(want, turns_recorded=0)
+        assert other.stats() == (want if version == 2 else dataclasses.replace(want, turns_recorded=0))
+        assert other.redis.hget(other.keys.meta, "schema") == b"2"
+        for sid, final in [*finals.items(), *((k.split(".")[0], v) for k, v in extra.items())]:
+            if store.owner_of(sid) is None and sid != "loose":
+                with pytest.raises(SessionReleased):
+                    other.export_training_trace(sid, final)
+                continue
+            a = store.export_training_trace(sid, final)
+            b = other.export_training_trace(sid, final)
+            assert (a.input_ids, a.labels, a.logprobs, a.versions) == (b.input_ids, b.labels, b.logprobs, b.versions)
+            assert b.expert_keys == (None if a.expert_keys is None else [LOST_PREFIX + x for x in a.expert_keys])
+        # today's layout: 16-hex ids, numbered nodes, the same index (but the restored epoch)
+        sid = "g3.s0"
+        mine, theirs = store.redis.hgetall(store.keys.idx(sid)), other.redis.hgetall(other.keys.idx(sid))
+        assert {f: v for f, v in theirs.items() if f != b"#e"} == {
+            f: v for f, v in _mark_lost({"x:idx": mine})["x:idx"].items() if f != b"#e"
+        }
+        assert all(len(f) == 16 for f in theirs if not f.startswith(b"#"))
+        assert other.redis.hgetall(other.keys.tok(sid)) == store.redis.hgetall(store.keys.tok(sid))
+        assert other.redis.hgetall(other.keys.txt(sid)) == store.redis.hgetall(store.keys.txt(sid))
+        # and it takes new turns (the next node number is free)
+        m = other.lookup("loose", "<p>")
+        t = other.record_turn("loose", "<p>", "C", prefix=m, delta_token_ids=[], response_token_ids=[9],
+                              response_logprobs=[-1.0], version=4)
+        assert t.written == 1
+        assert other.export_training_trace("loose", "<p>C").input_ids == [1, 9]
+        assert other.export_training_trace("loose", "<p>B!").input_ids == [1, 3, 4, 5]
     finally:
         other.close()
+
+
+def test_a_schema_1_file_with_colliding_short_ids_is_refused(store: TraceStore, tmp_path: Path) -> None:
+    """Two node ids of one session that share their first 64 bits cannot be converted:
+    InvalidInput, nothing written."""
+    out = []
+    for line in V2_FILE.read_bytes().splitlines(keepends=True):
+        rec = orjson.loads(line)
+        if rec.get("k") == "trace" and rec["sid"] == "loose":
+            ids = [f for f, _ in rec["idx"] if not f.startswith("#")]
+            a, b = ids[0], ids[1]
+            forged = a[:16] + b[16:]  # b's id, with a's first 64 bits
+            for part in ("idx", "tok", "txt"):
+                rec[part] = [[forged if f == b else f, v] for f, v in rec[part]]
+            rec["idx"] = [[f, v.replace(b, forged)] for f, v in rec["idx"]]
+            line = orjson.dumps(rec) + b"\n"
+        out.append(line)
+    path = tmp_path / "collide.tsck"
+    path.write_bytes(b"".join(out))
+    with pytest.raises(InvalidInput, match="first 64 bits"):
+        store.restore(path)
+    assert not _scan(store, store.keys.data_pattern)
+
+
+def test_a_file_of_another_schema_is_refused(store: TraceStore, tmp_path: Path) -> None:
+    """A format 3 file claims schema 2; one claiming another schema is refused before any write."""
+    lines = V2_FILE.read_bytes().splitlines(keepends=True)
+    path = tmp_path / "mixed.tsck"
+    path.write_bytes(lines[0].replace(b'"version":2', b'"version":3') + b"".join(lines[1:]))
+    with pytest.raises(InvalidInput, match="schema 1, expected 2"):
+        store.restore(path)
+    assert not _scan(store, store.keys.data_pattern)

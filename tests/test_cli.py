@@ -141,7 +141,7 @@ def test_redis_cli_runs_the_bundled_valkey_cli(standalone_url: str, cluster_url:
             capture_output=True, text=True, timeout=60,
         )
         assert res.returncode == 0, res.stderr
-        assert res.stdout.strip() == "1"  # on a cluster, -c followed the slot's redirect
+        assert res.stdout.strip() == "2"  # on a cluster, -c followed the slot's redirect
     # no URL: the default server, over its unix socket
     with TraceStore.connect(run=run_id):
         pass

@@ -16,7 +16,7 @@ import pytest
 
 from tests._dump import dump_run
 from tests.test_ownership import prompt_of, response_of, write_turn
-from tracestore import CorruptData, TraceStore
+from tracestore import CorruptData, Segment, TraceStore
 from tracestore.replay import Group
 from tracestore.traces import node_id
 
@@ -29,6 +29,21 @@ def _fresh(store: TraceStore) -> None:
     store.context.caches.clear()  # the client caches immutable nodes; these change by hand
 
 
+def _num(store: TraceStore, sid: str, key_text: str) -> bytes:
+    """The node number of ``key_text`` (its field in tok and txt): the first field of its record."""
+    rec = _raw(store).hget(store.keys.idx(sid), node_id(key_text))
+    assert rec is not None
+    return bytes(rec).split(b",", 1)[0]
+
+
+def _edit_record(store: TraceStore, sid: str, key_text: str, field: int, value: bytes) -> None:
+    """Replace comma field ``field`` of the index record of ``key_text``."""
+    r = _raw(store)
+    parts = bytes(r.hget(store.keys.idx(sid), node_id(key_text))).split(b",")
+    parts[field] = value
+    r.hset(store.keys.idx(sid), node_id(key_text), b",".join(parts))
+
+
 def test_corrupt_trace_index_payload_and_text(store: TraceStore) -> None:
     r, k = _raw(store), store.keys
     full = prompt_of("t") + response_of("t")
@@ -37,7 +52,10 @@ def test_corrupt_trace_index_payload_and_text(store: TraceStore) -> None:
         ("utf-8", lambda: r.hset(k.idx("t"), node_id(full), b"\xff\xfe")),
         ("index version", lambda: r.hset(k.idx("t"), "#v", "many")),
         ("missing parent", lambda: r.hdel(k.idx("t"), node_id(prompt_of("t")))),
-        ("payload size", lambda: r.hset(k.tok("t"), node_id(full), b"\x01\x02\x03")),
+        ("payload size", lambda: r.hset(k.tok("t"), _num(store, "t", full), b"\x01\x02\x03")),
+        # the parent named by a number no node has; a node number that is not one
+        ("parent number", lambda: _edit_record(store, "t", full, 1, b"7")),
+        ("node number", lambda: _edit_record(store, "t", full, 0, b"x")),
     ]
     for name, corrupt in cases:
         store.drop_session_data("t") if r.exists(k.idx("t")) else None
@@ -59,11 +77,26 @@ def test_corrupt_trace_index_payload_and_text(store: TraceStore) -> None:
     store.drop_session_data("t")
     r.delete(k.dead("t"))
     write_turn(store, "t")
-    r.hset(k.txt("t"), node_id(full), b"\xff")
+    r.hset(k.txt("t"), _num(store, "t", full), b"\xff")
     _fresh(store)
     with pytest.raises(CorruptData) as ei:
         store.export_training_trace("t", prompt_of("t") + "X")
     assert ei.value.key == k.txt("t")
+
+
+def test_a_write_refuses_a_node_number_that_is_taken(store: TraceStore) -> None:
+    """Nodes are numbered HLEN idx - 2 + 1; an index edited by hand (a node's record deleted)
+    would hand out a number whose payload exists: CorruptData, nothing written."""
+    r, k = _raw(store), store.keys
+    write_turn(store, "n")
+    r.hdel(k.idx("n"), node_id(prompt_of("n")))  # node 1's record: the count says 1 node
+    _fresh(store)
+    before = {key: r.dump(key) for key in (k.idx("n"), k.tok("n"), k.txt("n"))}
+    full = prompt_of("n") + response_of("n")
+    with pytest.raises(CorruptData) as ei:
+        store.insert("n", full + "more", Segment([9]))
+    assert ei.value.key == k.tok("n") and "node number 2 is taken" in str(ei.value)
+    assert {key: r.dump(key) for key in before} == before
 
 
 def _groups(store: TraceStore, n: int, **kw: Any) -> list[Group]:

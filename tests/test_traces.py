@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import pickle
 import threading
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +146,53 @@ def test_lookup_reads_never_create_a_session(store: TraceStore) -> None:
     with pytest.raises(PromptMismatch) as ei:
         store.export_training_trace("nobody", "text")
     assert ei.value.matched_len == 0 and ei.value.nearest_ends == []
+
+
+def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
+    """docs/traces.md, "Reading a session by hand": ids of 16 hex characters (node_id of the
+    key), records num,parent_num,end,ntok,flags,version,expert_key, tok and txt keyed by
+    number; numbers 1.. in write order, a retried turn's answer a sibling of the first."""
+    final = _three_turns(store, "hand")
+    m = store.lookup("hand", final[: -len(R3)])
+    store.record_turn("hand", final[: -len(R3)], "5<|end|>", prefix=m, delta_token_ids=[],
+                      response_token_ids=[16], response_logprobs=[-1.0], version=4)
+    r: Any = store.redis
+    k = store.keys
+    idx = {f.decode(): v.decode() for f, v in r.hgetall(k.idx("hand")).items()}
+    assert idx.pop("#v") == "4" and idx.pop("#e")
+    keys = _keys_in_order(final) + [final[: -len(R3)] + "5<|end|>"]
+    assert sorted(idx) == sorted(node_id(x) for x in keys)
+    assert all(len(f) == 16 and int(f, 16) >= 0 for f in idx)
+    recs = [idx[node_id(x)].split(",") for x in keys]
+    assert [int(x[0]) for x in recs] == list(range(1, 8))  # write order
+    assert [x[1] for x in recs] == ["", "1", "2", "3", "4", "5", "5"]  # the retry's answer: under node 5
+    assert [int(x[2]) for x in recs] == [len(x) for x in keys]
+    ids = {1: [1, 2, 3], 2: [10, 11], 3: [4, 5], 4: [12], 5: [6, 7, 8], 6: [13, 14, 15], 7: [16]}
+    texts = r.hgetall(k.txt("hand"))
+    assert sorted(int(f) for f in r.hkeys(k.tok("hand"))) == sorted(int(f) for f in texts) == list(range(1, 8))
+    for num, want in ids.items():
+        data = r.hget(k.tok("hand"), str(num))
+        assert array("i", data[: 4 * len(want)]).tolist() == want
+    assert b"".join(texts[str(i).encode()] for i in range(1, 7)).decode() == final
+
+
+def test_a_reopened_session_numbers_its_nodes_again_and_warm_readers_follow(
+    store_factory: Callable[..., TraceStore],
+) -> None:
+    """Node numbers name nodes of one data epoch: after a purge and a reopen, number 1 is
+    another node, and a client whose cache holds the old epoch must not read it as the old one."""
+    a, b = store_factory(), store_factory()
+    _turn(a, "re", "p", "q", [1, 2], [3])  # nodes 1 "p", 2 "pq"
+    assert b.lookup("re", "p").token_ids == [1, 2]  # b: index of the old epoch, payload of node 1
+    a.drop_session_data("re")
+    a.redis.delete(a.keys.dead("re"))  # reopened (the tombstone is gone)
+    _turn(a, "re", "x", "y", [7], [8])  # now number 2 is "xy"
+    # b asks for "pq"'s payload by its old number, 2: the reply is "xy"'s, under the new epoch
+    with pytest.raises(PromptMismatch):
+        b.export_training_trace("re", "pq")
+    _turn(a, "re", "p", "q", [1, 2], [9])  # "pq" again, with other ids (nodes 3 and 4)
+    assert b.export_training_trace("re", "pq").input_ids == [1, 2, 9]
+    assert b.lookup("re", "xy").token_ids == [7, 8]
 
 
 def test_retry_is_idempotent_and_does_not_bump_the_index(store: TraceStore) -> None:
@@ -373,7 +421,10 @@ def test_store_text_false_keeps_no_text(store_factory: Callable[..., TraceStore]
     with_text = store_factory()
     _three_turns(with_text, "wt")
     txt = with_text.redis.hgetall(with_text.keys.txt("wt"))
-    assert b"".join(txt[node_id(k).encode()] for k in _keys_in_order(final)).decode() == final
+    idx = with_text.redis.hgetall(with_text.keys.idx("wt"))
+    # txt is keyed by node number, the first field of the node's index record
+    num = {f: v.split(b",", 1)[0] for f, v in idx.items()}
+    assert b"".join(txt[num[node_id(k).encode()]] for k in _keys_in_order(final)).decode() == final
 
 
 def _keys_in_order(final: str) -> list[str]:

@@ -45,9 +45,12 @@ from .validate import validate_id
 #: Identifies a tracestore checkpoint file (first line, ``format``).
 FORMAT = "tracestore-checkpoint"
 #: Version of the file format (``docs/checkpoint.md``) that checkpoint writes.
-FORMAT_VERSION = 2
-#: Versions restore reads (1 has no ``turns`` record: the turn count starts at 0).
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: Versions restore reads (1 has no ``turns`` record: the turn count starts at 0;
+#: 1 and 2 hold traces in the schema 1 layout, converted on restore: :func:`_trace_v2`).
+READ_VERSIONS = (1, 2, 3)
+#: The run schema (``tracestore.context.SCHEMA_VERSION``) of each file version.
+_FILE_SCHEMA = {1: 1, 2: 1, 3: SCHEMA_VERSION}
 #: Prefix given to the expert key of every restored node that had one.
 LOST_PREFIX = "lost:"
 #: Sessions read (or commands written) per pipelined round trip.
@@ -335,17 +338,71 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise InvalidInput(
             "checkpoint", f"{path} has format version {head.get('version')!r}; this tracestore reads {READ_VERSIONS}"
         )
-    if head.get("schema") != SCHEMA_VERSION:
-        raise InvalidInput("checkpoint", f"{path} has schema {head.get('schema')!r}, expected {SCHEMA_VERSION}")
+    want = _FILE_SCHEMA[head["version"]]
+    if head.get("schema") != want:
+        raise InvalidInput(
+            "checkpoint", f"{path} has schema {head.get('schema')!r}, expected {want} in a version "
+            f"{head['version']} file"
+        )
     return head
 
 
 def _lost(record: bytes) -> tuple[bytes, bool]:
-    parts = record.split(b",", 5)
-    if len(parts) == 6 and parts[5] and not parts[5].startswith(LOST_PREFIX.encode()):
-        parts[5] = LOST_PREFIX.encode() + parts[5]
+    """An index record ``num,parent_num,end,ntok,flags,version,expert_key`` with its key marked lost."""
+    parts = record.split(b",", 6)
+    if len(parts) == 7 and parts[6] and not parts[6].startswith(LOST_PREFIX.encode()):
+        parts[6] = LOST_PREFIX.encode() + parts[6]
         return b",".join(parts), True
     return record, False
+
+
+def _trace_v2(rec: dict[str, Any]) -> dict[str, Any]:
+    """A trace record of a version 1 or 2 file (schema 1 layout) in today's layout.
+
+    Schema 1 keyed ``idx``, ``tok`` and ``txt`` by the 32-hex blake2b-128
+    digest of the node's key, with the parent's digest in the record
+    (``parent,end,ntok,flags,version,expert_key``). Today's id is that
+    digest's first 16 hex characters, ``tok`` and ``txt`` are keyed by node
+    number and the record starts ``num,parent_num,``. Numbers are given in
+    the order of the nodes' ends (a parent before its children). Raises
+    InvalidInput when two nodes of the session share a 16-hex id or a record,
+    payload or text names a node the index lacks.
+    """
+    sid = rec.get("sid")
+    meta: list[list[Any]] = []
+    nodes: list[tuple[int, bytes, bytes, bytes]] = []  # (end, digest, parent, rest)
+    for f, v in rec["idx"]:
+        fb, vb = dec(f), dec(v)
+        if fb.startswith(b"#"):
+            meta.append([f, v])
+            continue
+        parent, end, rest = vb.split(b",", 2)
+        nodes.append((int(end), fb, parent, end + b"," + rest))
+    nodes.sort()
+    num = {digest: i + 1 for i, (_, digest, _, _) in enumerate(nodes)}
+    short = {digest[:16] for digest in num}
+    if len(short) != len(num):
+        raise InvalidInput("checkpoint", f"session {sid!r}: two node ids share their first 64 bits; "
+                           "this tracestore cannot restore it")
+    idx: list[list[Any]] = []
+    for _, digest, parent, fields in nodes:
+        if parent and parent not in num:
+            raise InvalidInput("checkpoint", f"session {sid!r}: node {digest.decode()} has no stored parent")
+        pnum = str(num[parent]).encode() if parent else b""
+        idx.append([enc(digest[:16]), enc(str(num[digest]).encode() + b"," + pnum + b"," + fields)])
+
+    def renumber(pairs_: list[list[Any]], what: str) -> list[list[Any]]:
+        out = []
+        for f, v in pairs_:
+            digest = dec(f)
+            if digest not in num:
+                raise InvalidInput("checkpoint", f"session {sid!r}: {what} of node {digest.decode()} "
+                                   "that the index does not list")
+            out.append([str(num[digest]), v])
+        return out
+
+    return {**rec, "idx": idx + meta, "tok": renumber(rec["tok"], "payload"),
+            "txt": renumber(rec["txt"], "text")}
 
 
 def _group_fields_v0(f: dict[str, bytes]) -> dict[str, bytes]:
@@ -362,8 +419,9 @@ def _group_fields_v0(f: dict[str, bytes]) -> dict[str, bytes]:
     return {"rec": orjson.dumps(rec), "sids": f["sids"], "payload": f.get("payload", b"{}")}
 
 
-def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
-    """The commands that write one record, and how many expert keys it marked lost."""
+def _write_cmds(ctx: Context, rec: dict[str, Any], version: int) -> tuple[list[Cmd], int]:
+    """The commands that write one record of a file of format ``version``, and how many
+    expert keys it marked lost."""
     k = ctx.keys
     kind = rec.get("k")
     cmds: list[Cmd] = []
@@ -396,6 +454,8 @@ def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
         ttl = int(rec.get("ttl_ms", -1))
         if ttl > 0:
             cmds.append(Cmd(("PEXPIRE", key, ttl), key=key))
+        if key == k.meta:  # the restored run has today's layout (older traces are converted)
+            cmds.append(Cmd(("HSET", key, "schema", SCHEMA_VERSION), key=key))
         return cmds, 0
     if kind == "turns":
         recorded = int(rec["recorded"])
@@ -412,6 +472,8 @@ def _write_cmds(ctx: Context, rec: dict[str, Any]) -> tuple[list[Cmd], int]:
         return [Cmd(("HSET", h, gid, f[name]), key=h)
                 for h, name in ((k.rb_groups, "rec"), (k.rb_sids, "sids"), (k.rb_payloads, "payload"))], 0
     if kind == "trace":
+        if version < 3:
+            rec = _trace_v2(rec)
         sid = rec["sid"]
         lost = 0
         idx: list[bytes] = []
@@ -448,7 +510,7 @@ def _next_records(records: Iterator[dict[str, Any]]) -> list[dict[str, Any]]:
     return [rec for _, rec in zip(range(BATCH), records, strict=False)]
 
 
-def _validate(path: str | os.PathLike[str], ctx: Context) -> dict[str, Any]:
+def _validate(path: str | os.PathLike[str], ctx: Context, version: int) -> dict[str, Any]:
     """Read the whole file once (streaming) and return its end record; raise InvalidInput if bad."""
     end: dict[str, Any] | None = None
     try:
@@ -458,7 +520,7 @@ def _validate(path: str | os.PathLike[str], ctx: Context) -> dict[str, Any]:
             if rec.get("k") == "end":
                 end = rec
                 continue
-            _write_cmds(ctx, rec)  # builds (and so validates) the record's commands
+            _write_cmds(ctx, rec, version)  # builds (and so validates) the record's commands
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, InvalidInput):
             raise
@@ -487,8 +549,9 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     (emptiness), then one per 256 commands.
     """
     k = ctx.keys
-    yield Blocking(functools.partial(read_header, _path(path)))
-    end = yield Blocking(functools.partial(_validate, path, ctx))
+    head = yield Blocking(functools.partial(read_header, _path(path)))
+    version = int(head["version"])
+    end = yield Blocking(functools.partial(_validate, path, ctx, version))
     found = yield ScanAll(k.control_pattern, count=1000)
     others = sorted(key for key in found if key != k.meta)
     if not others:
@@ -513,7 +576,7 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
                 for rec in chunk:
                     if rec.get("k") == "end" or not phase(rec):
                         continue
-                    cmds, n = _write_cmds(ctx, rec)
+                    cmds, n = _write_cmds(ctx, rec, version)
                     lost += n
                     pending += cmds
                     if len(pending) >= BATCH:

@@ -25,7 +25,9 @@ from .validate import validate_op_id
 P = ParamSpec("P")
 R = TypeVar("R")
 
-SCHEMA_VERSION = 1
+#: Key layout version of a run (in ``ts:{R}:meta``; a client refuses a run of another one).
+#: 2: node ids of 16 hex characters, ``tok``/``txt`` keyed by node number (docs/traces.md).
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)

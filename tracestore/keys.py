@@ -286,15 +286,15 @@ class Keys:
         return f"{self.prefix}:{{{self.run}/{validate_id('session id', sid)}}}"
 
     def idx(self, sid: str) -> str:
-        """``ts:{R/sid}:idx`` hash digest -> node index record."""
+        """``ts:{R/sid}:idx`` hash node id -> node index record (``num,parent_num,end,...``)."""
         return f"{self._d(sid)}:idx"
 
     def tok(self, sid: str) -> str:
-        """``ts:{R/sid}:tok`` hash digest -> packed token payload."""
+        """``ts:{R/sid}:tok`` hash node number -> packed token payload."""
         return f"{self._d(sid)}:tok"
 
     def txt(self, sid: str) -> str:
-        """``ts:{R/sid}:txt`` hash digest -> node text."""
+        """``ts:{R/sid}:txt`` hash node number -> node text."""
         return f"{self._d(sid)}:txt"
 
     def dead(self, sid: str) -> str:

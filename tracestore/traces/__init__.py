@@ -2,15 +2,17 @@
 
 A session's trace is a trie of immutable *nodes*. A node's key is the full
 rendered text from the start of the conversation to the node's end; its id
-is ``blake2b-128(key UTF-8)`` (hex); its value is the segment between its
-parent's end and its own end (token ids, logprobs, a labels flag, the weight
-version, an optional expert key). Per session, in the slot ``{R/sid}``:
+is the first 64 bits of ``blake2b-128(key UTF-8)`` (16 hex characters); its
+value is the segment between its parent's end and its own end (token ids,
+logprobs, a labels flag, the weight version, an optional expert key). Per
+session, in the slot ``{R/sid}``:
 
-* ``idx``: digest -> ``"parent,end,ntok,flags,version,expert_key"`` (``end``
-  in characters of the key), plus ``#e`` (the data's epoch) and ``#v`` (the
+* ``idx``: id -> ``"num,parent_num,end,ntok,flags,version,expert_key"``
+  (``num`` the node's number, given by the write script; ``end`` in
+  characters of the key), plus ``#e`` (the data's epoch) and ``#v`` (the
   index version, bumped by every write that adds nodes);
-* ``tok``: digest -> packed payload (:mod:`tracestore.codec`);
-* ``txt``: digest -> the segment's text (``StoreConfig.store_text``).
+* ``tok``: number -> packed payload (:mod:`tracestore.codec`);
+* ``txt``: number -> the segment's text (``StoreConfig.store_text``).
 
 Cost model: the prompt text never goes to Redis. A client keeps the index of
 each session it touches and the payloads of nodes it has read or written in

@@ -1,6 +1,7 @@
 """The session index as a trie (pure): digests of keys, the cached index snapshot, cache keys.
 
-A node's id is ``blake2b-128(key UTF-8)``; the client hashes a text once,
+A node's id is the first 64 bits of ``blake2b-128(key UTF-8)``, as 16 hex
+characters (:func:`hex_id`); the client hashes a text once,
 from stored end to stored end, to find the longest stored key prefixing it
 (:meth:`SessionIndex.match`). Index snapshots and node payloads are cached
 in the store's :class:`~tracestore.nodecache.NodeCache` under the keys built
@@ -37,22 +38,48 @@ def hasher() -> Any:
     return hashlib.blake2b(digest_size=16)
 
 
+#: Hex characters of a node id: 64 bits. Per session, the chance that two of n
+#: distinct keys share an id is below n**2 / 2**65 (2.7e-12 for 10,000 nodes);
+#: docs/traces.md says what a collision would do.
+ID_HEX = 16
+
+
+def hex_id(h: Any) -> str:
+    """The node id of a :func:`hasher` state: its digest's first :data:`ID_HEX` hex characters."""
+    return str(h.hexdigest()[:ID_HEX])
+
+
 def node_id(key_text: str) -> str:
-    """The id of the node whose key is ``key_text``: blake2b-128 of its UTF-8, hex."""
+    """The id of the node whose key is ``key_text``: blake2b-128 of its UTF-8, first 64 bits, hex."""
     h = hasher()
     h.update(utf8("key_text", key_text))
-    return str(h.hexdigest())
+    return hex_id(h)
+
+
+def parse_record(record: str) -> tuple[int, int | None, str]:
+    """An ``idx`` record ``num,parent_num,fields``: ``(num, parent_num or None, fields)``.
+
+    ValueError when malformed.
+    """
+    num, pnum, fields = record.split(",", 2)
+    n = int(num)
+    if n < 1 or (pnum and int(pnum) < 1):
+        raise ValueError("node numbers start at 1")
+    return n, (int(pnum) if pnum else None), fields
 
 
 class SessionIndex:
     """Immutable snapshot of a session index at one version (cached per session)."""
 
-    __slots__ = ("epoch", "version", "nodes", "ends", "key")
+    __slots__ = ("epoch", "version", "nodes", "nums", "ends", "key")
 
-    def __init__(self, epoch: str, version: int, nodes: dict[str, Node], key: str = "") -> None:
+    def __init__(
+        self, epoch: str, version: int, nodes: dict[str, Node], nums: dict[str, int], key: str = ""
+    ) -> None:
         self.epoch = epoch
         self.version = version
         self.nodes = nodes
+        self.nums = nums  # node id -> node number (its field in tok and txt), in this epoch
         self.ends = sorted({n.end for n in nodes.values()})
         self.key = key  # the idx key it was read from (named by CorruptData)
 
@@ -62,27 +89,45 @@ class SessionIndex:
 
         Raises CorruptData naming ``key`` and the field when a record is malformed.
         """
-        nodes: dict[str, Node] = {}
+        raw: list[tuple[str, int, int | None, str]] = []
+        by_num: dict[int, str] = {}
         for f, v in pairs(flat):
             digest = "?"
             try:
                 digest = text(f)
                 if not digest.startswith("#"):
-                    nodes[digest] = Node.parse(digest, text(v))
+                    num, pnum, fields = parse_record(text(v))
+                    if num in by_num:
+                        raise ValueError(f"node number {num} is also node {by_num[num]}'s")
+                    by_num[num] = digest
+                    raw.append((digest, num, pnum, fields))
             except ValueError as exc:  # (UnicodeDecodeError too)
                 raise CorruptData(key, f"malformed index record ({exc})", digest) from None
-        return cls(epoch, version, nodes, key)
+        nodes: dict[str, Node] = {}
+        nums: dict[str, int] = {}
+        for digest, num, pnum, fields in raw:
+            # a parent number no node has: "#<num>", which path() reports as not stored
+            parent = None if pnum is None else by_num.get(pnum, f"#{pnum}")
+            try:
+                nodes[digest] = Node.parse(digest, parent, fields)
+            except ValueError as exc:
+                raise CorruptData(key, f"malformed index record ({exc})", digest) from None
+            nums[digest] = num
+        return cls(epoch, version, nodes, nums, key)
 
-    def with_nodes(self, epoch: str, version: int, new: Sequence[Node]) -> SessionIndex:
-        """A new snapshot with ``new`` nodes added (this one is never changed)."""
+    def with_nodes(self, epoch: str, version: int, new: Sequence[tuple[Node, int]]) -> SessionIndex:
+        """A new snapshot with ``new`` ``(node, number)`` pairs added (this one is never changed)."""
         nodes = dict(self.nodes)
-        nodes.update((n.id, n) for n in new)
-        return SessionIndex(epoch, version, nodes, self.key)
+        nums = dict(self.nums)
+        for n, num in new:
+            nodes[n.id] = n
+            nums[n.id] = num
+        return SessionIndex(epoch, version, nodes, nums, self.key)
 
     @property
     def nbytes(self) -> int:
         """Approximate memory of the snapshot (its size in the cache)."""
-        return 200 + 250 * len(self.nodes)
+        return 200 + 330 * len(self.nodes)
 
     def longest(self, text: str, field_name: str, *, limit: int | None = None) -> Node | None:
         """The node with the longest key that prefixes ``text`` (and ends <= ``limit``)."""
@@ -131,7 +176,7 @@ class SessionIndex:
             )
             pos = end
             at = h.copy()
-            node = self.nodes.get(at.hexdigest())
+            node = self.nodes.get(at.hexdigest()[:ID_HEX])
             if node is not None and node.end == end:
                 best, best_h = node, at
         return best, best_h
@@ -175,12 +220,15 @@ def cache_payload(cache: NodeCache, sid: str, epoch: str, digest: str, data: byt
 
 
 __all__ = [
+    "ID_HEX",
     "SessionIndex",
     "as_bytes",
     "cache_payload",
     "hasher",
+    "hex_id",
     "idx_key",
     "node_id",
+    "parse_record",
     "tok_key",
     "utf8",
 ]

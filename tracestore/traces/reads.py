@@ -56,7 +56,7 @@ def read_path(
     reply = yield Eval(
         script("read_index"),
         (k.idx(sid), k.tok(sid), k.dead(sid)),
-        (snap.epoch if snap else "", snap.version if snap else -1, *want),
+        (snap.epoch if snap else "", snap.version if snap else -1, *(snap.nums[d] for d in want if snap)),
     )
     r = Reply(reply, "read_index")
     dead, epoch, version, changed = r.flag(), r.text(), r.int(), r.flag()
@@ -69,6 +69,7 @@ def read_path(
         raise CorruptData(k.idx(sid), "the index version is not a number", "#v")
     got: dict[str, bytes] = {}
     for digest, data in zip(want, r.rest(), strict=True):
+        # (node numbers name other nodes in another epoch: only the one asked about counts)
         if snap is not None and snap.epoch == epoch and data != b"":
             got[digest] = as_bytes(data)
     if changed:
@@ -82,15 +83,28 @@ def read_path(
     for n in path[skip(path) :]:
         if n.id in got:
             continue
+        if n.ntok == 0:  # an empty payload (read_index answers '' for a missing one too)
+            got[n.id] = b""
+            continue
         data = cache.get(tok_key(sid, epoch, n.id))  # (a hit is now most recently used)
         if data is None:
             missing.append(n.id)
         else:
             got[n.id] = data
     if missing:
-        fetched = yield Cmd(("HMGET", k.tok(sid), *missing), key=k.tok(sid))
+        # by node number, under the epoch just read (read_index checks it in the same call)
+        again = yield Eval(
+            script("read_index"),
+            (k.idx(sid), k.tok(sid), k.dead(sid)),
+            (epoch, version, *(snap.nums[d] for d in missing)),
+        )
+        r2 = Reply(again, "read_index")
+        dead2, epoch2 = r2.flag(), r2.text()
+        r2.int(), r2.flag()
+        r2.take(r2.int())
+        fetched = list(r2.rest())
         for digest, data in zip(missing, fetched, strict=True):
-            if data is None:  # purged between the two round trips
+            if dead2 or epoch2 != epoch or data == b"":  # purged (or purged and reopened) meanwhile
                 cache.discard(idx_key(sid))
                 cache.discard(cont_key(sid))
                 raise SessionReleased(sid, "its trace data was purged during the read")
@@ -293,7 +307,7 @@ def trace_keys(ctx: Context, sid: str) -> Op[list[str]]:
 
     def key_of(node: Node) -> str:
         if node.id not in keys:
-            seg = texts.get(node.id)
+            seg = texts.get(str(ix.nums[node.id]))
             if seg is None:
                 raise InvalidInput(
                     "store_text",
@@ -316,7 +330,7 @@ def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[Pro
     window: str | None = None
     if children:
         texts = yield Cmd(
-            ("HMGET", ctx.keys.txt(sid), *[c.id for c in children]), key=ctx.keys.txt(sid)
+            ("HMGET", ctx.keys.txt(sid), *[snap.nums[c.id] for c in children]), key=ctx.keys.txt(sid)
         )
         rest = prompt[m:]
         top: tuple[int, str] | None = None

@@ -14,7 +14,8 @@ from .tokens import TokenIds
 class Node:
     """One stored node of a session trie (its index record, not its tokens).
 
-    ``id``: blake2b-128 hex digest of the node's key text; ``parent``: the
+    ``id``: the node id, 16 hex characters: the first 64 bits of the
+    blake2b-128 digest of the node's key text; ``parent``: the
     parent's id (None at the root); ``end``: length of the key in characters;
     ``ntok``: tokens in the segment; ``flags``: :mod:`codec` label flags;
     ``version``: weight version that produced the segment; ``expert_key``:
@@ -34,18 +35,19 @@ class Node:
         """True when the segment's labels are its token ids (model output)."""
         return bool(self.flags & codec.GENERATED)
 
-    def record(self) -> str:
-        """The compact index record stored in ``idx``."""
-        return (
-            f"{self.parent or ''},{self.end},{self.ntok},{self.flags},"
-            f"{self.version},{self.expert_key or ''}"
-        )
+    def fields(self) -> str:
+        """The record fields after the node numbers: ``end,ntok,flags,version,expert_key``.
+
+        The stored index record is ``num,parent_num,`` followed by these; the
+        numbers are given by the write script (docs/traces.md, Keys).
+        """
+        return f"{self.end},{self.ntok},{self.flags},{self.version},{self.expert_key or ''}"
 
     @classmethod
-    def parse(cls, digest: str, record: str) -> Node:
-        """Decode an index record; raise ValueError on a malformed one."""
-        parent, end, ntok, flags, version, expert_key = record.split(",", 5)
-        node = cls(digest, parent or None, int(end), int(ntok), int(flags), int(version), expert_key or None)
+    def parse(cls, digest: str, parent: str | None, fields: str) -> Node:
+        """Decode :meth:`fields` of node ``digest`` under ``parent``; ValueError on malformed ones."""
+        end, ntok, flags, version, expert_key = fields.split(",", 4)
+        node = cls(digest, parent, int(end), int(ntok), int(flags), int(version), expert_key or None)
         if node.end < 0 or node.ntok < 0 or node.version < 0:
             raise ValueError("negative end, token count or version")
         return node

@@ -22,7 +22,7 @@ from ..replies import Reply
 from ..scripts import Eval, Op, script
 from ..validate import validate_id
 from .continuation import Checkpoint, Continuation, cont_key
-from .index import SessionIndex, cache_payload, hasher, idx_key, node_id, utf8
+from .index import SessionIndex, cache_payload, hasher, hex_id, idx_key, node_id, utf8
 from .reads import WINDOW, read_path
 from .tokens import TokenIds
 from .types import HashedPrefix, Node, PrefixMatch, Segment, Turn
@@ -42,7 +42,9 @@ class _NewNode:
     text: str
 
     def args(self, store_text: bool) -> tuple[Any, ...]:
-        return (self.node.id, self.node.record(), self.payload, self.text if store_text else "")
+        """The node's script arguments: id, parent id, fields, payload, text (lua/_lib/nodes.lua)."""
+        n = self.node
+        return (n.id, n.parent or "", n.fields(), self.payload, self.text if store_text else "")
 
 
 # -- validation (before any I/O) -------------------------------------------------------------
@@ -178,7 +180,7 @@ def _check_turn(
         head = prompt_text[:start].encode()
         h.update(head)
         rest = memoryview(p_bytes)[len(head) :]
-    if prefix.node is not None and h.hexdigest() != prefix.node.id:
+    if prefix.node is not None and hex_id(h) != prefix.node.id:
         raise InvalidInput(
             "prefix",
             "the matched prefix is not a prefix of prompt_text (lookup a different prompt?)",
@@ -207,10 +209,10 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
     h = t.prefix_hash
     at_prefix = h.copy() if not t.delta_ids and t.parent is not None else None
     h.update(t.rest)
-    prompt_id = h.hexdigest()
+    prompt_id = hex_id(h)
     at_prompt = h.copy() if t.delta_ids else None
     h.update(t.response)
-    response_id = h.hexdigest()
+    response_id = hex_id(h)
     parent, start, prompt = t.parent.id if t.parent else None, t.start, t.prompt_text
     delta: _NewNode | None = None
     if t.delta_ids:
@@ -232,16 +234,23 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
 
 
 def _after_write(
-    ctx: Context, sid: str, epoch: str, before: int, after: int, new: Sequence[_NewNode]
+    ctx: Context, sid: str, epoch: str, before: int, after: int, new: Sequence[_NewNode],
+    nums: Sequence[int],
 ) -> None:
-    """Keep the cached index current after our own write, or drop it if others wrote too."""
+    """Keep the cached index current after our own write, or drop it if others wrote too.
+
+    ``nums``: the node numbers the script gave (or found) for ``new``.
+    """
     cache = node_cache(ctx)
     snap: SessionIndex | None = cache.get(idx_key(sid))
     if snap is not None and snap.epoch == epoch and snap.version == before:
-        snap = snap.with_nodes(epoch, after, [x.node for x in new])
+        snap = snap.with_nodes(epoch, after, [(x.node, n) for x, n in zip(new, nums, strict=True)])
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif before == 0 and after > 0:  # we wrote the first nodes: we know the whole index
-        snap = SessionIndex(epoch, after, {x.node.id: x.node for x in new}, ctx.keys.idx(sid))
+        snap = SessionIndex(
+            epoch, after, {x.node.id: x.node for x in new},
+            {x.node.id: n for x, n in zip(new, nums, strict=True)}, ctx.keys.idx(sid),
+        )
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif snap is not None and (snap.epoch != epoch or snap.version != after):
         cache.discard(idx_key(sid))
@@ -346,9 +355,11 @@ def record_turn(
     reply = yield Eval(script("record_turn"), keys, tuple(args), op_id=op.id)
     r = Reply(reply, "record_turn")
     epoch, before, after = r.text(), r.int(), r.int()
-    _after_write(ctx, sid, epoch, before, after, new)
+    written = sum(r.int() for _ in new)
+    nums = [r.int() for _ in new]
+    _after_write(ctx, sid, epoch, before, after, new, nums)
     _continue(ctx, turn, nodes, epoch)
-    return Turn(delta.node if delta else None, response.node, sum(int(x) for x in r.rest()))
+    return Turn(delta.node if delta else None, response.node, written)
 
 
 def _segment_payload(segment: Segment) -> tuple[array, int, bytes]:  # type: ignore[type-arg]
@@ -433,11 +444,13 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
         )
         r = Reply(reply, "insert_node")
         stale, epoch, before, after = r.flag(), r.text(), r.int(), r.int()
+        r.flag()  # fresh
+        num = r.int()
         if stale:  # another writer changed the index: re-read it, choose the parent again
             node_cache(ctx).discard(idx_key(sid))
             snap = None
             continue
-        _after_write(ctx, sid, epoch, before, after, [new])
+        _after_write(ctx, sid, epoch, before, after, [new], [num])
         return new.node
     raise ScriptError(
         "insert_node",
