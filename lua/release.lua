@@ -6,7 +6,7 @@
 -- untouched and not returned.
 -- Idempotent under client retry: the reply is recorded under the op key.
 -- KEYS: 5+
--- CHUNK: 1000
+-- CHUNK: 4000
 -- KEYS[1] = ts:{R}:o:<owner>     set of sids owned by owner
 -- KEYS[2] = ts:{R}:released      zset sid -> released ms (tombstones)
 -- KEYS[3] = ts:{R}:events        stream of release events
