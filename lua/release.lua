@@ -16,8 +16,11 @@
 -- ARGV[1] = owner tag
 -- ARGV[2] = reason (printable id, e.g. "consumed")
 -- ARGV[3] = op reply TTL (ms)
--- ARGV[4..3+n] = sid_i (same order as the session keys)
--- returns: {0, sid, ...} the released sids, in input order
+-- ARGV[4] = length of the session keys' head "ts:{R}:s:" (sid_i is the rest of KEYS[5+i]:
+--           the ids are not sent twice)
+-- returns: {0, "sid\nsid..."} the released sids in input order, joined by newlines (never
+--          part of an id; "" when none): one string to record, send and split, not a
+--          list of thousands
 -- errors: none
 -- include: clock
 -- include: op
@@ -30,12 +33,14 @@ if cached then return cached end
 local rel = {owner = owner, okey = okey, released = released, events = events, reason = reason,
   now = now_ms(), st = {}}
 local skeys, sids = {}, {}
+local from, sub = tonumber(ARGV[4]) + 1, string.sub
 for i = 6, #KEYS do
-  skeys[#skeys + 1] = KEYS[i]
-  sids[#sids + 1] = ARGV[i - 2]
+  local key = KEYS[i]
+  skeys[i - 5] = key
+  sids[i - 5] = sub(key, from)
 end
-local out = {0}
+local out = {}
 sessions_release(rel, skeys, sids, out)
 sessions_release_flush(rel)
 stats_flush(stats, rel.st)
-return op_record(opkey, tonumber(ARGV[3]), out)
+return op_record(opkey, tonumber(ARGV[3]), {0, table.concat(out, '\n')})

@@ -261,3 +261,39 @@ def test_short_default_timeouts(standalone_url: str) -> None:
         assert kwargs["socket_timeout"] == 1.0 and kwargs["socket_keepalive"] is True
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("SET", "k", "v"),
+        ("SET", b"k", 1, 2.5, "é"),
+        ("CONFIG RESETSTAT",),  # a two-word name: redis-py splits it
+        (b"CLIENT SETINFO", "LIB-NAME", "x"),
+        ("GET", bytearray(b"k")),  # hiredis refuses these: redis-py's packer converts them
+        ("SET", memoryview(b"k"), b"v"),
+        ("GET", "a b"),  # a space in an argument is not a word break
+    ],
+)
+def test_the_fast_packer_writes_what_redis_py_writes(args: tuple[Any, ...]) -> None:
+    from redis.connection import HiredisRespSerializer
+
+    from tracestore.connection import FastPacker
+
+    assert FastPacker().pack(*args) == HiredisRespSerializer().pack(*args)
+
+
+def test_a_standalone_client_packs_with_the_fast_packer(standalone_url: str) -> None:
+    """A command of tens of thousands of arguments (a release's purge) goes out in one hiredis call."""
+    from tracestore.connection import FastPacker
+
+    client, cluster, _ = sync_client(standalone_url)
+    try:
+        assert not cluster
+        assert isinstance(client.connection_pool.connection_kwargs["command_packer"], FastPacker)
+        keys = [f"fastpack:{i}" for i in range(20_000)]
+        assert client.execute_command("MSET", *(x for k in keys for x in (k, k))) is True
+        assert client.execute_command("CONFIG RESETSTAT") is True
+        assert client.execute_command("UNLINK", *keys) == 20_000
+    finally:
+        client.close()

@@ -142,6 +142,11 @@ class Keys:
         """``ts:{R}:meta`` hash: schema version, created, config."""
         return f"{self._c}:meta"
 
+    @property
+    def session_head(self) -> str:
+        """``ts:{R}:s:``, the head of every session hash key (the sid follows it)."""
+        return f"{self._c}:s:"
+
     def session_keys(self, sids: Sequence[str]) -> list[str]:
         """``ts:{R}:s:<sid>`` of each of ``sids`` (validated in one pass)."""
         head = f"{self._c}:s:"

@@ -159,15 +159,22 @@ def release_evals(
     """
     k = ctx.keys
     okey = k.owner(owner)
+    head = len(k.session_head)
     return ctx.op_evals(
         "release",
         sids,
         lambda op_key, part: (okey, k.released, k.events, op_key, k.stats, *k.session_keys(part)),
-        lambda part: (owner, reason, ctx.op_ttl_ms, *part),
+        lambda part: (owner, reason, ctx.op_ttl_ms, head),
         op=op,
         at_least_one=at_least_one,
         start=start,
     )
+
+
+def released_ids(reply: Sequence[object]) -> list[str]:
+    """The ids a ``release`` script call released: its reply is one string, the ids joined by newlines."""
+    joined = text(reply[0])
+    return joined.split("\n") if joined else []
 
 
 @mutating
@@ -219,12 +226,13 @@ def _release(
     """
     evals = release_evals(ctx, sids, owner, reason, op, at_least_one=probe)
     replies = yield Batch(tuple(evals))
-    released = [text(x) for r in replies for x in r]
+    parts = [released_ids(r) for r in replies]
+    released = [s for part in parts for s in part] if len(parts) > 1 else parts[0]
     n = len(evals)
-    while probe and replies[-1]:
+    while probe and parts[-1]:
         (probe_eval,) = release_evals(ctx, [], owner, reason, op, at_least_one=True, start=n)
-        replies = [(yield probe_eval)]
-        released += [text(x) for x in replies[-1]]
+        parts = [released_ids((yield probe_eval))]
+        released += parts[-1]
         n += 1
     if purge and released:
         yield from purge_sessions(ctx, released)
