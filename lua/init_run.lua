@@ -16,6 +16,9 @@ if redis.call('EXISTS', meta) == 0 then
 end
 local schema = redis.call('HGET', meta, 'schema')
 if schema ~= ARGV[1] then
-  return {1, 'INVALID_INPUT', 'schema', 'run was created with schema ' .. tostring(schema) .. ', this client speaks ' .. ARGV[1]}
+  return {1, 'INVALID_INPUT', 'schema', 'run was created with trace schema ' .. tostring(schema) ..
+    ' by another tracestore version; this one writes schema ' .. ARGV[1] ..
+    ': move it with `tracestore checkpoint save` of the version that wrote it and `tracestore checkpoint load` of this one' ..
+    ' (docs/checkpoint.md), or remove it with `tracestore run delete <run> --force`'}
 end
 return {0, tonumber(schema), tonumber(redis.call('HGET', meta, 'created_ms')) or -1, created}

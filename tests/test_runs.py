@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.test_ownership import write_turn
-from tracestore import Group, RunInUse, TraceStore
+from tracestore import Group, InvalidInput, RunInUse, TraceStore
 from tracestore.cli import main
 
 
@@ -148,3 +148,17 @@ def test_run_delete_command(standalone_url: str, run_id: str) -> None:
     assert "overrode live owners rollout:0" in r.output
     r = CliRunner().invoke(main, ["run", "delete", run_id, "--url", standalone_url])
     assert r.exit_code == 2 and f"no run {run_id!r}" in r.output
+
+
+def test_a_run_of_an_older_trace_schema_is_refused_with_the_way_out(standalone_url: str, run_id: str) -> None:
+    """A run written by a tracestore of schema 1 (32-hex node ids) is refused at connect, and removable."""
+    with TraceStore.connect(standalone_url, run=run_id) as st:
+        st.open_session("s", "rollout:0")
+        st.redis.hset(st.keys.meta, "schema", "1")  # as the previous version created it
+    with pytest.raises(InvalidInput, match=r"created with trace schema 1 .* writes schema 2: move it with "
+                       r"`tracestore checkpoint save` .* or remove it with `tracestore run delete <run> --force`"):
+        TraceStore.connect(standalone_url, run=run_id)
+    r = CliRunner().invoke(main, ["run", "delete", run_id, "--url", standalone_url, "--force"])
+    assert r.exit_code == 0, r.output
+    with TraceStore.connect(standalone_url, run=run_id) as st:  # a new run of that id, this schema
+        assert st.redis.hget(st.keys.meta, "schema") == b"2"
