@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from tracestore import TraceStore
-from tracestore.router import Router
+from tracestore.router import Router, RouteScope, route_scope
 
 from .actors import Workers
 from .sample import Sample
@@ -52,6 +52,11 @@ class WorkerPool:
         #: Workers found dead, in the order they were found.
         self.lost: list[str] = []
         self.router: Router = store.router(sorted(workers))
+
+    @property
+    def scope(self) -> RouteScope:
+        """The router's scope, to run its operations (``retire``, ``acquire_many``) in a ``gather``."""
+        return route_scope(self.store.context, sorted(self.workers))
 
     def call(self, method: str, *args: Any, only: Iterable[str] | None = None) -> dict[str, Any]:
         """``method(*args)`` on every live worker (or those of ``only``) at once; results by worker.

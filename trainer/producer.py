@@ -24,9 +24,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tracestore import Group, TraceStore
-from tracestore.ownership import open_sessions, transfer
+from tracestore.gate import status as gate_status
+from tracestore.ownership import heartbeat_many, open_sessions, transfer
+from tracestore.replay import claim_retry
 from tracestore.scripts import Op, gather
 
 from .actors import Workers, node_id
@@ -128,21 +131,36 @@ class Producer:
     def round(self) -> dict[str, int]:
         """Claim aborted groups back, add new prompts, roll out, put every group; counts by status."""
         with self.busy():
-            self._heartbeat()
-            jobs = self._claim_back()
+            jobs, version = self._start_round()
             while len(jobs) < self.cfg.prompts_per_step:
                 jobs.append(self._new_job())
-            with self.store_time():
-                version = self.store.gate.status().version
             done, lost = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
             put = self._put(jobs, done, lost, version)
             if put.get("aborted"):  # a weight update is under way: let it finish first
                 self._wait_gate_open()
         return put
 
-    def _claim_back(self) -> list[Job]:
+    def _start_round(self) -> tuple[list[Job], int]:
+        """Heartbeat, claim aborted groups back, read the weight version: one round trip.
+
+        Returns the jobs claimed back (those a lost worker served are dropped)
+        and the gate's version.
+        """
+        ctx = self.store.context
+        # the workers heartbeat their own tags (keep_alive): when one dies, gc reclaims its tag;
+        # HTTP agents' sessions have no worker to vouch for them, so the producer does
+        tags = [self.tag, *([self._rollout_tag(HTTP)] if self.gateway_url is not None else [])]
         with self.store_time():
-            groups = self.store.replay.claim_retry(TASK, self.cfg.prompts_per_step, self.tag)
+            calls: list[Op[Any]] = [
+                heartbeat_many(ctx, tags, HEARTBEAT_TTL_S),
+                claim_retry(ctx, TASK, self.cfg.prompts_per_step, self.tag),
+                gate_status(ctx),
+            ]
+            _beats, groups, gate = self.store.run(gather(calls))
+        return self._claimed(groups), int(gate.version)
+
+    def _claimed(self, groups: Sequence[Group]) -> list[Job]:
+        """Jobs of the groups claimed back; those a lost worker served are dropped."""
         self.claimed += len(groups)
         jobs = [Job(g.gid, from_payload(g.payload)) for g in groups]
         lost = set(self.pool.lost)
@@ -170,8 +188,8 @@ class Producer:
             return self._roll_out_http(samples, version), set()
         with self.store_time():
             by_worker = self.pool.route(samples)
-            for w, ss in by_worker.items():
-                self._hand_over(w, ss, version)
+            ops = [op for w, ss in by_worker.items() for op in self._hand_over_ops(w, ss, version)]
+            self.store.run(gather(ops))  # every worker's hand-over: one round trip
         results = self.pool.run(by_worker)
         ctx = self.store.context
         back = [transfer(ctx, [s.sid for s in out], self._rollout_tag(w), self.tag) for w, out in results.items()]
@@ -200,6 +218,10 @@ class Producer:
 
     def _hand_over(self, worker: str, samples: Sequence[Sample], version: int) -> None:
         """Open new sessions for the worker's tag; move continued ones to it from ours (one round trip)."""
+        self.store.run(gather(self._hand_over_ops(worker, samples, version)))
+
+    def _hand_over_ops(self, worker: str, samples: Sequence[Sample], version: int) -> list[Op[object]]:
+        """The calls of :meth:`_hand_over` (to gather with other workers'); counts the opened sessions."""
         ctx, tag = self.store.context, self._rollout_tag(worker)
         fresh = [s.sid for s in samples if s.status == "new"]
         resumed = [s.sid for s in samples if s.status != "new"]
@@ -208,8 +230,8 @@ class Producer:
             calls.append(open_sessions(ctx, fresh, tag, version=version))
         if resumed:
             calls.append(transfer(ctx, resumed, self.tag, tag))
-        self.store.run(gather(calls))
         self.opened += len(fresh)
+        return calls
 
     def _put(
         self, jobs: Sequence[Job], done: dict[str, Sample], lost: set[str], version: int
@@ -262,14 +284,6 @@ class Producer:
 
     def _rollout_tag(self, worker: str) -> str:
         return f"rollout:{worker}.{self.nonce}"
-
-    def _heartbeat(self) -> None:
-        """Heartbeat this process's tag (and the HTTP agents'): one round trip."""
-        with self.store_time():
-            # the workers heartbeat their own tags (keep_alive): when one dies, gc reclaims its tag;
-            # HTTP agents' sessions have no worker to vouch for them, so the producer does
-            tags = [self.tag, *([self._rollout_tag(HTTP)] if self.gateway_url is not None else [])]
-            self.store.heartbeat_many(tags, HEARTBEAT_TTL_S)
 
     def _ready(self) -> int:
         with self.store_time():
