@@ -11,8 +11,10 @@ rollout worker that calls its engine directly) does two things per turn:
   assistant turn (no generation prompt, right-stripped, so it ends in the stop
   word), splits the engine's routed experts into the delta's rows and the
   response's rows, puts each part through the holder (a Ray ``RefHolder``:
-  ``put(sid, value) -> expert_key``), then records the delta node and the
-  response node in one atomic :meth:`~tracestore.TraceStore.record_turn`.
+  ``put(sid, value) -> expert_key``; ``after_response_many`` puts every
+  part of its turns with one ``put_many`` when the holder has it), then
+  records the delta node and the response node in one atomic
+  :meth:`~tracestore.TraceStore.record_turn`.
 
 Every check runs before anything is put or written: when the response is
 invalid (empty output, wrong logprob count, routed-experts rows that do not
@@ -431,7 +433,7 @@ class AsyncTurnRecorder(
     """:class:`TurnRecorder` over an :class:`~tracestore.AsyncTraceStore` (same methods, coroutines).
 
     For asyncio session servers (an OpenAI-compatible proxy). The holder's
-    ``put`` is called synchronously (``RefHolder.put`` is a local ``ray.put``).
+    ``put`` / ``put_many`` is called synchronously (a local ``ray.put``).
     """
 
     async def execute(self, request: ScriptRequest) -> Any:

@@ -9,7 +9,8 @@ routed experts (``after_response_many``), settle the leases (``settle_many``
 per outcome, pipelined). :class:`RolloutWorker` (a Ray actor) drives the
 calculator agents (:mod:`~tracestore.trainer.agent`) of the samples it is
 given over it, round by round, and keeps the sessions' routed experts in its
-``RefHolder`` until they are released.
+``RefHolder`` until they are released (one ``put_many`` per round: the
+round's turns share one object in the Ray object store).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class WorkerStats:
     busy_s: float
     invalid: int
     aborted_requests: int
-    #: Of ``store_s``: the holder's puts (``RefHolder.put``: a ``ray.put`` each).
+    #: Of ``store_s``: the holder's puts (``RefHolder.put_many``: a ``ray.put`` per round).
     holder_s: float = 0.0
 
 
