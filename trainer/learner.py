@@ -31,7 +31,7 @@ from tracestore.scripts import gather
 from .actors import Handle, Workers, node_id
 from .batch import Batch, BatchBuilder
 from .checkpoint import CheckpointState, load_model, write_checkpoint
-from .clock import Stopwatch
+from .clock import Backoff, Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import WorkerPool
 from .evaluation import Evaluator
@@ -148,6 +148,7 @@ class Learner:
     def _take(self, owner: str, step: int, wait_s: float) -> list[Group]:
         end = time.monotonic() + wait_s
         n = self.cfg.prompts_per_step
+        pause = Backoff()
         while True:
             with self.store_time():
                 taken = self.store.replay.take(
@@ -164,7 +165,7 @@ class Learner:
                     f"step {step}: no batch of {n} groups within {wait_s}s ({taken.ready} ready; "
                     "every group filtered, i.e. the policy collapsed, or the producer stalled)"
                 )
-            time.sleep(0.02)
+            pause.sleep()
 
     def _alignment(self, batch: Batch) -> float | None:
         """Max |replayed - rollout| logprob over generated tokens of samples made by these weights."""
