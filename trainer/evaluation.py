@@ -13,6 +13,9 @@ import uuid
 import numpy as np
 
 from tracestore import TraceStore
+from tracestore.ownership import release_owner
+from tracestore.router import retire
+from tracestore.scripts import gather
 
 from .clock import Stopwatch
 from .config import TrainConfig
@@ -71,6 +74,6 @@ class Evaluator:
                 rewards = [s.reward for ss in out.values() for s in ss]
             return float(np.mean(rewards))
         finally:
-            with self.store_time():
-                self.store.release_owner(owner, "eval-done")
-                self.pool.router.retire(sids)
+            ctx = self.store.context
+            with self.store_time():  # release and retire share the release's first round trip
+                self.store.run(gather([release_owner(ctx, owner, "eval-done"), retire(self.pool.scope, sids)]))
