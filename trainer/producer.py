@@ -186,8 +186,8 @@ class Producer:
 
         Returns the samples that came back, the ids of those whose worker
         died meanwhile (their sessions stay with its tag, for gc), and the
-        transfers that take the sessions back (for :meth:`_put` to run with
-        the put: they share its first round trip).
+        calls that settle the workers' last leases and take the sessions back
+        (for :meth:`_put` to run with the put: they share its first round trip).
         """
         if self.gateway_url is not None:
             over_http, back_http = self._roll_out_http(samples, version)
@@ -196,10 +196,12 @@ class Producer:
             by_worker = self.pool.route(samples)
             ops = [op for w, ss in by_worker.items() for op in self._hand_over_ops(w, ss, version)]
             self.store.run(gather(ops))  # every worker's hand-over: one round trip
-        results = self.pool.run(by_worker)
+        # the workers hand back their last round's leases: settled with the transfers below
+        results, settles = self.pool.run_unsettled(by_worker)
         ctx = self.store.context
         back: list[Op[Any]] = [
-            transfer(ctx, [s.sid for s in out], self._rollout_tag(w), self.tag) for w, out in results.items()
+            *settles,
+            *(transfer(ctx, [s.sid for s in out], self._rollout_tag(w), self.tag) for w, out in results.items()),
         ]
         lost = {s.sid for w, ss in by_worker.items() if w not in results for s in ss}
         return {s.sid: s for out in results.values() for s in out}, lost, back
