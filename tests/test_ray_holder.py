@@ -19,7 +19,8 @@ import torch
 
 from tests.test_ownership import prompt_of, response_of
 from tracestore import TraceStore
-from tracestore.ray import ExpertRefMissing, RefHolder, RefHolderActor
+from tracestore.errors import InvalidId, InvalidInput
+from tracestore.ray import ExpertRefMissing, RefHolder, RefHolderActor, expert_index, expert_values
 
 pytestmark = pytest.mark.ray
 
@@ -77,7 +78,8 @@ class Borrower:
 
     def hold(self, refs: list[Any]) -> int:
         self.refs = list(refs)
-        return int(sum(ray.get(r).nbytes for r in self.refs))
+        values = [ray.get(r) for r in self.refs]  # a put_many ref's value is a list of arrays
+        return int(sum(sum(x.nbytes for x in v) if isinstance(v, list) else v.nbytes for v in values))
 
     def drop(self) -> None:
         self.refs = []
@@ -209,6 +211,133 @@ def test_ready_actor(store: TraceStore, url: str) -> None:
         with pytest.raises(ExpertRefMissing) as exc:
             ray.get(actor.get.remote(keys[:1]))
         assert exc.value.key == keys[0] and exc.value.holder == "actor-holder"
+    finally:
+        ray.get(actor.close.remote())
+        ray.kill(actor)
+
+
+# -- put_many: one ray.put for many sessions' values, a shared ref per call -------------------
+
+
+def test_put_many_shares_one_ref_until_its_last_session_is_released(store: TraceStore) -> None:
+    store.open_sessions(["m0", "m1", "m2"], "train:6")
+    with RefHolder(store, reconcile_s=60) as holder:
+        keys = holder.put_many([("m0", array(0)), ("m1", array(1)), ("m0", array(2)), ("m2", array(3))])
+        assert [expert_index(k) for k in keys] == [0, 1, 2, 3]
+        assert len({k.rsplit(".", 1)[0] for k in keys}) == 1  # one object for all
+        assert all(c not in k for k in keys for c in " \t{},") and all(len(k) <= 512 for k in keys)
+        st = holder.stats()
+        assert (st.sessions, st.refs, st.keys, st.bytes) == (3, 1, 4, 4 * VALUE_BYTES)
+        wait_for(lambda: store_used() >= 4 * VALUE_BYTES, what="the shared object in the store")
+        assert [int(v[0]) for v in holder.values(keys)] == [0, 1, 2, 3]
+
+        # one session's release removes its keys, not the object the others still use
+        assert store.release(["m0"], "train:6") == ["m0"]
+        wait_for(lambda: holder.held_sessions() == ["m1", "m2"], what="the holder to see m0's release")
+        st = holder.stats()
+        assert (st.refs, st.keys, st.dropped) == (1, 2, 0)
+        with pytest.raises(ExpertRefMissing):
+            holder.get([keys[0]])
+        assert [int(v[0]) for v in holder.values([keys[3], keys[1]])] == [3, 1]
+        assert stays(lambda: store_used() >= 4 * VALUE_BYTES, 0.5), "freed while m1 and m2 still use it"
+
+        # the last two go: the shared ref is dropped once, and the store frees it
+        assert sorted(store.release(["m1", "m2"], "train:6")) == ["m1", "m2"]
+        wait_for(lambda: holder.stats().refs == 0, what="the holder to drop the shared ref")
+        st = holder.stats()
+        assert (st.sessions, st.keys, st.bytes, st.dropped, st.events) == (0, 0, 0, 1, 3)
+        wait_for(lambda: store_used() < MB, what="the store to free the shared object")
+        assert holder.drop(["m0", "m1", "m2"]) == 0  # never twice
+        assert holder.stats().dropped == 1
+
+
+def test_put_many_ref_dropped_by_reconcile_and_refused_for_released_sessions(store: TraceStore) -> None:
+    store.open_sessions(["r0", "r1", "r2"], "train:7")
+    holder = RefHolder(store, name="many-reconcile", reconcile_s=60, start=False)
+    try:
+        k = holder.put_many([("r0", array(0)), ("r1", array(1))])
+        k2 = holder.put_many([("r1", array(2)), ("r2", array(3))])
+        assert holder.stats().refs == 2
+        # released while no consumer runs, the events gone: reconcile catches them
+        assert sorted(store.release(["r0", "r1"], "train:7")) == ["r0", "r1"]
+        store.redis.xtrim(store.keys.events, maxlen=0)
+        assert holder.reconcile() == 1  # the first object (r0, r1); the second still has r2
+        st = holder.stats()
+        assert (st.sessions, st.refs, st.keys, st.bytes, st.dropped) == (1, 1, 1, VALUE_BYTES * 2, 1)
+        assert [int(v[0]) for v in holder.values([k2[1]])] == [3]
+        for key in (*k, k2[0]):
+            with pytest.raises(ExpertRefMissing):
+                holder.get([key])
+        wait_for(lambda: store_used() <= 2 * VALUE_BYTES + MB, what="the store to free the first object")
+
+        # a late put for a released session: keys, but nothing kept for it
+        late = holder.put_many([("r0", array(4)), ("r2", array(5)), ("r1", array(6))])
+        assert len(set(late)) == 3 and expert_index(late[1]) == 0
+        st = holder.stats()
+        assert (st.refs, st.keys, st.late, st.bytes) == (2, 2, 2, 3 * VALUE_BYTES)
+        for key in (late[0], late[2]):
+            with pytest.raises(ExpertRefMissing):
+                holder.get([key])
+        only_late = holder.put_many([("r0", array(7))])
+        assert holder.stats().refs == 2 and holder.stats().late == 3 and expert_index(only_late[0]) is None
+        assert holder.put("r1", array(8)) and holder.stats().late == 4  # put refuses it the same way
+
+        assert store.release(["r2"], "train:7") == ["r2"]
+        assert holder.reconcile() == 2
+        st = holder.stats()
+        assert (st.sessions, st.refs, st.keys, st.bytes, st.dropped) == (0, 0, 0, 0, 3)
+        wait_for(lambda: store_used() < MB, what="an empty store")
+    finally:
+        holder.close(destroy_group=True)
+
+
+def test_lent_shared_ref_outlives_the_holder_until_the_borrower_drops_it(store: TraceStore) -> None:
+    store.open_sessions(["b0", "b1"], "train:8")
+    borrower = Borrower.remote()  # type: ignore[attr-defined]
+    with RefHolder(store, reconcile_s=60) as holder:
+        keys = holder.put_many([("b0", array(1)), ("b1", array(2))])
+        refs = holder.get(keys)
+        assert refs[0] == refs[1]  # one shared ref, lent once per key
+        assert ray.get(borrower.hold.remote(refs[:1])) == 2 * VALUE_BYTES  # the whole list
+        del refs
+        assert sorted(store.release(["b0", "b1"], "train:8")) == ["b0", "b1"]
+        wait_for(lambda: holder.stats().refs == 0, what="the holder to drop the shared ref")
+        assert stays(lambda: store_used() >= 2 * VALUE_BYTES, 1.0), "freed while still borrowed"
+        ray.get(borrower.drop.remote())
+        wait_for(lambda: store_used() < MB, what="the store to free it after the borrower dropped it")
+    ray.kill(borrower)
+
+
+def test_expert_values_one_get_per_distinct_ref_and_bad_keys(store: TraceStore) -> None:
+    store.open_sessions(["v0", "v1"], "train:9")
+    with RefHolder(store, name="vals", reconcile_s=60) as holder:
+        single = holder.put("v0", array(9))
+        shared = holder.put_many([("v0", array(1)), ("v1", array(2))])
+        keys = [shared[1], single, shared[0], shared[1]]
+        assert [int(v[0]) for v in expert_values(keys, holder.get(keys))] == [2, 9, 1, 2]
+        assert expert_index(single) is None and single == "rx:vals:1" and shared[0] == "rx:vals:2.0"
+        for bad in ("lost:rx:vals:1", "rx:vals:x", "rx:va ls:1", "rx:vals:1.2.3"):
+            with pytest.raises(InvalidInput):
+                expert_index(bad)
+        with pytest.raises(InvalidInput):
+            expert_values(keys, holder.get(keys)[:2])
+        with pytest.raises(InvalidInput):
+            holder.put_many([("v0", array(1), 3)])  # type: ignore[list-item]
+        with pytest.raises(InvalidId):
+            holder.put_many([("v0", array(1)), ("bad id", array(2))])
+        assert holder.stats().refs == 2  # nothing put for a refused call
+        assert holder.put_many([]) == []
+
+
+def test_ready_actor_put_many(store: TraceStore, url: str) -> None:
+    store.open_sessions(["a0", "a1"], "rollout:8")
+    actor = RefHolderActor.remote(url, store.run_id, name="actor-many", reconcile_s=60)
+    try:
+        keys = ray.get(actor.put_many.remote([("a0", array(5)), ("a1", array(6))]))
+        assert [int(v[0]) for v in expert_values(keys, ray.get(actor.get.remote(keys)))] == [5, 6]
+        store.release_owner("rollout:8", "done")
+        wait_for(lambda: ray.get(actor.stats.remote()).refs == 0, what="the actor's holder to drop")
+        wait_for(lambda: store_used() < MB, what="the store to free the actor's object")
     finally:
         ray.get(actor.close.remote())
         ray.kill(actor)

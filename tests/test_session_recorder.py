@@ -34,6 +34,21 @@ class DictHolder:
         return key
 
 
+class ManyHolder(DictHolder):
+    """A DictHolder with ``put_many`` (as RefHolder has): counts its calls, refuses single puts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[str]] = []
+
+    def put(self, sid: str, value: Any) -> str:
+        raise AssertionError("a holder with put_many gets a round's parts in one call")
+
+    def put_many(self, items: list[tuple[str, Any]]) -> list[str]:
+        self.calls.append([sid for sid, _v in items])
+        return [DictHolder.put(self, sid, v) for sid, v in items]
+
+
 def engine(input_ids: list[int], answer: str, seed: int) -> tuple[list[int], list[float], Any]:
     """A fake-free stand-in for the engine's *outputs*: ids of ``answer`` + stop, routing rows.
 
@@ -228,14 +243,18 @@ def test_session_recorder_demo_section(standalone_url: str) -> None:
     assert "4 expert parts with 96 rows" in str(rows["export"])
 
 
-def test_batched_recorder_equals_one_by_one_and_keeps_failures_apart(store_factory: Any) -> None:
+@pytest.mark.parametrize("holder_type", [DictHolder, ManyHolder])
+def test_batched_recorder_equals_one_by_one_and_keeps_failures_apart(
+    store_factory: Any, holder_type: type[DictHolder]
+) -> None:
     """prepare_many / after_response_many over many sessions: the same traces as the one-by-one
-    calls, one round trip per batch, and an invalid response refused alone."""
+    calls, one round trip per batch, and an invalid response refused alone. A holder with
+    ``put_many`` gets every expert part of a batch in one call (the refused one's not at all)."""
     from tests.test_scripts import _Counting
     from tracestore.session import Response
 
     batched, single = store_factory(), store_factory()
-    holders = DictHolder(), DictHolder()
+    holders = holder_type(), DictHolder()
     rb = TurnRecorder(batched, render, tok.encode, holders[0])
     rs = TurnRecorder(single, render, tok.encode, holders[1])
     sids = [f"b{i}" for i in range(6)]
@@ -274,6 +293,12 @@ def test_batched_recorder_equals_one_by_one_and_keeps_failures_apart(store_facto
             np.asarray(holders[1].values[k]).tolist() for k in b.expert_keys or []
         ]
     assert rb.stats.turns == 6 * 3 - 1 and rb.stats.invalid == 1
+    assert rb.stats.expert_bytes == rs.stats.expert_bytes - sum(
+        np.asarray(holders[1].values[k]).nbytes for k in holders[1].by_sid["xb3"][-2:]
+    )
+    if isinstance(holders[0], ManyHolder):  # one call per round: both parts of every valid turn
+        assert [len(c) for c in holders[0].calls] == [6 * 2, 6 * 2, 5 * 2]  # delta + response each
+        assert "b3" not in holders[0].calls[2]
     # the batched writes count their turns in the run's shards exactly as record_turn does
     assert batched.stats().turns_recorded == (6 * 3 - 1) + 6 * 3
     # a failed lookup (purged session) stands in place too

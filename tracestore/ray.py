@@ -3,7 +3,14 @@
 A rollout worker or session server keeps the routed-expert arrays of its
 sessions in the Ray object store and stores only their *expert keys* in the
 trace. The holder owns the ``ObjectRef`` of every value it was given, lends
-refs to the trainer, and drops them when Redis says the session is gone:
+refs to the trainer, and drops them when Redis says the session is gone.
+:meth:`RefHolder.put` stores one value per ``ray.put`` (key
+``rx:<holder>:<n>``); :meth:`RefHolder.put_many` stores the values of many
+turns and sessions (a rollout round) in ONE ``ray.put`` of a list (key
+``rx:<holder>:<n>.<i>``: item ``i`` of object ``n``), and keeps that shared
+ref until the last session using it is released. A consumer turns lent refs
+into values with :func:`expert_values` (one ``ray.get`` for the distinct
+refs); the holder drops refs:
 
 * a background thread reads ``ts:{R}:events`` with the holder's own consumer
   group (``XREADGROUP ... BLOCK``), drops every ref of each released session
@@ -32,7 +39,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -52,6 +59,8 @@ log = logging.getLogger(__name__)
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,100}\Z")
 #: How many released sids a holder remembers, to refuse late puts at once.
 _RECENT_RELEASED = 100_000
+#: ``rx:<holder>:<n>`` (a value of its own) or ``rx:<holder>:<n>.<i>`` (item ``i`` of a shared list).
+_KEY_RE = re.compile(r"rx:[A-Za-z0-9._-]{1,100}:[0-9]+(?:\.([0-9]+))?\Z")
 
 
 class ExpertRefMissing(TracestoreError, KeyError):
@@ -75,16 +84,21 @@ class HolderStats:
 
     #: Sessions with at least one held ref.
     sessions: int
-    #: Refs held.
+    #: ObjectRefs held (a ref shared by the sessions of a :meth:`RefHolder.put_many` counts once).
     refs: int
     #: Bytes of the held values (``nbytes`` of arrays and tensors; 0 when unknown).
     bytes: int
     #: Release events read from the stream (including those for sessions it did not hold).
     events: int
-    #: Refs dropped because their session was released (events and reconcile).
+    #: ObjectRefs dropped because their sessions were released (events, reconcile, ``drop``);
+    #: a shared ref counts once, when the last session using it goes.
     dropped: int
     #: Reconcile passes run.
     reconciles: int
+    #: Expert keys held (one per value put; several keys may name one shared ref).
+    keys: int = 0
+    #: Values put for a session this holder had already seen released (a key, no ref kept).
+    late: int = 0
 
 
 def _nbytes(value: Any) -> int:
@@ -95,6 +109,51 @@ def _nbytes(value: Any) -> int:
         return int(value.element_size() * value.nelement())  # older torch tensors
     except (AttributeError, TypeError):
         return 0
+
+
+def expert_index(key: str) -> int | None:
+    """The list index an expert key names in its shared object (``rx:<holder>:<n>.<i>`` -> ``i``).
+
+    None for the key of a value stored on its own (``rx:<holder>:<n>``).
+    Raises InvalidInput for a string that is not a holder's expert key.
+    """
+    m = _KEY_RE.match(key) if isinstance(key, str) else None
+    if m is None:
+        raise InvalidInput("expert key", f"not a RefHolder expert key: {key!r:.120}")
+    return None if m.group(1) is None else int(m.group(1))
+
+
+def expert_values(keys: Sequence[str], refs: Sequence[Any]) -> list[Any]:
+    """The values of expert ``keys`` from the refs a holder lent for them (``RefHolder.get``), in order.
+
+    One ``ray.get`` for the distinct refs (the keys of a ``put_many`` share
+    one), then item ``i`` of a shared list for a key ``...<n>.<i>``. The
+    values may be read-only views of the object store (numpy): copy before
+    writing. Raises InvalidInput (a key that is not an expert key, or a
+    length mismatch), and what ``ray.get`` raises for a lost object.
+    """
+    if isinstance(keys, str):
+        raise InvalidInput("keys", "expected a list of expert keys, got a single string")
+    if len(keys) != len(refs):
+        raise InvalidInput("refs", f"{len(refs)} refs for {len(keys)} keys")
+    index = [expert_index(k) for k in keys]
+    distinct: dict[Any, int] = {}
+    for r in refs:
+        distinct.setdefault(r, len(distinct))
+    got = ray.get(list(distinct)) if distinct else []
+    return [
+        got[distinct[r]] if i is None else got[distinct[r]][i] for r, i in zip(refs, index, strict=True)
+    ]
+
+
+@dataclass
+class _Held:
+    """One ObjectRef the holder keeps, and the sessions whose keys still name it."""
+
+    seq: int
+    ref: Any
+    nbytes: int
+    users: set[str] = field(default_factory=set)
 
 
 def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
@@ -189,6 +248,11 @@ class RefHolder:
     ``block_s``: XREADGROUP block time (also the worst-case :meth:`close` delay).
     ``start``: start the background consumer now (else call :meth:`start`).
 
+    Lifetime of a shared ref (:meth:`put_many`): it is kept while at least
+    one session whose value it holds is not released; each release (event,
+    reconcile or :meth:`drop`) removes that session's keys and its use of
+    the ref, and the ref is dropped (once) with its last user.
+
     Raises InvalidId for a bad name. Thread-safe.
     """
 
@@ -217,8 +281,10 @@ class RefHolder:
         self._consumer = self.name
         self._lock = threading.Lock()
         self._seq = 0
-        self._refs: dict[str, tuple[str, Any, int]] = {}  # key -> (sid, ref, nbytes)
+        self._keys: dict[str, tuple[str, _Held]] = {}  # expert key -> (sid, the ref it names)
+        self._held: dict[int, _Held] = {}  # object seq -> held ref (one per ray.put kept)
         self._by_sid: dict[str, list[str]] = {}
+        self._late = 0
         self._since: dict[str, float] = {}  # sid -> monotonic time of its first put
         self._bytes = 0
         self._released: OrderedDict[str, None] = OrderedDict()
@@ -238,41 +304,102 @@ class RefHolder:
         The key (``rx:<holder>:<n>``) has no whitespace, braces or commas, so it
         can be stored in the trace index (``record_turn(..., *_expert_key=key)``).
         A session this holder already saw released gets a key but no ref (the
-        value would never be read). Raises InvalidId (sid). No Redis round trip.
+        value is not put: it would never be read). Raises InvalidId (sid). No
+        Redis round trip. For many values at once use :meth:`put_many`.
         """
         validate_id("session id", sid)
-        ref = ray.put(value)
-        nbytes = _nbytes(value)
+        with self._lock:
+            late = sid in self._released
+        ref = None if late else ray.put(value)
         with self._lock:
             self._seq += 1
             key = f"rx:{self.name}:{self._seq}"
-            if sid in self._released:
-                self._dropped += 1
-                return key
-            self._refs[key] = (sid, ref, nbytes)
-            self._by_sid.setdefault(sid, []).append(key)
-            self._since.setdefault(sid, time.monotonic())
-            self._bytes += nbytes
+            if ref is not None and sid not in self._released:
+                self._keep(_Held(self._seq, ref, _nbytes(value)), [(sid, key)])
+            else:
+                self._late += 1
         return key
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> list[str]:
+        """Keep many values in ONE ``ray.put`` (a list); returns each item's expert key, in order.
+
+        ``items`` are ``(sid, value)`` pairs, of any sessions (a session may
+        have several). The values of sessions not seen released go into one
+        object, a list; item ``i`` of it gets the key ``rx:<holder>:<n>.<i>``
+        (no whitespace, braces or commas, ready for the trace index). The
+        shared ref is kept until every session with a value in it is released
+        (events, reconcile, :meth:`drop`), then dropped once: one session's
+        release does not free the others' values, and :meth:`get` lends the
+        shared ref for each of its keys (resolve with :func:`expert_values`).
+        A session already seen released gets a key but no ref, as with
+        :meth:`put`. Raises InvalidInput / InvalidId before anything is put.
+        No Redis round trip.
+        """
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise InvalidInput("items", f"expected a list of (sid, value) pairs, got {type(items).__name__}")
+        for pair in items:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidInput("items", f"each item must be a (sid, value) pair, got {pair!r:.80}")
+            validate_id("session id", pair[0])
+        if not items:
+            return []
+        with self._lock:
+            live = [j for j, (sid, _v) in enumerate(items) if sid not in self._released]
+        ref = ray.put([items[j][1] for j in live]) if live else None
+        nbytes = sum(_nbytes(items[j][1]) for j in live)
+        keys: list[str] = [""] * len(items)
+        with self._lock:
+            if live:
+                self._seq += 1
+                seq = self._seq
+                users: list[tuple[str, str]] = []
+                for i, j in enumerate(live):
+                    keys[j] = f"rx:{self.name}:{seq}.{i}"
+                    sid = items[j][0]
+                    if sid in self._released:  # released while the object was put
+                        self._late += 1
+                    else:
+                        users.append((sid, keys[j]))
+                if users:
+                    self._keep(_Held(seq, ref, nbytes), users)
+            for j, k in enumerate(keys):
+                if not k:
+                    self._seq += 1
+                    keys[j] = f"rx:{self.name}:{self._seq}"
+                    self._late += 1
+        return keys
 
     def get(self, keys: Sequence[str]) -> list[Any]:
         """The ``ObjectRef`` of each expert key, in order (lend them; Ray counts the borrow).
 
-        Raises ExpertRefMissing for a key this holder does not hold.
+        A key of :meth:`put_many` (``...<n>.<i>``) gets the shared ref, whose
+        value is a list: item ``i`` is the key's value. :func:`expert_values`
+        turns ``(keys, refs)`` into values with one ``ray.get`` for the
+        distinct refs. Raises ExpertRefMissing for a key this holder does not hold.
         """
         if isinstance(keys, str):
             raise InvalidInput("keys", "expected a list of expert keys, got a single string")
         out: list[Any] = []
         with self._lock:
             for k in keys:
-                item = self._refs.get(k)
+                item = self._keys.get(k)
                 if item is None:
                     raise ExpertRefMissing(k, self.name)
-                out.append(item[1])
+                out.append(item[1].ref)
         return out
 
+    def values(self, keys: Sequence[str]) -> list[Any]:
+        """The values of expert ``keys``, in order: :meth:`get` then :func:`expert_values`.
+
+        One ``ray.get`` for the distinct refs. Raises ExpertRefMissing.
+        """
+        return expert_values(keys, self.get(keys))
+
     def drop(self, sids: Sequence[str]) -> int:
-        """Drop every ref of ``sids`` now (what the event consumer does); returns refs dropped."""
+        """Drop the keys of ``sids`` now (what the event consumer does); returns the refs dropped.
+
+        A ref shared with sessions not in ``sids`` stays (it is not counted).
+        """
         sids = validate_ids("session id", sids)
         return sum(self._drop_session(s, remember=False) for s in sids)
 
@@ -281,11 +408,13 @@ class RefHolder:
         with self._lock:
             return HolderStats(
                 sessions=len(self._by_sid),
-                refs=len(self._refs),
+                refs=len(self._held),
                 bytes=self._bytes,
                 events=self._events,
                 dropped=self._dropped,
                 reconciles=self._reconciles,
+                keys=len(self._keys),
+                late=self._late,
             )
 
     def held_sessions(self) -> list[str]:
@@ -294,10 +423,11 @@ class RefHolder:
             return sorted(self._by_sid)
 
     def reconcile(self) -> int:
-        """Drop the refs of held sessions that are released (or unknown for ``grace_s``).
+        """Drop the keys of held sessions that are released (or unknown for ``grace_s``).
 
-        Returns the number of refs dropped. One pipelined round trip per 4,000
-        held sessions. Raises StorageError.
+        Returns the number of refs dropped (a shared ref when its last
+        session goes). One pipelined round trip per 4,000 held sessions.
+        Raises StorageError.
         """
         with self._lock:
             since = dict(self._since)
@@ -338,7 +468,8 @@ class RefHolder:
             self._thread.join(timeout=self.block_s + 10)
             self._thread = None
         with self._lock:
-            self._refs.clear()
+            self._keys.clear()
+            self._held.clear()
             self._by_sid.clear()
             self._since.clear()
             self._bytes = 0
@@ -356,20 +487,38 @@ class RefHolder:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _keep(self, held: _Held, users: list[tuple[str, str]]) -> None:
+        """Register ``held`` and its ``(sid, key)`` users (under the lock)."""
+        now = time.monotonic()
+        self._held[held.seq] = held
+        self._bytes += held.nbytes
+        for sid, key in users:
+            held.users.add(sid)
+            self._keys[key] = (sid, held)
+            self._by_sid.setdefault(sid, []).append(key)
+            self._since.setdefault(sid, now)
+
     def _drop_session(self, sid: str, *, remember: bool) -> int:
+        """Forget ``sid``'s keys; drop each ref it was the last user of. Returns the refs dropped."""
         with self._lock:
             keys = self._by_sid.pop(sid, [])
             self._since.pop(sid, None)
-            gone = [self._refs.pop(k) for k in keys if k in self._refs]
-            for _sid, _ref, n in gone:
-                self._bytes -= n
+            used = {h.seq: h for h in (self._keys.pop(k)[1] for k in keys if k in self._keys)}
+            gone: list[_Held] = []
+            for seq, h in used.items():
+                h.users.discard(sid)
+                if not h.users:  # its last session: drop it (once: it leaves _held here)
+                    gone.append(self._held.pop(seq))
+            for h in gone:
+                self._bytes -= h.nbytes
             self._dropped += len(gone)
             if remember:
                 self._released[sid] = None
                 if len(self._released) > _RECENT_RELEASED:
                     self._released.popitem(last=False)
-        del gone  # the refs go here; Ray frees each object once no borrower holds it
-        return len(keys)
+        n = len(gone)
+        del gone, used  # the refs go here; Ray frees each object once no borrower holds it
+        return n
 
     def _handle(self, entries: list[tuple[str, dict[str, str]]]) -> None:
         for _eid, fields in entries:
@@ -418,7 +567,8 @@ class _RefHolderActor:
     """A ready Ray actor around a :class:`RefHolder` (use :data:`RefHolderActor`).
 
     ``RefHolderActor.remote(url, run, name=None, **holder_options)``; methods
-    ``put``, ``get`` (returns the refs: the caller borrows them), ``drop``,
+    ``put``, ``put_many``, ``get`` (returns the refs: the caller borrows them
+    and resolves them with :func:`expert_values`), ``drop``,
     ``stats``, ``reconcile``, ``held_sessions``, ``close``.
     """
 
@@ -428,6 +578,9 @@ class _RefHolderActor:
 
     def put(self, sid: str, value: Any) -> str:
         return self._holder.put(sid, value)
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> list[str]:
+        return self._holder.put_many(items)
 
     def get(self, keys: Sequence[str]) -> list[Any]:
         return self._holder.get(keys)

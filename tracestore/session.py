@@ -11,8 +11,10 @@ rollout worker that calls its engine directly) does two things per turn:
   assistant turn (no generation prompt, right-stripped, so it ends in the stop
   word), splits the engine's routed experts into the delta's rows and the
   response's rows, puts each part through the holder (a Ray ``RefHolder``:
-  ``put(sid, value) -> expert_key``), then records the delta node and the
-  response node in one atomic :meth:`~tracestore.TraceStore.record_turn`.
+  ``put(sid, value) -> expert_key``; ``after_response_many`` puts every
+  part of its turns with one ``put_many`` when the holder has it), then
+  records the delta node and the response node in one atomic
+  :meth:`~tracestore.TraceStore.record_turn`.
 
 Every check runs before anything is put or written: when the response is
 invalid (empty output, wrong logprob count, routed-experts rows that do not
@@ -59,7 +61,12 @@ Encode = Callable[[str], list[int]]
 
 
 class ExpertHolder(Protocol):
-    """What the recorder needs of a holder (:class:`tracestore.ray.RefHolder`)."""
+    """What the recorder needs of a holder (:class:`tracestore.ray.RefHolder`).
+
+    A holder that also has ``put_many(items) -> keys`` (``RefHolder`` does)
+    gets every expert part of an :meth:`TurnRecorder.after_response_many` in
+    one call (one ``ray.put`` for the round); others get one ``put`` per part.
+    """
 
     def put(self, sid: str, value: Any) -> str:  # pragma: no cover - protocol
         """Keep ``value`` for session ``sid``; return its expert key."""
@@ -206,6 +213,32 @@ class RecorderMethods(Generic[St]):
         self.stats.expert_bytes += sum(int(getattr(x, "nbytes", 0)) for x in plan.parts)
         return dkey, rkey
 
+    def _put_many(self, plans: Sequence[_Plan]) -> list[tuple[str | None, str | None]]:
+        """:meth:`_put` of each plan; one ``put_many`` for them all when the holder has it."""
+        put_many = getattr(self.holder, "put_many", None)
+        if put_many is None or not callable(put_many):
+            return [self._put(p) for p in plans]
+        items: list[tuple[str, Any]] = []
+        for p in plans:
+            if p.parts is not None:
+                if p.req.delta_ids:
+                    items.append((p.req.sid, p.parts[0]))
+                items.append((p.req.sid, p.parts[1]))
+        if not items:
+            return [(None, None)] * len(plans)
+        t0 = time.perf_counter()
+        got = iter(put_many(items))
+        self.stats.holder_s += time.perf_counter() - t0
+        out: list[tuple[str | None, str | None]] = []
+        for p in plans:
+            if p.parts is None:
+                out.append((None, None))
+                continue
+            dkey = next(got) if p.req.delta_ids else None
+            out.append((dkey, next(got)))
+            self.stats.expert_bytes += sum(int(getattr(x, "nbytes", 0)) for x in p.parts)
+        return out
+
     def _invalid(self, sid: str, field: str, message: str) -> InvalidInput:
         self.stats.invalid += 1
         self._pending.pop(sid, None)
@@ -331,7 +364,8 @@ def after_response_many(
 
     One round trip for all of them (plus one, shared, for the lookups of
     those whose prompt changed since ``before_request``). Each response is
-    checked, its experts put and its turn written as by ``after_response``;
+    checked, its experts put (all in one ``put_many`` when the holder has
+    it) and its turn written as by ``after_response``;
     errors stand in the list in place of their turn (InvalidInput: nothing
     put or written for that one; NodeConflict...): a failed item does not
     stop the others. Sessions must be distinct.
@@ -356,17 +390,18 @@ def after_response_many(
                 out[i] = got
             else:
                 reqs[i] = got
-    writes: dict[int, Op[Turn]] = {}
+    plans: dict[int, _Plan] = {}
     for i, req in sorted(reqs.items()):
         r = responses[i]
         try:
-            plan = rec._plan(
+            plans[i] = rec._plan(
                 req, r.messages, r.assistant_message, r.output_ids, r.logprobs, r.routed_experts, r.version
             )
         except TracestoreError as err:
             out[i] = err
-            continue
-        writes[i] = _record(rec, plan, rec._put(plan))
+    # every checked response's experts in one put_many (one ray.put), then the writes
+    keys = rec._put_many(list(plans.values()))
+    writes = {i: _record(rec, plan, k) for (i, plan), k in zip(plans.items(), keys, strict=True)}
     turns = yield from _timed(rec, gather(writes.values(), errors_in_place=True))
     for i, turn in zip(writes, turns, strict=True):
         out[i] = turn
@@ -398,7 +433,7 @@ class AsyncTurnRecorder(
     """:class:`TurnRecorder` over an :class:`~tracestore.AsyncTraceStore` (same methods, coroutines).
 
     For asyncio session servers (an OpenAI-compatible proxy). The holder's
-    ``put`` is called synchronously (``RefHolder.put`` is a local ``ray.put``).
+    ``put`` / ``put_many`` is called synchronously (a local ``ray.put``).
     """
 
     async def execute(self, request: ScriptRequest) -> Any:

@@ -3,10 +3,11 @@
 For each sample of the groups a step took: its group-relative advantage, the
 training trace of its last turn (``export_training_trace``; key: the
 conversation up to its last answer) and its routed experts, borrowed from
-the worker whose ``RefHolder`` keeps them (one ``get_refs`` call per worker),
-concatenated, the dummy row dropped. A sample whose experts are gone (keys
-marked lost by a store restore, a holder that no longer has them, or a
-worker that died with them) trains without routing replay.
+the worker whose ``RefHolder`` keeps them (one ``get_refs`` call per worker,
+one ``ray.get`` of the distinct refs it lent), concatenated, the dummy row
+dropped. A sample whose experts are gone (keys marked lost by a store
+restore, a holder that no longer has them, or a worker that died with them)
+trains without routing replay.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import ray
 
 from tracestore import Group, PromptMismatch, Trace, TraceStore, expert_key_lost
+from tracestore.ray import expert_values
 
 from .actors import Workers
 from .clock import Stopwatch
@@ -111,7 +113,9 @@ class BatchBuilder:
                 raise
 
     def _borrow(self, wanted: list[tuple[str | None, list[str]]]) -> list[list[np.ndarray] | None]:
-        """Routed-expert parts of each ``(worker, keys)``: one borrow call per worker, one get.
+        """Routed-expert parts of each ``(worker, keys)``: one borrow call per worker, then
+        one ``ray.get`` of the distinct refs it lent (the keys of a worker's round share one
+        ref, see ``RefHolder.put_many``; :func:`~tracestore.ray.expert_values`).
 
         None for a trace whose keys are lost or whose holder no longer has them.
         """
@@ -129,7 +133,7 @@ class BatchBuilder:
                 if refs is None:
                     self.fallbacks += 1
                     continue
-                lent.update(zip(keys, ray.get(refs), strict=True))
+                lent.update(zip(keys, expert_values(keys, refs), strict=True))
                 del refs
             except WorkersLost:
                 raise

@@ -29,3 +29,26 @@ class Stopwatch:
     def add(self, seconds: float) -> None:
         """Count ``seconds`` measured elsewhere (parts of a block that also ran other work)."""
         self.seconds += seconds
+
+
+class Backoff:
+    """The pauses of a poll: ``first_s``, then each ``factor`` times longer, at most ``cap_s``.
+
+    Each poll of the store is a round trip that counts as time in tracestore;
+    a wait that lasts polls less often as it goes on. ``reset()`` after progress.
+    """
+
+    def __init__(self, first_s: float = 0.02, cap_s: float = 0.08, factor: float = 1.5) -> None:
+        self.first_s = first_s
+        self.cap_s = cap_s
+        self.factor = factor
+        self.next_s = first_s
+
+    def sleep(self) -> None:
+        """Pause for the current interval, and lengthen the next one."""
+        time.sleep(self.next_s)
+        self.next_s = min(self.cap_s, self.next_s * self.factor)
+
+    def reset(self) -> None:
+        """Start again from ``first_s``."""
+        self.next_s = self.first_s

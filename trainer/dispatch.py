@@ -18,10 +18,21 @@ import ray
 from ray.exceptions import RayActorError
 
 from tracestore import TraceStore
-from tracestore.router import Router
+from tracestore.context import Context
+from tracestore.gate import Lease, settle_many
+from tracestore.router import Router, RouteScope, route_scope
+from tracestore.scripts import Op
 
 from .actors import Workers
 from .sample import Sample
+
+
+def settle_calls(ctx: Context, unsettled: Sequence[tuple[Lease, str]]) -> list[Op[Any]]:
+    """``settle_many`` calls for ``(lease, outcome)`` pairs, one per outcome (to gather with others)."""
+    by: dict[str, list[Lease]] = {}
+    for lease, status in unsettled:
+        by.setdefault(status, []).append(lease)
+    return [settle_many(ctx, ls, status) for status, ls in by.items()]
 
 
 class WorkersLost(RuntimeError):
@@ -52,6 +63,11 @@ class WorkerPool:
         #: Workers found dead, in the order they were found.
         self.lost: list[str] = []
         self.router: Router = store.router(sorted(workers))
+
+    @property
+    def scope(self) -> RouteScope:
+        """The router's scope, to run its operations (``retire``, ``acquire_many``) in a ``gather``."""
+        return route_scope(self.store.context, sorted(self.workers))
 
     def call(self, method: str, *args: Any, only: Iterable[str] | None = None) -> dict[str, Any]:
         """``method(*args)`` on every live worker (or those of ``only``) at once; results by worker.
@@ -87,6 +103,19 @@ class WorkerPool:
         for s, w in zip(samples, self.router.acquire_many([s.sid for s in samples]), strict=True):
             by_worker.setdefault(w, []).append(dataclasses.replace(s, worker=w))
         return by_worker
+
+    def run_unsettled(
+        self, by_worker: dict[str, list[Sample]], temperature: float = 1.0
+    ) -> tuple[dict[str, list[Sample]], list[Op[Any]]]:
+        """:meth:`run`, each worker handing back the leases of its last round instead of settling them
+        (``RolloutWorker.run_unsettled``): returns the results and the ``settle_many`` calls, for the
+        caller to gather with its next store calls. Run them before anything waits for the gate to
+        drain (a weight update): until then those leases are in flight.
+        """
+        calls = {w: self.workers[w].run_unsettled.remote(ss, temperature) for w, ss in by_worker.items()}
+        got = self.gather(calls)
+        unsettled = [pair for _out, pairs in got.values() for pair in pairs]
+        return {w: list(out) for w, (out, _pairs) in got.items()}, settle_calls(self.store.context, unsettled)
 
     def run(self, by_worker: dict[str, list[Sample]], temperature: float = 1.0) -> dict[str, list[Sample]]:
         """Continue each worker's samples there (all workers at once); their results by worker.

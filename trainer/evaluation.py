@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import random
 import uuid
+from typing import Any
 
 import numpy as np
 
 from tracestore import TraceStore
+from tracestore.ownership import release_owner
+from tracestore.router import retire
+from tracestore.scripts import Op, gather
 
 from .clock import Stopwatch
 from .config import TrainConfig
@@ -56,6 +60,7 @@ class Evaluator:
         owner = f"eval:{step}"
         samples = self.samples(step)
         sids = [s.sid for s in samples]
+        settles: list[Op[Any]] = []  # the workers' last leases: settled with the release
         try:
             with self.store_time():
                 self.store.open_sessions(sids, owner, version=version)
@@ -67,10 +72,11 @@ class Evaluator:
             else:
                 with self.store_time():
                     by_worker = self.pool.route(samples)
-                out = self.pool.run(by_worker, self.cfg.eval_temperature)
+                out, settles = self.pool.run_unsettled(by_worker, self.cfg.eval_temperature)
                 rewards = [s.reward for ss in out.values() for s in ss]
             return float(np.mean(rewards))
         finally:
-            with self.store_time():
-                self.store.release_owner(owner, "eval-done")
-                self.pool.router.retire(sids)
+            ctx = self.store.context
+            calls = [*settles, release_owner(ctx, owner, "eval-done"), retire(self.pool.scope, sids)]
+            with self.store_time():  # settle, release and retire share the release's first round trip
+                self.store.run(gather(calls))

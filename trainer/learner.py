@@ -24,11 +24,14 @@ import ray
 import torch
 
 from tracestore import GatePoisoned, Group, NotDrained, TraceStore
+from tracestore.ownership import release_owner
+from tracestore.router import retire
+from tracestore.scripts import gather
 
 from .actors import Handle, Workers, node_id
 from .batch import Batch, BatchBuilder
 from .checkpoint import CheckpointState, load_model, write_checkpoint
-from .clock import Stopwatch
+from .clock import Backoff, Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import WorkerPool
 from .evaluation import Evaluator
@@ -143,6 +146,7 @@ class Learner:
     def _take(self, owner: str, step: int, wait_s: float) -> list[Group]:
         end = time.monotonic() + wait_s
         n = self.cfg.prompts_per_step
+        pause = Backoff()
         while True:
             with self.store_time():
                 taken = self.store.replay.take(
@@ -159,7 +163,7 @@ class Learner:
                     f"step {step}: no batch of {n} groups within {wait_s}s ({taken.ready} ready; "
                     "every group filtered, i.e. the policy collapsed, or the producer stalled)"
                 )
-            time.sleep(0.02)
+            pause.sleep()
 
     def _alignment(self, batch: Batch) -> float | None:
         """Max |replayed - rollout| logprob over generated tokens of samples made by these weights."""
@@ -172,10 +176,16 @@ class Learner:
         return float(((lp - b.old_logprobs).abs() * b.mask).max())
 
     def _release(self, owner: str, sids: list[str]) -> int:
-        """Release the step's sessions (their holders drop the experts) and retire their routes."""
+        """Release the step's sessions (their holders drop the experts) and retire their routes.
+
+        Both in one :func:`~tracestore.scripts.gather`: the retirement shares the
+        release's first round trip (three in all instead of four).
+        """
+        ctx = self.store.context
         with self.store_time():
-            released = self.store.release_owner(owner, "trained")
-            self.pool.router.retire(sids)
+            released, _retired = self.store.run(
+                gather([release_owner(ctx, owner, "trained"), retire(self.pool.scope, sids)])
+            )
         return len(released)
 
     def _sync_weights(self, step: int) -> bool:

@@ -24,13 +24,17 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tracestore import Group, TraceStore
-from tracestore.ownership import open_sessions, transfer
+from tracestore.gate import status as gate_status
+from tracestore.ownership import heartbeat_many, open_sessions, transfer
+from tracestore.replay import claim_retry
+from tracestore.replay import put_many as rb_put_many
 from tracestore.scripts import Op, gather
 
 from .actors import Workers, node_id
-from .clock import Stopwatch
+from .clock import Backoff, Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import WorkerPool
 from .http_agents import GATEWAY_HOLDER, HttpStats
@@ -112,10 +116,12 @@ class Producer:
 
     def run_forever(self) -> dict[str, int]:
         """Keep ``max_buffer`` completed groups ready until :meth:`stop` (disaggregated mode)."""
+        pause = Backoff()
         while not self._stop.is_set():
             if self._ready() >= self.cfg.max_buffer:
-                time.sleep(0.02)
+                pause.sleep()  # the buffer is full until the learner takes: poll less as it lasts
                 continue
+            pause.reset()
             self.round()
         return dict(self.counts)
 
@@ -128,21 +134,36 @@ class Producer:
     def round(self) -> dict[str, int]:
         """Claim aborted groups back, add new prompts, roll out, put every group; counts by status."""
         with self.busy():
-            self._heartbeat()
-            jobs = self._claim_back()
+            jobs, version = self._start_round()
             while len(jobs) < self.cfg.prompts_per_step:
                 jobs.append(self._new_job())
-            with self.store_time():
-                version = self.store.gate.status().version
-            done, lost = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
-            put = self._put(jobs, done, lost, version)
+            done, lost, back = self._roll_out([s for j in jobs for s in j.samples if not s.done], version)
+            put = self._put(jobs, done, lost, version, back)
             if put.get("aborted"):  # a weight update is under way: let it finish first
                 self._wait_gate_open()
         return put
 
-    def _claim_back(self) -> list[Job]:
+    def _start_round(self) -> tuple[list[Job], int]:
+        """Heartbeat, claim aborted groups back, read the weight version: one round trip.
+
+        Returns the jobs claimed back (those a lost worker served are dropped)
+        and the gate's version.
+        """
+        ctx = self.store.context
+        # the workers heartbeat their own tags (keep_alive): when one dies, gc reclaims its tag;
+        # HTTP agents' sessions have no worker to vouch for them, so the producer does
+        tags = [self.tag, *([self._rollout_tag(HTTP)] if self.gateway_url is not None else [])]
         with self.store_time():
-            groups = self.store.replay.claim_retry(TASK, self.cfg.prompts_per_step, self.tag)
+            calls: list[Op[Any]] = [
+                heartbeat_many(ctx, tags, HEARTBEAT_TTL_S),
+                claim_retry(ctx, TASK, self.cfg.prompts_per_step, self.tag),
+                gate_status(ctx),
+            ]
+            _beats, groups, gate = self.store.run(gather(calls))
+        return self._claimed(groups), int(gate.version)
+
+    def _claimed(self, groups: Sequence[Group]) -> list[Job]:
+        """Jobs of the groups claimed back; those a lost worker served are dropped."""
         self.claimed += len(groups)
         jobs = [Job(g.gid, from_payload(g.payload)) for g in groups]
         lost = set(self.pool.lost)
@@ -160,31 +181,37 @@ class Producer:
 
     def _roll_out(
         self, samples: Sequence[Sample], version: int
-    ) -> tuple[dict[str, Sample], set[str]]:
+    ) -> tuple[dict[str, Sample], set[str], list[Op[Any]]]:
         """Run ``samples`` on their workers, each owned by the worker's tag meanwhile.
 
-        Returns the samples that came back, and the ids of those whose worker
-        died meanwhile (their sessions stay with its tag, for gc).
+        Returns the samples that came back, the ids of those whose worker
+        died meanwhile (their sessions stay with its tag, for gc), and the
+        calls that settle the workers' last leases and take the sessions back
+        (for :meth:`_put` to run with the put: they share its first round trip).
         """
         if self.gateway_url is not None:
-            return self._roll_out_http(samples, version), set()
+            over_http, back_http = self._roll_out_http(samples, version)
+            return over_http, set(), back_http
         with self.store_time():
             by_worker = self.pool.route(samples)
-            for w, ss in by_worker.items():
-                self._hand_over(w, ss, version)
-        results = self.pool.run(by_worker)
+            ops = [op for w, ss in by_worker.items() for op in self._hand_over_ops(w, ss, version)]
+            self.store.run(gather(ops))  # every worker's hand-over: one round trip
+        # the workers hand back their last round's leases: settled with the transfers below
+        results, settles = self.pool.run_unsettled(by_worker)
         ctx = self.store.context
-        back = [transfer(ctx, [s.sid for s in out], self._rollout_tag(w), self.tag) for w, out in results.items()]
-        with self.store_time():
-            self.store.run(gather(back))  # every live worker's sessions back: one round trip
+        back: list[Op[Any]] = [
+            *settles,
+            *(transfer(ctx, [s.sid for s in out], self._rollout_tag(w), self.tag) for w, out in results.items()),
+        ]
         lost = {s.sid for w, ss in by_worker.items() if w not in results for s in ss}
-        return {s.sid: s for out in results.values() for s in out}, lost
+        return {s.sid: s for out in results.values() for s in out}, lost, back
 
-    def _roll_out_http(self, samples: Sequence[Sample], version: int) -> dict[str, Sample]:
+    def _roll_out_http(self, samples: Sequence[Sample], version: int) -> tuple[dict[str, Sample], list[Op[Any]]]:
         """Run ``samples`` as HTTP agents through the gateway, owned by ``rollout:http.<nonce>`` meanwhile.
 
         The gateway routes each session to an engine (sticky) and keeps its
         routed experts, so the samples carry the gateway's holder as ``worker``.
+        Returns them and the transfer that takes them back (run by :meth:`_put`).
         """
         from .http_agents import run_over_http
 
@@ -194,12 +221,15 @@ class Producer:
             self._hand_over(HTTP, placed, version)
         out, seen = run_over_http(self.gateway_url, placed, self.cfg, self._rollout_tag(HTTP))
         self.http.add(seen)
-        with self.store_time():
-            self.store.transfer([s.sid for s in out], self._rollout_tag(HTTP), self.tag)
-        return {s.sid: s for s in out}
+        back: list[Op[Any]] = [transfer(self.store.context, [s.sid for s in out], self._rollout_tag(HTTP), self.tag)]
+        return {s.sid: s for s in out}, back
 
     def _hand_over(self, worker: str, samples: Sequence[Sample], version: int) -> None:
         """Open new sessions for the worker's tag; move continued ones to it from ours (one round trip)."""
+        self.store.run(gather(self._hand_over_ops(worker, samples, version)))
+
+    def _hand_over_ops(self, worker: str, samples: Sequence[Sample], version: int) -> list[Op[object]]:
+        """The calls of :meth:`_hand_over` (to gather with other workers'); counts the opened sessions."""
         ctx, tag = self.store.context, self._rollout_tag(worker)
         fresh = [s.sid for s in samples if s.status == "new"]
         resumed = [s.sid for s in samples if s.status != "new"]
@@ -208,16 +238,23 @@ class Producer:
             calls.append(open_sessions(ctx, fresh, tag, version=version))
         if resumed:
             calls.append(transfer(ctx, resumed, self.tag, tag))
-        self.store.run(gather(calls))
         self.opened += len(fresh)
+        return calls
 
     def _put(
-        self, jobs: Sequence[Job], done: dict[str, Sample], lost: set[str], version: int
+        self, jobs: Sequence[Job], done: dict[str, Sample], lost: set[str], version: int, back: list[Op[Any]]
     ) -> dict[str, int]:
-        """Put every job's group into the buffer with its status (one ``put_many``); counts by status.
+        """Take the sessions back (``back``) and put every job's group into the buffer with its
+        status (one ``put_many``): gathered, two round trips (the transfers share the put's reads,
+        and have run before its writes); counts by status.
 
-        A group a dead worker served is dropped instead (counted ``lost``).
+        A group a dead worker served is dropped instead (counted ``lost``); then the
+        sessions are taken back first, so that the drop releases those the live workers served.
         """
+        if lost and back:
+            with self.store_time():
+                self.store.run(gather(back))
+            back = []
         counts: dict[str, int] = {}
         groups = []
         for job in jobs:
@@ -240,7 +277,7 @@ class Producer:
                 )
             )
         with self.store_time():
-            self.store.replay.put_many(groups, self.tag, current_version=version)
+            self.store.run(gather([*back, rb_put_many(self.store.context, groups, self.tag, current_version=version)]))
         for g in groups:
             counts[g.status] = counts.get(g.status, 0) + 1
             self.counts[g.status] = self.counts.get(g.status, 0) + 1
@@ -263,25 +300,18 @@ class Producer:
     def _rollout_tag(self, worker: str) -> str:
         return f"rollout:{worker}.{self.nonce}"
 
-    def _heartbeat(self) -> None:
-        """Heartbeat this process's tag (and the HTTP agents'): one round trip."""
-        with self.store_time():
-            # the workers heartbeat their own tags (keep_alive): when one dies, gc reclaims its tag;
-            # HTTP agents' sessions have no worker to vouch for them, so the producer does
-            tags = [self.tag, *([self._rollout_tag(HTTP)] if self.gateway_url is not None else [])]
-            self.store.heartbeat_many(tags, HEARTBEAT_TTL_S)
-
     def _ready(self) -> int:
         with self.store_time():
             return self.store.replay.count(task=TASK, status="completed")
 
     def _wait_gate_open(self, timeout_s: float = 60.0) -> None:
         end = time.monotonic() + timeout_s
+        pause = Backoff()
         while time.monotonic() < end and not self._stop.is_set():
             with self.store_time():
                 if self.store.gate.status().state == "open":
                     return
-            time.sleep(0.02)
+            pause.sleep()
 
     # -- report ----------------------------------------------------------------------------
 

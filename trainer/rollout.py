@@ -9,7 +9,8 @@ routed experts (``after_response_many``), settle the leases (``settle_many``
 per outcome, pipelined). :class:`RolloutWorker` (a Ray actor) drives the
 calculator agents (:mod:`~tracestore.trainer.agent`) of the samples it is
 given over it, round by round, and keeps the sessions' routed experts in its
-``RefHolder`` until they are released.
+``RefHolder`` until they are released (one ``put_many`` per round: the
+round's turns share one object in the Ray object store).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from tracestore import GateSealed, Lease, OwnerLost, TraceStore, TracestoreError, TurnRecorder
-from tracestore.gate import admit_many, settle_many
+from tracestore.gate import admit_many
 from tracestore.ray import HolderStats, RefHolder
 from tracestore.scripts import Op, gather
 from tracestore.session import Request, Response, prepare_many
@@ -36,6 +37,7 @@ from .agent import NoReply, Outcome, Reply, TurnRequest, drive_many, play
 from .chat import render, strip_stop
 from .clock import Stopwatch
 from .config import TrainConfig
+from .dispatch import settle_calls
 from .policy import load_numpy_state, new_policy, set_determinism
 from .sample import Sample
 from .tokenizer import TOKENIZER as TOK
@@ -90,7 +92,8 @@ class LocalModel:
         of the previous round and admits this round's (``admit_many``) and
         looks up its prefixes (``prepare_many``); after generation, one
         records every answer (``after_response_many``). Call
-        :meth:`settle_pending` when no round follows. Sealed gate: every
+        :meth:`settle_pending` when no round follows (or hand the leases to
+        the caller: :meth:`take_unsettled`). Sealed gate: every
         turn aborted, nothing admitted. Engine abort: settled ``aborted``,
         nothing recorded (the turn is redone after the update). Any other
         error: settled ``failed`` (its outcome is known).
@@ -153,11 +156,12 @@ class LocalModel:
 
     def _settle_calls(self) -> list[Op[Any]]:
         """The settlements of the leases served since the last ones (a pipeline per outcome)."""
-        by: dict[str, list[Lease]] = {}
-        for lease, status in self._unsettled:
-            by.setdefault(status, []).append(lease)
-        self._unsettled = []
-        return [settle_many(self.store.context, ls, status) for status, ls in by.items()]
+        return settle_calls(self.store.context, self.take_unsettled())
+
+    def take_unsettled(self) -> list[tuple[Lease, str]]:
+        """The leases served since the last settlement, with their outcome; the caller settles them."""
+        out, self._unsettled = self._unsettled, []
+        return out
 
     def settle_pending(self) -> None:
         """Settle the leases of the last round served (one round trip; nothing when none)."""
@@ -206,7 +210,7 @@ class WorkerStats:
     busy_s: float
     invalid: int
     aborted_requests: int
-    #: Of ``store_s``: the holder's puts (``RefHolder.put``: a ``ray.put`` each).
+    #: Of ``store_s``: the holder's puts (``RefHolder.put_many``: a ``ray.put`` per round).
     holder_s: float = 0.0
 
 
@@ -294,6 +298,24 @@ class RolloutWorker:
                 return drive_many([play(s, self.cfg.max_calls) for s in samples], model)
             finally:
                 self.model.settle_pending()
+
+    def run_unsettled(
+        self, samples: list[Sample], temperature: float = 1.0
+    ) -> tuple[list[Sample], list[tuple[Lease, str]]]:
+        """:meth:`run`, but the leases of the last round are handed back with their outcome
+        instead of settled here: the caller settles them in a round trip it makes anyway
+        (:meth:`~.dispatch.WorkerPool.run_unsettled`), one round trip less per run.
+
+        Settled here when the run fails, as :meth:`run` does.
+        """
+        model = functools.partial(self.model.turns, temperature=temperature)
+        with self.busy():
+            try:
+                out = drive_many([play(s, self.cfg.max_calls) for s in samples], model)
+            except BaseException:
+                self.model.settle_pending()
+                raise
+            return out, self.model.take_unsettled()
 
     def abort_requests(self) -> None:
         """Abort generation in flight (before a weight update); cleared by :meth:`set_weights`.
