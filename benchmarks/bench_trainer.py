@@ -38,6 +38,7 @@ KEYS = (
     "tracestore_time_share",
     "store_call_time_share",
     "expert_put_time_share",
+    "tracestore_time_share_by_role",
     "sessions_opened",
     "sessions_leaked",
     "release_events",

@@ -71,6 +71,9 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
     assert report.invalid_responses == 0
     share = report.store_call_time_share + report.expert_put_time_share
     assert 0 < report.store_call_time_share and abs(share - report.tracestore_time_share) < 1e-9
+    by_role = report.tracestore_time_share_by_role
+    assert set(by_role) == {"workers", "producer", "learner"} and min(by_role.values()) > 0
+    assert abs(sum(by_role.values()) - report.tracestore_time_share) < 1e-9
     assert report.violations() == []
     # no rollout failed: nobody released a session another role was still writing
     assert report.groups.get("failed", 0) == 0

@@ -133,6 +133,9 @@ class Report:
     #: Of ``tracestore_time_share``: the Redis calls, and the holders' puts of routed experts (Ray).
     store_call_time_share: float
     expert_put_time_share: float
+    #: Each role's seconds in tracestore calls over the same total busy seconds (they sum to
+    #: ``tracestore_time_share``): ``workers`` (gate, traces, expert puts), ``producer``, ``learner``.
+    tracestore_time_share_by_role: dict[str, float]
     # bookkeeping: nothing may be left behind
     sessions_opened: int
     sessions_released: int
@@ -234,6 +237,7 @@ def build_report(
         tracestore_time_share=_store_share(end),
         store_call_time_share=_store_share(end) - _put_share(end),
         expert_put_time_share=_put_share(end),
+        tracestore_time_share_by_role=_shares_by_role(end),
         sessions_opened=end.counts.opened,
         sessions_released=end.counts.released,
         sessions_leaked=end.counts.live,
@@ -278,6 +282,16 @@ def _store_share(end: EndState) -> float:
     return store_s / max(1e-9, _busy_s(end))
 
 
+def _shares_by_role(end: EndState) -> dict[str, float]:
+    """Each role's seconds inside tracestore calls over all roles' busy seconds."""
+    busy = max(1e-9, _busy_s(end))
+    return {
+        "workers": sum(w.store_s for w in end.workers) / busy,
+        "producer": end.producer.store_s / busy,
+        "learner": end.learner.store_s / busy,
+    }
+
+
 def _put_share(end: EndState) -> float:
     """Seconds the holders spent putting routed experts (``ray.put``) over the roles' busy seconds."""
     return sum(w.holder_s for w in end.workers) / max(1e-9, _busy_s(end))
@@ -307,6 +321,7 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("share of time in tracestore calls", "tracestore_time_share"),
     ("  of which Redis calls", "store_call_time_share"),
     ("  of which expert puts (ray.put)", "expert_put_time_share"),
+    ("  by role: workers / producer / learner", "tracestore_time_share_by_role"),
     ("routing replay max |dlogp|", "replay_max_abs_diff"),
     ("requests aborted in flight", "aborted_requests"),
     ("aborted groups claimed back", "aborted_groups_claimed"),
@@ -326,6 +341,8 @@ def report_rows(report: Report) -> list[list[object]]:
         v = getattr(report, key)
         if key == "placement":
             v = len(set(v.values())) or "-"
+        elif key == "tracestore_time_share_by_role":
+            v = " / ".join(f"{100 * x:.1f}%" for x in v.values())
         elif key == "workers_lost":
             v = ", ".join(v) if v else 0
         elif isinstance(v, float):
