@@ -72,7 +72,9 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
     share = report.store_call_time_share + report.expert_put_time_share
     assert 0 < report.store_call_time_share and abs(share - report.tracestore_time_share) < 1e-9
     by_role = report.tracestore_time_share_by_role
-    assert set(by_role) == {"workers", "producer", "learner"} and min(by_role.values()) > 0
+    assert set(by_role) == {"workers", "producer", "learner"}
+    assert by_role["producer"] > 0 and by_role["learner"] > 0  # with HTTP agents the gateway calls, not the workers
+    assert by_role["workers"] > 0 or report.agents == "http"
     assert abs(sum(by_role.values()) - report.tracestore_time_share) < 1e-9
     assert report.violations() == []
     # no rollout failed: nobody released a session another role was still writing
