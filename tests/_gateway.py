@@ -131,11 +131,43 @@ class CliServer:
             time.sleep(0.02)
 
 
-def dump_run(st: TraceStore) -> dict[bytes, Any]:
-    """Every key of the run (control and data plane) with its DUMP value."""
+class RunDump(dict[bytes, tuple[Any, bool]]):
+    """A run's keys -> (DUMP value, has a TTL), taken at one moment (``seq`` orders dumps).
+
+    Two dumps are equal when no key was written in between: every key of
+    the later dump is in the earlier one with the same value, and a key of
+    the earlier one may be missing from the later one only if it had a TTL
+    (a lease receipt or op record of an earlier test that expired: the
+    gateway fixture's run lives for the whole module, longer than op_ttl_s).
+    """
+
+    _next = 0
+
+    def __init__(self, items: dict[bytes, tuple[Any, bool]]) -> None:
+        super().__init__(items)
+        RunDump._next += 1
+        self.seq = RunDump._next
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RunDump):
+            return NotImplemented
+        early, late = (self, other) if self.seq <= other.seq else (other, self)
+        return all(early.get(k) == v for k, v in late.items()) and all(
+            vol for k, (_, vol) in early.items() if k not in late
+        )
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def dump_run(st: TraceStore) -> RunDump:
+    """Every key of the run (control and data plane) with its DUMP value and whether it has a TTL."""
     r: Any = st.redis
     names = sorted(set(_scan(st, st.keys.control_pattern) + _scan(st, st.keys.data_pattern)))
-    return {n: r.dump(n) for n in names}
+    return RunDump({n: (r.dump(n), r.pttl(n) >= 0) for n in names})
 
 
 def lease_outcomes(st: TraceStore, sid: str) -> list[str | None]:
@@ -153,4 +185,4 @@ def lease_outcomes(st: TraceStore, sid: str) -> list[str | None]:
     return [o for _, _, o in sorted(recs, key=lambda x: (x[0], x[1]))]
 
 
-__all__ = ["CliServer", "Reply", "dump_run", "http", "lease_outcomes"]
+__all__ = ["CliServer", "Reply", "RunDump", "dump_run", "http", "lease_outcomes"]
