@@ -85,6 +85,12 @@ def _run() -> str:
     return f"d-{uuid.uuid4().hex[:10]}"
 
 
+#: The wait of a call that must be confirmed: long, so a busy machine's slow replica acknowledgement
+#: is never taken for a missing one. Calls meant to fail use a store with SHORT (each costs it).
+PATIENT_S = 10.0
+SHORT_S = 0.2
+
+
 # -- options ------------------------------------------------------------------------------
 
 
@@ -233,9 +239,11 @@ def test_every_mutating_call_waits_once_and_reads_never(pair: tuple[EmbeddedServ
 
 def test_unconfirmed_writes_raise_with_their_op_id(pair: tuple[EmbeddedServer, EmbeddedServer]) -> None:
     primary, replica = pair
-    st = TraceStore.connect(primary.url, run=_run(), durability="replicas", durability_timeout_s=0.2)
+    run = _run()
+    ok = TraceStore.connect(primary.url, run=run, durability="replicas", durability_timeout_s=PATIENT_S)
+    st = TraceStore.connect(primary.url, run=run, durability="replicas", durability_timeout_s=SHORT_S)
     try:
-        st.open_sessions(["a", "b", "c"], "prod")
+        ok.open_sessions(["a", "b", "c"], "prod")
         _cut(primary, replica)
         with pytest.raises(DurabilityUnconfirmed) as err:
             st.open_session("d", "prod")
@@ -265,10 +273,11 @@ def test_unconfirmed_writes_raise_with_their_op_id(pair: tuple[EmbeddedServer, E
             st.open_session("b", "prod")
         replica.resume()
         _online(primary)
-        st.open_session("e", "prod")  # confirmed again once the replica is back
+        ok.open_session("e", "prod")  # confirmed again once the replica is back
     finally:
         replica.resume()
         st.close()
+        ok.close()
 
 
 def test_a_replayed_reply_waits_for_the_first_write(pair: tuple[EmbeddedServer, EmbeddedServer]) -> None:
@@ -280,10 +289,12 @@ def test_a_replayed_reply_waits_for_the_first_write(pair: tuple[EmbeddedServer, 
     the first attempt's write and cannot be satisfied.
     """
     primary, replica = pair
+    run = _run()
+    with TraceStore.connect(primary.url, run=run, durability="replicas", durability_timeout_s=PATIENT_S) as ok:
+        ok.open_session("warm", "prod")  # loads the scripts while the replica acknowledges
     with CutProxy("127.0.0.1", primary.port) as proxy:
-        st = TraceStore.connect(proxy.url, run=_run(), durability="replicas", durability_timeout_s=0.3)
+        st = TraceStore.connect(proxy.url, run=run, durability="replicas", durability_timeout_s=SHORT_S)
         try:
-            st.open_session("warm", "prod")
             replica.pause()  # connected, acknowledges nothing new
             proxy.arm()  # drop the reply of the script (the first reply of the exchange)
             with pytest.raises(DurabilityUnconfirmed):
@@ -298,15 +309,19 @@ def test_async_store_waits_and_raises_the_same(pair: tuple[EmbeddedServer, Embed
     primary, replica = pair
 
     async def main() -> None:
+        run = _run()
+        ok: AsyncTraceStore = await connect_async(
+            primary.url, run, durability="replicas", durability_timeout_s=PATIENT_S
+        )
         st: AsyncTraceStore = await connect_async(
-            primary.url, _run(), durability="replicas", durability_timeout_s=0.2
+            primary.url, run, durability="replicas", durability_timeout_s=SHORT_S
         )
         try:
-            await st.open_sessions(["w"], "prod")  # loads the scripts (the first call waits twice)
-            await st.release(["w"], "prod")
+            await ok.open_sessions(["w"], "prod")  # loads the scripts (the first call waits twice)
+            await ok.release(["w"], "prod")
             before = _calls(primary, "wait")
-            await st.open_sessions(["a", "b"], "prod")
-            assert await st.release(["a"], "prod") == ["a"]
+            await ok.open_sessions(["a", "b"], "prod")
+            assert await ok.release(["a"], "prod") == ["a"]
             assert _calls(primary, "wait") == before + 2
             _cut(primary, replica)
             with pytest.raises(DurabilityUnconfirmed) as err:
@@ -316,6 +331,7 @@ def test_async_store_waits_and_raises_the_same(pair: tuple[EmbeddedServer, Embed
         finally:
             replica.resume()
             await st.close()
+            await ok.close()
 
     arun(main())
 
@@ -364,36 +380,40 @@ def test_cluster_batches_wait_once_per_node(replicated_cluster: LocalCluster) ->
 def test_cluster_a_cut_replica_fails_only_its_shard(replicated_cluster: LocalCluster, arun: Any) -> None:
     cl = replicated_cluster
     run = _run()
-    st = TraceStore.connect(cl.url, run=run, durability="replicas", durability_timeout_s=0.2)
+    ok = TraceStore.connect(cl.url, run=run, durability="replicas", durability_timeout_s=PATIENT_S)
+    st = TraceStore.connect(cl.url, run=run, durability="replicas", durability_timeout_s=SHORT_S)
     primary = cl.primary_of(st.keys.meta)
     # a session whose data lives on another shard
     sid = next(f"s{i}" for i in range(100) if cl.primary_of(st.keys.idx(f"s{i}")) is not primary)
-    st.open_sessions([sid, "other"], "prod")
+    ok.open_sessions([sid, "other"], "prod")
     replica = cl.cut_replica(primary)
     try:
         with pytest.raises(DurabilityUnconfirmed):
             st.open_session("x", "prod")
-        m = st.lookup(sid, "hi")
-        st.record_turn(  # the data plane of another shard is still confirmed
+        m = ok.lookup(sid, "hi")
+        ok.record_turn(  # the data plane of another shard is still confirmed
             sid, "hi", "!", prefix=m, delta_token_ids=[1], response_token_ids=[2],
             response_logprobs=[-1.0], version=0,
         )
 
         async def main() -> None:
-            a = await AsyncTraceStore.connect(cl.url, run=run, durability="replicas", durability_timeout_s=0.2)
+            a = await AsyncTraceStore.connect(cl.url, run=run, durability="replicas", durability_timeout_s=SHORT_S)
+            b = await AsyncTraceStore.connect(cl.url, run=run, durability="replicas", durability_timeout_s=PATIENT_S)
             try:
                 with pytest.raises(DurabilityUnconfirmed):
                     await a.release(["other"], "prod")
-                m = await a.lookup(sid, "hi!")
-                await a.record_turn(
+                m = await b.lookup(sid, "hi!")
+                await b.record_turn(
                     sid, "hi!", "?", prefix=m, delta_token_ids=[], response_token_ids=[3],
                     response_logprobs=[-1.0], version=0,
                 )
             finally:
                 await a.close()
+                await b.close()
 
         arun(main())
     finally:
         replica.resume()
         st.close()
+        ok.close()
     cl.wait_replicas_online()
