@@ -256,7 +256,11 @@ def gather(operations: Iterable[Op[Any]], *, errors_in_place: bool = False) -> O
     anything else (scans, server time, local file work, blocking commands)
     runs alone. So N independent one-round-trip calls cost one round trip,
     and a call that needs two shares both with the others. Not atomic
-    together: each operation keeps its own guarantees.
+    together: each operation keeps its own guarantees. A round trip's
+    requests reach each node in the order given, except that one sent
+    again (NOSCRIPT on a script's first call there, a cluster redirect)
+    runs after the others: an operation that reads what another one of
+    the same round trip writes must check that it saw it.
 
     Errors: an operation that fails before its first request (validation)
     fails the whole call before any I/O; later errors of one operation do
