@@ -80,11 +80,31 @@ def worker_processes(node: Any) -> list[psutil.Process]:
     return list(psutil.Process(raylet).children(recursive=True))
 
 
-def freeze_in_flight(node: Any, url: str, run_id: str, worker: str) -> tuple[str, str]:
+def _stays_in_flight(store: TraceStore, lease_id: str, sid: str, worker: str, seconds: float) -> bool:
+    """True if lease ``lease_id`` stays unsettled and ``sid`` with ``worker``'s tag for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        (rec,) = store.gate.lease_records([lease_id])
+        if rec is None or rec.outcome is not None:
+            return False
+        if not (store.owner_of(sid) or "").startswith(f"rollout:{worker}."):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+
+
+def freeze_in_flight(
+    node: Any, url: str, run_id: str, worker: str, settle_s: float = 1.0
+) -> tuple[str, str]:
     """Freeze ``node``'s processes while ``worker`` holds a lease on a session its tag owns.
 
     Returns (lease id, session id). Polls the gate's live leases; after the
-    freeze, checks the lease is still unsettled (else thaws and tries again).
+    freeze, watches the lease for ``settle_s``: it must stay unsettled and its
+    session with the worker's tag (else thaws and tries again). A worker hands
+    its last round's leases back unsettled with its results (the producer
+    settles them and takes the sessions back in its next round trip), so an
+    unsettled lease alone does not prove the worker is inside a request.
     """
     with TraceStore.connect(url, run=run_id, create_run=False) as store:
         deadline = time.monotonic() + 60
@@ -98,8 +118,7 @@ def freeze_in_flight(node: Any, url: str, run_id: str, worker: str) -> tuple[str
                 procs = worker_processes(node)
                 for p in procs:
                     p.send_signal(signal.SIGSTOP)
-                (after,) = store.gate.lease_records([rec.lease_id])
-                if after is not None and after.outcome is None:
+                if _stays_in_flight(store, rec.lease_id, rec.sid, worker, settle_s):
                     return rec.lease_id, rec.sid
                 for p in procs:
                     p.send_signal(signal.SIGCONT)
