@@ -167,7 +167,13 @@ def dump_run(st: TraceStore) -> RunDump:
     """Every key of the run (control and data plane) with its DUMP value and whether it has a TTL."""
     r: Any = st.redis
     names = sorted(set(_scan(st, st.keys.control_pattern) + _scan(st, st.keys.data_pattern)))
-    return RunDump({n: (r.dump(n), r.pttl(n) >= 0) for n in names})
+    out: dict[bytes, tuple[Any, bool]] = {}
+    for n in names:
+        value = r.dump(n)
+        if value is None:  # listed, then expired before its DUMP: as if not listed
+            continue
+        out[n] = (value, r.pttl(n) != -1)  # -2: expired since its DUMP, so it had a TTL
+    return RunDump(out)
 
 
 def lease_outcomes(st: TraceStore, sid: str) -> list[str | None]:

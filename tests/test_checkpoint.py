@@ -248,7 +248,9 @@ def test_aof_survives_sigkill(tmp_path: Path) -> None:
     errors: list[BaseException] = []
 
     def writer() -> None:
-        st = TraceStore.connect(srv.url, run="aof", retries=0, socket_timeout_s=2)
+        # no retries: a lost connection means the server died; a long read timeout, so that a
+        # slow fsync on a busy disk is not taken for that
+        st = TraceStore.connect(srv.url, run="aof", retries=0, socket_timeout_s=30)
         try:
             i = 0
             while not stop.is_set():

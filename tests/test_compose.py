@@ -144,7 +144,8 @@ def test_compose_cluster_comes_up_trains_and_comes_down(tmp_path: Path) -> None:
             [sys.executable, "-m", "tracestore.cli", "train", "--url", url, "--steps", "2",
              "--checkpoint-every", "2", "--out", str(out)],
             capture_output=True, text=True, timeout=600,
-            env={**os.environ, "TRACESTORE_DURABILITY": "replicas"},  # as the compose trainer runs
+            # as the compose trainer runs; a patient wait (a busy machine's replicas acknowledge late)
+            env={**os.environ, "TRACESTORE_DURABILITY": "replicas", "TRACESTORE_DURABILITY_TIMEOUT_S": "10"},
         )
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         report = json.loads((out / "report.json").read_text())
@@ -184,6 +185,7 @@ def test_compose_is_configured_for_the_durability_it_documents(monkeypatch: pyte
     extra = [x for k in ("--appendonly", "--appendfsync", "--min-replicas-to-write", "--min-replicas-max-lag")
              for x in (k, flags[k])]
     monkeypatch.setenv("TRACESTORE_DURABILITY", env["TRACESTORE_DURABILITY"])
+    monkeypatch.setenv("TRACESTORE_DURABILITY_TIMEOUT_S", "10")  # for the writes that must be confirmed
     local = LocalCluster(primaries=3, replicas=1, extra_args=extra).start()
     try:
         with TraceStore.connect(local.url, run="compose-durability") as st:

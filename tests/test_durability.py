@@ -209,7 +209,7 @@ def _exercise(st: TraceStore, tag: str) -> None:
 def test_every_mutating_call_waits_once_and_reads_never(pair: tuple[EmbeddedServer, EmbeddedServer]) -> None:
     primary, replica = pair
     run = _run()
-    with TraceStore.connect(primary.url, run=run, durability="replicas") as st:
+    with TraceStore.connect(primary.url, run=run, durability="replicas", durability_timeout_s=PATIENT_S) as st:
         # the first call of a script on a server also loads it (NOSCRIPT, then EVAL and a second wait)
         st.open_session("warm", "prod")
         st.open_sessions(["warm2"], "prod")
@@ -359,7 +359,7 @@ def replicated_cluster() -> Iterator[LocalCluster]:
 def test_cluster_batches_wait_once_per_node(replicated_cluster: LocalCluster) -> None:
     cl = replicated_cluster
     primaries = [p for _, p, _ in cl.shards()]
-    with TraceStore.connect(cl.url, run=_run(), durability="replicas+aof") as st:
+    with TraceStore.connect(cl.url, run=_run(), durability="replicas+aof", durability_timeout_s=PATIENT_S) as st:
         _exercise(st, "z")
         # a batch whose scripts land on every primary: one WAIT and one WAITAOF per node
         runs = [Keys("ts", f"n{i}") for i in range(30)]

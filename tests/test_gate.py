@@ -119,10 +119,10 @@ def test_unknown_outcome_poisons_and_late_definite_settle_resolves(store: TraceS
 
 def test_renew_extends_and_an_expired_lease_is_not_revived(store: TraceStore) -> None:
     g = store.gate
-    lease = g.admit("s1", "w", 0.5)
-    renewed = g.renew(lease, 5)  # one round trip after the admit: well inside its 0.5 s
-    assert renewed.deadline_ms > lease.deadline_ms + 4000
-    time.sleep(0.6)  # past the first deadline
+    lease = g.admit("s1", "w", 2)
+    renewed = g.renew(lease, 8)  # one round trip after the admit: well inside its 2 s
+    assert renewed.deadline_ms > lease.deadline_ms + 5000
+    time.sleep(2.1)  # past the first deadline
     assert g.status().live == 1  # renewed: not overdue
     short = g.admit("s2", "w", 0.05)
     time.sleep(0.1)
@@ -167,14 +167,14 @@ def test_admit_many_is_all_or_none_and_settle_many_settles_each(store: TraceStor
     receipts = g.settle_many(ids[:3], "failed")  # again: the first receipts
     assert [r.outcome for r in receipts] == ["completed"] * 3 and all(r.replayed for r in receipts)
     out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(g.drain(5)))
+    t = threading.Thread(target=lambda: out.append(g.drain(20)))
     t.start()
     time.sleep(0.2)
     rest = [x.id for x in live_and_poison_leases(store)]
     assert len(rest) == 6
     g.settle_many(rest, "aborted")  # the settle that empties the live set wakes the drainer
-    t.join(3)
-    assert out and out[0].drained and out[0].waited_s < 2
+    t.join(15)
+    assert out and out[0].drained and out[0].waited_s < 10  # woken, not timed out
 
 
 def test_a_released_session_is_admitted_no_more_requests(store: TraceStore) -> None:
@@ -279,7 +279,7 @@ time.sleep(600)
 def test_killed_holder_expires_into_poison_then_clear_and_install(store: TraceStore, url: str) -> None:
     g = store.gate
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, url, store.run_id, "1.0"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, url, store.run_id, "3.0"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None
@@ -290,9 +290,9 @@ def test_killed_holder_expires_into_poison_then_clear_and_install(store: TraceSt
         proc.kill()
         proc.wait(10)
     g.seal()
-    res = g.drain(5)  # wakes at the dead lease's deadline (server clock) and poisons it
+    res = g.drain(20)  # wakes at the dead lease's deadline (server clock) and poisons it
     assert res.drained and res.newly_poisoned == (lease_id,) and res.poisoned_ids == (lease_id,)
-    assert res.waited_s < 3
+    assert res.waited_s < 10  # woken at the deadline, not at its own timeout
     with pytest.raises(GatePoisoned) as ei:
         g.install(1)
     assert ei.value.lease_ids == [lease_id]
@@ -410,9 +410,9 @@ def test_async_weight_update_and_drain(url: str, run_id: str, arun: Any) -> None
                 await g.settle(lease, "completed")
 
             task = asyncio.create_task(settle_later())
-            res = await g.drain(5)
+            res = await g.drain(20)
             await task
-            assert res.drained and 0.15 < res.waited_s < 2
+            assert res.drained and 0.15 < res.waited_s < 10  # woken by the settle, not timed out
             await g.reopen()
             with pytest.raises(ValueError):
                 async with g.weight_update(2, drain_timeout_s=1):
@@ -657,7 +657,7 @@ def test_drain_times_out_and_reports_live(store: TraceStore) -> None:
     t0 = time.monotonic()
     res = g.drain(0.3)
     assert not res.drained and res.live == 1 and not res.ok
-    assert 0.25 < time.monotonic() - t0 < 2
+    assert 0.25 < time.monotonic() - t0 < 10
     assert g.drain(0).live == 1
 
 

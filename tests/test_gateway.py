@@ -436,7 +436,7 @@ def test_sealed_gate_503_then_success_after_reopen(gw: GW) -> None:
         out: dict[str, Any] = {}
 
         def call() -> None:
-            out["r"] = gw.oai(max_retries=8).chat.completions.create(
+            out["r"] = gw.oai(max_retries=30).chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=2, extra_headers={"X-Session-Id": s}, extra_body=LONG
             )
 
@@ -514,10 +514,17 @@ def test_engine_killed_mid_request_502_and_lease_unknown(gateways: _Gateways, ur
             except openai.APIStatusError as exc:
                 out["err"] = exc
 
+        before = eng.get("/get_model_info").json()["requests"]
         t = threading.Thread(target=call)
         t.start()
         assert g.server.wait_metric("tracestore_gateway_in_flight", 1) == 1
-        time.sleep(0.5)  # the engine is generating (1800 tokens take seconds)
+        # (the gateway counts the request before it opens, admits and sends it): wait until the
+        # engine has it; it is then generating (1800 tokens take seconds)
+        deadline = time.monotonic() + 30
+        while eng.get("/get_model_info").json()["requests"] == before:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
+        time.sleep(0.2)
         eng.kill()
         t.join(30)
         err = out["err"]
@@ -568,6 +575,7 @@ def test_weight_update_aborts_requests_in_flight_and_clients_retry(gw: GW, engin
         assert engine.post("/update_weight_version", {"new_version": version}).status == 200
     for t in threads:
         t.join(60)
+    assert gw.store.gate.drain(10).drained  # (a completed turn's lease is settled after its answer)
     for s in sids:
         raw = results[s]
         assert not isinstance(raw, Exception), raw

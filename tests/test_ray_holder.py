@@ -173,10 +173,12 @@ def test_periodic_reconcile_catches_a_missed_release(store: TraceStore) -> None:
     with RefHolder(store, reconcile_s=0.5, grace_s=2.0) as holder:
         holder.put("x", array(3))
         holder.put("y", array(4))
-        assert holder.held_sessions() == ["x", "y"]
+        # x was taken (not refused as late); a reconcile may already have dropped it
+        assert holder.stats().late == 0 and "y" in holder.held_sessions()
         wait_for(lambda: holder.held_sessions() == ["y"], what="reconcile to drop x")
         wait_for(lambda: store_used() <= VALUE_BYTES + MB, what="the store to free x")
-        assert holder.stats().reconciles >= 2
+        # (a reconcile is counted after its drops)
+        wait_for(lambda: holder.stats().reconciles >= 2, what="a periodic reconcile to be counted")
         # A session the control plane does not know is kept for grace_s, then dropped.
         holder.put("never-opened", array(5))
         time.sleep(0.2)

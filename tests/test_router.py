@@ -105,7 +105,7 @@ def test_a_retried_retire_returns_its_first_reply(store: TraceStore) -> None:
 
 
 def test_retired_sessions_raise_session_retired_until_the_tombstone_expires(store: TraceStore) -> None:
-    r = store.router(EPS, retention_s=1.5)  # the checks below take a few round trips
+    r = store.router(EPS, retention_s=4)  # the checks below take a few round trips, on a busy machine too
     a, b = r.acquire("old-a"), r.acquire("old-b")
     assert r.retire(["old-a", "never-routed"]) == ["old-a", "never-routed"]
     assert r.retire(["old-a"]) == []  # already retired: nothing changes
@@ -117,7 +117,7 @@ def test_retired_sessions_raise_session_retired_until_the_tombstone_expires(stor
     table = r.table(["old-a", "old-b", "never-routed"])
     assert table.routes == {"old-a": "!retired", "old-b": b, "never-routed": "!retired"}
     assert table.retired == 2 and table.routed == 1 and table.load.get(a, 0) == (1 if a == b else 0)
-    time.sleep(1.6)
+    time.sleep(4.1)
     route = r.acquire_route("old-a")  # the tombstone expired: the id can be placed afresh
     assert route.how == "new"
     assert r.table().retired == 0

@@ -801,7 +801,8 @@ def test_turn_cost_does_not_grow_with_the_context(standalone_url: str, run_id: s
         return int(s["total_net_input_bytes"]) + int(s["total_net_output_bytes"])
 
     def steady_bytes(first_tokens: int) -> int:
-        st = TraceStore.connect(standalone_url, run=run_id)
+        # a long read timeout: a request sent again after a timeout would count its bytes twice
+        st = TraceStore.connect(standalone_url, run=run_id, socket_timeout_s=30)
         try:
             sid = f"ctx{first_tokens}"
             text = "<|system|>" + "w" * (4 * first_tokens)

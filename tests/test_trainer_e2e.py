@@ -95,7 +95,8 @@ def _check_nothing_leaked(report: Report, url: str) -> None:
         k, r = store.keys, store.redis
         transient = [x for x in r.scan_iter(match=k.control_pattern, count=1000)
                      if (k.control_suffix(x.decode()) or "").startswith(("gate:l:", "op:"))]
-        assert all(0 < r.pttl(x) <= 60_000 for x in transient)
+        # (-2: it expired between the scan and its PTTL)
+        assert all(p == -2 or 0 < p <= 60_000 for p in (r.pttl(x) for x in transient))
 
 
 @pytest.mark.parametrize(
@@ -233,7 +234,9 @@ def test_resume_after_kill_following_checkpoint(cluster_url: str, tmp_path: Any)
     hold, waits out and clears their leases, continues at step 3 and ends
     with the counts of one consistent run.
     """
-    kw = {"lease_ttl_s": 2.0}
+    # short, so that the resumed run's wait for the dead leases is short; longer than one
+    # producer round on a busy machine (a worker's last leases live until the producer's put)
+    kw = {"lease_ttl_s": 5.0}
     with pytest.raises(SimulatedCrash) as crash:
         run(_cfg(cluster_url, str(tmp_path), "disaggregated", crash_after_step=2, **kw))
     assert crash.value.step == 2 and len(crash.value.history) == 2
