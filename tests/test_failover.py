@@ -184,7 +184,11 @@ def test_a_hung_primary_costs_its_failover_then_calls_succeed(cluster: LocalClus
     run = f"fo-{uuid.uuid4().hex[:8]}"
     st = TraceStore.connect(cluster.url, run=run)
     try:
-        st.open_session("a", PROD)
+        # the session must be on the replica before the pause, however busy the machine: a
+        # default-durability reply does not wait for replication (the lagging-replica case is
+        # the two tests above)
+        with TraceStore.connect(cluster.url, run=run, durability="replicas", durability_timeout_s=10) as patient:
+            patient.open_session("a", PROD)
         primary = cluster.primary_of(st.keys.meta)
         (replica,) = cluster.replicas_of(primary)
         primary.pause()
