@@ -4,28 +4,32 @@
 -- in one round trip. The whole index (tens of bytes per node) is returned
 -- only when it changed since the version the client holds.
 -- KEYS: 3
--- KEYS[1] = ts:{R/sid}:idx   hash node id -> record; '#e' epoch, '#v' index version
+-- KEYS[1] = ts:{R/sid}:idx   hash node id -> record; '#e' epoch, '#v' index version, '#w' write id
 -- KEYS[2] = ts:{R/sid}:tok   hash node number -> packed payload
 -- KEYS[3] = ts:{R/sid}:dead  tombstone
 -- ARGV[1] = epoch the client holds ('' = none)
 -- ARGV[2] = index version the client holds (int; -1 = none, always returns the index)
--- ARGV[3..] = node numbers whose payloads to return (numbers of the client's epoch: a
---   client keeps them only when the returned epoch is the one it sent)
--- returns: {0, dead (0|1), epoch, version, changed (0|1), n, field_1, value_1, ..., (n items),
---           payload_1, ..., payload_m} ('' for a missing payload)
+-- ARGV[3] = index write id the client holds ('#w', lua/_lib/nodes.lua: after a rollback the
+--   same version names another index, never with the same write id)
+-- ARGV[4..] = node numbers whose payloads to return (numbers of the index the client holds:
+--   a client keeps a payload only when the index it gets back gives its node the same number
+--   and write id)
+-- returns: {0, dead (0|1), epoch, version, write id, changed (0|1), n, field_1, value_1, ...,
+--           (n items), payload_1, ..., payload_m} ('' for a missing payload)
 -- errors: none
 local dead = redis.call('EXISTS', KEYS[3])
-local meta = redis.call('HMGET', KEYS[1], '#e', '#v')
+local meta = redis.call('HMGET', KEYS[1], '#e', '#v', '#w')
 local epoch, version = meta[1] or '', tonumber(meta[2] or '0') or -1  -- -1: not a number (corrupt)
-local out = {0, dead, epoch, version, 0, 0}
-if epoch ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
+local wid = meta[3] or ''
+local out = {0, dead, epoch, version, wid, 0, 0}
+if epoch ~= ARGV[1] or version ~= tonumber(ARGV[2]) or wid ~= ARGV[3] then
   local all = redis.call('HGETALL', KEYS[1])
-  out[5] = 1
-  out[6] = #all
+  out[6] = 1
+  out[7] = #all
   for i = 1, #all do out[#out + 1] = all[i] end
 end
-if #ARGV > 2 then
-  local p = redis.call('HMGET', KEYS[2], unpack(ARGV, 3))
-  for i = 1, #ARGV - 2 do out[#out + 1] = p[i] or '' end
+if #ARGV > 3 then
+  local p = redis.call('HMGET', KEYS[2], unpack(ARGV, 4))
+  for i = 1, #ARGV - 3 do out[#out + 1] = p[i] or '' end
 end
 return out

@@ -17,11 +17,15 @@
 -- ARGV[1] = session id (for error fields)
 -- ARGV[2] = store text (1|0)
 -- ARGV[3] = number of nodes n (1 or 2, parents first)
--- ARGV[4 + 5(i-1) .. 8 + 5(i-1)] = node i: id (hex), parent id ('' at the root),
---   fields "end,ntok,flags,version,expert_key", payload (bytes), text
--- ARGV[4 + 5n] = op record ttl (ms), when KEYS[6] is given
--- returns: {0, epoch, version_before, version_after, fresh_1, ..., fresh_n, num_1, ..., num_n}
---   (fresh: 1 = newly written; num: the node's number, its field in tok and txt)
+-- ARGV[4 + 5(i-1) .. 8 + 5(i-1)] = node i: id (hex), parent id ('' at the root; "id.wid":
+--   stored with that write id, lua/_lib/nodes.lua), fields "end,ntok,flags,version,expert_key",
+--   payload (bytes), text
+-- ARGV[4 + 5n] = write id of this call (8 hex; the same on a retry)
+-- ARGV[5 + 5n] = op record ttl (ms), when KEYS[6] is given
+-- returns: {0, epoch, version_before, version_after, fresh_1, ..., fresh_n, num_1, ..., num_n,
+--           wid_before, wid_1, ..., wid_n}
+--   (fresh: 1 = newly written; num: the node's number, its field in tok and txt; wid_before:
+--   the index's write id before the call; wid_i: the write id node i is stored with)
 -- errors: SESSION_RELEASED (sid, detail), INVALID_INPUT ('prefix', msg) when a parent is missing,
 --         NODE_CONFLICT (sid, id, detail) when a node exists with another payload,
 --         CORRUPT (key, field, detail) when a stored record does not parse
@@ -37,12 +41,15 @@ for i = 1, tonumber(ARGV[3]) do
   local b = 4 + 5 * (i - 1)
   nodes[i] = {ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]}
 end
-local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes)
+local wid = ARGV[4 + 5 * #nodes]
+local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes, wid)
 if err then return err end
-local epoch, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1')
+local epoch, before, after, wid_before = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1', wid)
 if plan.fresh[#nodes] then redis.call('INCR', KEYS[5]) end
 local out = {0, epoch, before, after}
 for i = 1, #nodes do out[#out + 1] = plan.fresh[i] and 1 or 0 end
 for i = 1, #nodes do out[#out + 1] = tonumber(plan.nums[i]) end
-if opkey then return op_record(opkey, tonumber(ARGV[4 + 5 * #nodes]), out) end
+out[#out + 1] = wid_before
+for i = 1, #nodes do out[#out + 1] = plan.wids[i] end
+if opkey then return op_record(opkey, tonumber(ARGV[5 + 5 * #nodes]), out) end
 return out

@@ -30,10 +30,10 @@ def _fresh(store: TraceStore) -> None:
 
 
 def _num(store: TraceStore, sid: str, key_text: str) -> bytes:
-    """The node number of ``key_text`` (its field in tok and txt): the first field of its record."""
+    """The node number of ``key_text`` (its field in tok and txt): the first field of its record, before ".wid"."""
     rec = _raw(store).hget(store.keys.idx(sid), node_id(key_text))
     assert rec is not None
-    return bytes(rec).split(b",", 1)[0]
+    return bytes(rec).split(b",", 1)[0].split(b".")[0]
 
 
 def _edit_record(store: TraceStore, sid: str, key_text: str, field: int, value: bytes) -> None:
@@ -56,6 +56,7 @@ def test_corrupt_trace_index_payload_and_text(store: TraceStore) -> None:
         # the parent named by a number no node has; a node number that is not one
         ("parent number", lambda: _edit_record(store, "t", full, 1, b"7")),
         ("node number", lambda: _edit_record(store, "t", full, 0, b"x")),
+        ("write id", lambda: _edit_record(store, "t", full, 0, _num(store, "t", full) + b".xyz")),
     ]
     for name, corrupt in cases:
         store.drop_session_data("t") if r.exists(k.idx("t")) else None

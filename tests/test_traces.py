@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 import threading
 from array import array
 from collections.abc import Callable
@@ -150,8 +151,9 @@ def test_lookup_reads_never_create_a_session(store: TraceStore) -> None:
 
 def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
     """docs/traces.md, "Reading a session by hand": ids of 16 hex characters (node_id of the
-    key), records num,parent_num,end,ntok,flags,version,expert_key, tok and txt keyed by
-    number; numbers 1.. in write order, a retried turn's answer a sibling of the first."""
+    key), records num.wid,parent_num,end,ntok,flags,version,expert_key, tok and txt keyed by
+    number; numbers 1.. in write order, a retried turn's answer a sibling of the first; the
+    nodes of one call share its write id, the index keeps the last one in #w."""
     final = _three_turns(store, "hand")
     m = store.lookup("hand", final[: -len(R3)])
     store.record_turn("hand", final[: -len(R3)], "5<|end|>", prefix=m, delta_token_ids=[],
@@ -159,12 +161,19 @@ def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
     r: Any = store.redis
     k = store.keys
     idx = {f.decode(): v.decode() for f, v in r.hgetall(k.idx("hand")).items()}
+    last_wid = idx.pop("#w")
     assert idx.pop("#v") == "4" and idx.pop("#e")
     keys = _keys_in_order(final) + [final[: -len(R3)] + "5<|end|>"]
     assert sorted(idx) == sorted(node_id(x) for x in keys)
     assert all(len(f) == 16 and int(f, 16) >= 0 for f in idx)
     recs = [idx[node_id(x)].split(",") for x in keys]
-    assert [int(x[0]) for x in recs] == list(range(1, 8))  # write order
+    nums = [x[0].split(".") for x in recs]
+    assert [int(n) for n, _ in nums] == list(range(1, 8))  # write order
+    wids = [w for _, w in nums]
+    assert all(re.fullmatch("[0-9a-f]{8}", w) for w in wids)
+    # three turns of two nodes, then the retry's answer alone: four calls, four write ids
+    assert wids[0] == wids[1] != wids[2] == wids[3] != wids[4] == wids[5] != wids[6] == last_wid
+    assert len(set(wids)) == 4
     assert [x[1] for x in recs] == ["", "1", "2", "3", "4", "5", "5"]  # the retry's answer: under node 5
     assert [int(x[2]) for x in recs] == [len(x) for x in keys]
     ids = {1: [1, 2, 3], 2: [10, 11], 3: [4, 5], 4: [12], 5: [6, 7, 8], 6: [13, 14, 15], 7: [16]}
@@ -193,6 +202,97 @@ def test_a_reopened_session_numbers_its_nodes_again_and_warm_readers_follow(
     _turn(a, "re", "p", "q", [1, 2], [9])  # "pq" again, with other ids (nodes 3 and 4)
     assert b.export_training_trace("re", "pq").input_ids == [1, 2, 9]
     assert b.lookup("re", "xy").token_ids == [7, 8]
+
+
+def test_an_insert_judged_on_a_stale_cached_index_is_judged_again_on_the_server(
+    store_factory: Callable[..., TraceStore],
+) -> None:
+    """insert checks a new node's expert key against its parent's before any I/O, on the
+    cached index: after a purge and a reopen that parent is gone, and the insert must be
+    judged on the server's index (found by the trace model test's programs)."""
+    a, b = store_factory(), store_factory()
+    b.insert("ins", "p", Segment([1]))  # b caches "p", which has no expert key
+    a.drop_session_data("ins")
+    a.redis.delete(a.keys.dead("ins"))  # reopened: "p" is gone
+    node = b.insert("ins", "px", Segment([2], expert_key="e:1"))  # a root now: allowed
+    assert node.parent is None and node.expert_key == "e:1"
+    assert a.export_training_trace("ins", "px").input_ids == [2]
+    b.insert("ins", "pxy", Segment([3], expert_key="e:2"))
+    with pytest.raises(InvalidInput) as ei:  # a mix on the server's index is still refused
+        b.insert("ins", "pxyz", Segment([4]))
+    assert ei.value.field == "segment.expert_key"
+
+
+def _roll_back(st: TraceStore, path: Any) -> None:
+    """The store goes back to the checkpoint at ``path``: what failover to a lagging replica
+    does to the writes it lost (the run deleted, the checkpoint restored, same run id)."""
+    st.delete_run(force=True)
+    st.restore(path)
+
+
+def test_after_a_rollback_a_warm_client_reads_the_new_history_not_the_lost_one(
+    store_factory: Callable[..., TraceStore], tmp_path: Any,
+) -> None:
+    """A rollback hands out the same index version and node numbers again, for other nodes
+    (docs/traces.md, Write ids). a's cache holds the lost history at the version b's new
+    write reaches: neither the index (same #v, another #w), nor a payload read by its old
+    number (now another node's), nor a payload cached for a node stored again with other
+    tokens may be read as current."""
+    a, b = store_factory(), store_factory()
+    a.open_session("rb", "producer")
+    _turn(a, "rb", "p", "q", [1, 2], [3])  # nodes 1 "p", 2 "pq": index version 1
+    a.checkpoint(tmp_path / "v1.tsck")
+    _turn(a, "rb", "pq", "x", [], [4])  # node 3 "pqx", version 2: lost below
+    _turn(a, "rb", "pq", "w", [], [6])  # node 4 "pqw", version 3: lost below
+    assert a.export_training_trace("rb", "pqx").input_ids == [1, 2, 3, 4]  # a caches it all
+    _roll_back(b, tmp_path / "v1.tsck")
+    _turn(b, "rb", "pq", "y", [], [5])  # node 3 is "pqy" now, version 2
+    _turn(b, "rb", "pq", "w", [], [7])  # "pqw" again, node 4, version 3, other tokens
+    with pytest.raises(PromptMismatch):  # a's index (version 3) is not b's (version 3)
+        a.export_training_trace("rb", "pqx")
+    assert a.export_training_trace("rb", "pqy").input_ids == [1, 2, 3, 5]
+    assert a.export_training_trace("rb", "pqw").input_ids == [1, 2, 3, 7]  # not a's cached [6]
+    assert a.lookup("rb", "pqw and more").token_ids == [1, 2, 3, 7]
+    # a payload asked for by the number a cached: number 3 is "pqy"'s now
+    c = store_factory()
+    assert c.lookup("rb", "pqy").token_ids == [1, 2, 3, 5]
+    c.checkpoint(tmp_path / "v3.tsck")
+    _turn(c, "rb", "pqy", "!", [], [8])  # c caches version 4 with "pqy!" (node 5)
+    node_cache(c.context).clear()
+    assert c.export_training_trace("rb", "pqy!").input_ids == [1, 2, 3, 5, 8]
+    cache = node_cache(c.context)
+    for key in [k for k in list(cache._items) if k[0] == "tok"]:  # c keeps the index, not the payloads
+        cache.discard(key)
+    _roll_back(b, tmp_path / "v3.tsck")
+    _turn(b, "rb", "pqy", "?", [], [9])  # node 5 is "pqy?" now, version 4
+    with pytest.raises(PromptMismatch):
+        c.export_training_trace("rb", "pqy!")
+    assert c.export_training_trace("rb", "pqy?").input_ids == [1, 2, 3, 5, 9]
+
+
+def test_a_turn_on_a_prefix_read_before_a_rollback_is_refused(
+    store_factory: Callable[..., TraceStore], tmp_path: Any,
+) -> None:
+    """record_turn extends the prefix's token ids as lookup read them: when the store rolled
+    back and the prefix node was stored again (other tokens), the turn is refused, nothing is
+    written, and a lookup again gives the stored ids."""
+    a, b = store_factory(), store_factory()
+    a.open_session("rb2", "producer")
+    a.checkpoint(tmp_path / "empty.tsck")
+    _turn(a, "rb2", "p", "q", [1, 2], [3])
+    m = a.lookup("rb2", "pq")
+    assert m.token_ids == [1, 2, 3]
+    _roll_back(b, tmp_path / "empty.tsck")
+    _turn(b, "rb2", "p", "q", [1, 2], [30])  # "pq" again, another write, other tokens
+    before = b.redis.hgetall(b.keys.idx("rb2"))
+    with pytest.raises(InvalidInput, match="stored again") as ei:
+        a.record_turn("rb2", "pq", "z", prefix=m, delta_token_ids=[], response_token_ids=[4],
+                      response_logprobs=[-0.5], version=0)
+    assert ei.value.field == "prefix"
+    assert b.redis.hgetall(b.keys.idx("rb2")) == before
+    _turn(a, "rb2", "pq", "z", [], [4])
+    assert a.lookup("rb2", "pqz").token_ids == [1, 2, 30, 4]
+    assert a.export_training_trace("rb2", "pqz").input_ids == [1, 2, 30, 4]
 
 
 def test_retry_is_idempotent_and_does_not_bump_the_index(store: TraceStore) -> None:
@@ -422,8 +522,8 @@ def test_store_text_false_keeps_no_text(store_factory: Callable[..., TraceStore]
     _three_turns(with_text, "wt")
     txt = with_text.redis.hgetall(with_text.keys.txt("wt"))
     idx = with_text.redis.hgetall(with_text.keys.idx("wt"))
-    # txt is keyed by node number, the first field of the node's index record
-    num = {f: v.split(b",", 1)[0] for f, v in idx.items()}
+    # txt is keyed by node number, the first field of the node's index record (before ".wid")
+    num = {f: v.split(b",", 1)[0].split(b".")[0] for f, v in idx.items()}
     assert b"".join(txt[num[node_id(k).encode()]] for k in _keys_in_order(final)).decode() == final
 
 

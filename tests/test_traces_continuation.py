@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tracestore import InvalidInput, PrefixMatch, Segment, SessionReleased, TraceStore, TurnRecorder
+from tracestore import (
+    InvalidInput,
+    PrefixMatch,
+    PromptMismatch,
+    Segment,
+    SessionReleased,
+    TraceStore,
+    TurnRecorder,
+)
 from tracestore.nodecache import node_cache
 from tracestore.traces import TokenIds
 from tracestore.traces.continuation import Continuation, _starts_with, cont_key
@@ -261,6 +269,9 @@ def test_purged_and_reopened_with_other_tokens(store_factory: Callable[..., Trac
 def test_match_read_before_a_reopen_does_not_seed_the_continuation(
     store_factory: Callable[..., TraceStore],
 ) -> None:
+    """A turn on a match read before a purge and reopen extends the old prefix's tokens: the
+    prefix node stored again (other ids, another write id) refuses it, nothing is written, and
+    after a lookup again the turn extends the stored tokens."""
     a, b = store_factory(), store_factory()
     sid = "reopened-between"
     p1 = SYS + U1
@@ -270,16 +281,15 @@ def test_match_read_before_a_reopen_does_not_seed_the_continuation(
     b.drop_session_data(sid)
     b.redis.delete(b.keys.dead(sid))
     _turn(b, sid, p1, R1, [91, 92], [93])  # the prefix node again, other ids
-    a.record_turn(
-        sid,
-        p2,
-        R2,
-        prefix=m,
-        delta_token_ids=[4],
-        response_token_ids=[5],
-        response_logprobs=[0.0],
-        version=0,
-    )  # its parent exists: written in the new epoch
+    call = {"delta_token_ids": [4], "response_token_ids": [5], "response_logprobs": [0.0], "version": 0}
+    with pytest.raises(InvalidInput, match="stored again") as ei:
+        a.record_turn(sid, p2, R2, prefix=m, **call)  # type: ignore[arg-type]
+    assert ei.value.field == "prefix"
+    with pytest.raises(PromptMismatch):
+        b.export_training_trace(sid, p2 + R2)  # nothing written
+    m = a.lookup(sid, p2)
+    assert m.token_ids == [91, 92, 93]
+    a.record_turn(sid, p2, R2, prefix=m, **call)  # type: ignore[arg-type]
     want = [91, 92, 93, 4, 5]
     assert b.export_training_trace(sid, p2 + R2).input_ids == want
     assert a.lookup(sid, p2 + R2 + U3).token_ids == want

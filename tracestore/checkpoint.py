@@ -348,7 +348,7 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _lost(record: bytes) -> tuple[bytes, bool]:
-    """An index record ``num,parent_num,end,ntok,flags,version,expert_key`` with its key marked lost."""
+    """An index record ``num[.wid],parent_num,end,ntok,flags,version,expert_key`` with its key marked lost."""
     parts = record.split(b",", 6)
     if len(parts) == 7 and parts[6] and not parts[6].startswith(LOST_PREFIX.encode()):
         parts[6] = LOST_PREFIX.encode() + parts[6]

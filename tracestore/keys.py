@@ -291,7 +291,7 @@ class Keys:
         return f"{self.prefix}:{{{self.run}/{validate_id('session id', sid)}}}"
 
     def idx(self, sid: str) -> str:
-        """``ts:{R/sid}:idx`` hash node id -> node index record (``num,parent_num,end,...``)."""
+        """``ts:{R/sid}:idx`` hash node id -> node index record (``num.wid,parent_num,end,...``)."""
         return f"{self._d(sid)}:idx"
 
     def tok(self, sid: str) -> str:

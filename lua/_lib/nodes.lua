@@ -2,52 +2,83 @@
 -- record_turn and insert_node. A node is {id, parent id, fields, payload,
 -- text}: "fields" is "end,ntok,flags,version,expert_key". The script gives
 -- each new node the next node number of the session (1, 2, ...: HLEN idx
--- minus the two '#' fields, plus one) and stores the index record
--- "num,parent_num,end,ntok,flags,version,expert_key" under the node id in
+-- minus the '#' fields, plus one) and stores the index record
+-- "num.wid,parent_num,end,ntok,flags,version,expert_key" under the node id in
 -- idx, and the payload (and text) under the node number in tok (and txt).
 -- All checks run before any write, so a refused call leaves every key
 -- byte-identical.
 -- Idempotent under client retry without an op key: nodes are content
 -- addressed and immutable, so a replayed call finds equal nodes and writes
 -- nothing (and does not bump the index version).
+--
+-- Write ids. Every call that writes carries a random write id (wid, 8 hex
+-- characters, the same on a retry); each node it creates records it after
+-- its number, and the index keeps the last one in '#w'. A store that rolls
+-- back (a failover to a lagging replica, a restored checkpoint) hands out
+-- the same index versions and node numbers again, for other nodes; the write
+-- ids tell the two histories apart: a client's cached index is current only
+-- when epoch, version and '#w' all match, a cached payload only for the wid
+-- of its node. Records written before write ids ("num,...") have wid ''.
+-- A parent given as "id.wid" must be stored with that wid (the caller read
+-- the prefix's tokens under it); a bare "id" is not checked.
+
+-- The number and wid of a record "num[.wid],...": (num, wid) or nil.
+local function rec_num(rec)
+  local num, wid = string.match(rec, '^(%d+)%.?(%x*),')
+  return num, wid
+end
 
 -- Returns the plan {fresh = {true: new node, false: equal existing one},
--- nums = node numbers (strings), recs = records to store}, or nil and an
--- error reply.
-local function nodes_check(idx, tok, dead, sid, nodes)
+-- nums = node numbers (strings), wids = the nodes' write ids (this call's for
+-- a new node, the stored one's for an existing one), recs = records to store},
+-- or nil and an error reply. wid: this call's write id.
+local function nodes_check(idx, tok, dead, sid, nodes, wid)
+  if not string.match(wid or '', '^%x%x%x%x%x%x%x%x$') then
+    return nil, {1, 'INVALID_INPUT', 'wid', 'a write id is 8 hex characters'}
+  end
   if redis.call('EXISTS', dead) == 1 then
     return nil, {1, 'SESSION_RELEASED', sid, 'its trace data was purged; writes are refused'}
   end
   local count = redis.call('HLEN', idx)
-  if count > 0 then count = count - 2 end  -- '#e' and '#v' are written with the first node
-  local fresh, nums, recs, here = {}, {}, {}, {}
+  -- '#e' and '#v' are written with the first node, '#w' by every write since write ids
+  if count > 0 then count = count - 2 - redis.call('HEXISTS', idx, '#w') end
+  local fresh, nums, wids, recs, here = {}, {}, {}, {}, {}
   for i, n in ipairs(nodes) do
     local pnum = ''
     if n[2] ~= '' then
-      pnum = here[n[2]]
+      local pid, pwid = string.match(n[2], '^([^.]+)%.?(%x*)$')
+      pnum = here[pid]
       if not pnum then
-        local prec = redis.call('HGET', idx, n[2])
+        local prec = redis.call('HGET', idx, pid)
         if not prec then
           return nil, {1, 'INVALID_INPUT', 'prefix',
-            'parent node ' .. n[2] .. ' of node ' .. n[1] .. ' is not stored in session ' .. sid}
+            'parent node ' .. pid .. ' of node ' .. n[1] .. ' is not stored in session ' .. sid}
         end
-        pnum = string.match(prec, '^(%d+),')
+        local swid
+        pnum, swid = rec_num(prec)
         if not pnum then
-          return nil, {1, 'CORRUPT', idx, n[2], 'malformed index record ' .. prec}
+          return nil, {1, 'CORRUPT', idx, pid, 'malformed index record ' .. prec}
+        end
+        if pwid ~= '' and swid ~= pwid then
+          return nil, {1, 'INVALID_INPUT', 'prefix',
+            'parent node ' .. pid .. ' of node ' .. n[1] .. ' in session ' .. sid ..
+            ' was stored again since it was read (write ' .. swid .. ', read ' .. pwid ..
+            '; the store rolled back, or the session was purged and reopened): its tokens may' ..
+            ' not be those the turn extends; look the prompt up again'}
         end
       end
     end
     local mine = pnum .. ',' .. n[3]
     local old = redis.call('HGET', idx, n[1])
     if old then
-      local num, rest = string.match(old, '^(%d+),(.*)$')
+      local num, owid, rest = string.match(old, '^(%d+)%.?(%x*),(.*)$')
       if rest ~= mine then
         return nil, {1, 'NODE_CONFLICT', sid, n[1], 'stored record ' .. old .. ', new ?,' .. mine}
       end
       if redis.call('HGET', tok, num) ~= n[4] then
         return nil, {1, 'NODE_CONFLICT', sid, n[1], 'token payload differs'}
       end
-      fresh[i], nums[i] = false, num
+      fresh[i], nums[i], wids[i] = false, num, owid
     else
       count = count + 1
       local num = tostring(count)
@@ -56,19 +87,21 @@ local function nodes_check(idx, tok, dead, sid, nodes)
         return nil, {1, 'CORRUPT', tok, num,
           'node number ' .. num .. ' is taken but the index counts ' .. (count - 1) .. ' nodes'}
       end
-      fresh[i], nums[i], recs[i] = true, num, num .. ',' .. mine
+      fresh[i], nums[i], wids[i], recs[i] = true, num, wid, num .. '.' .. wid .. ',' .. mine
     end
     here[n[1]] = nums[i]
   end
-  return {fresh = fresh, nums = nums, recs = recs}, nil
+  return {fresh = fresh, nums = nums, wids = wids, recs = recs}, nil
 end
 
--- Writes the fresh nodes; returns epoch, index version before, after.
-local function nodes_write(idx, tok, txt, nodes, plan, store_text)
+-- Writes the fresh nodes; returns epoch, index version before, after, and the
+-- index's write id before (the call's own wid is '#w' after, when it wrote).
+local function nodes_write(idx, tok, txt, nodes, plan, store_text, wid)
   local fresh, nums, recs = plan.fresh, plan.nums, plan.recs
-  local meta = redis.call('HMGET', idx, '#e', '#v')
+  local meta = redis.call('HMGET', idx, '#e', '#v', '#w')
   local epoch = meta[1]
   local before = tonumber(meta[2] or '0')
+  local wid_before = meta[3] or ''
   local n_new = 0
   for i, n in ipairs(nodes) do
     if fresh[i] then
@@ -90,6 +123,7 @@ local function nodes_write(idx, tok, txt, nodes, plan, store_text)
       redis.call('HSET', idx, '#e', epoch)
     end
     after = redis.call('HINCRBY', idx, '#v', 1)
+    redis.call('HSET', idx, '#w', wid)
   end
-  return epoch or '', before, after
+  return epoch or '', before, after, wid_before
 end

@@ -7,17 +7,20 @@ value is the segment between its parent's end and its own end (token ids,
 logprobs, a labels flag, the weight version, an optional expert key). Per
 session, in the slot ``{R/sid}``:
 
-* ``idx``: id -> ``"num,parent_num,end,ntok,flags,version,expert_key"``
-  (``num`` the node's number, given by the write script; ``end`` in
-  characters of the key), plus ``#e`` (the data's epoch) and ``#v`` (the
-  index version, bumped by every write that adds nodes);
+* ``idx``: id -> ``"num.wid,parent_num,end,ntok,flags,version,expert_key"``
+  (``num`` the node's number, given by the write script; ``wid`` the write
+  id of the call that stored it; ``end`` in characters of the key), plus
+  ``#e`` (the data's epoch), ``#v`` (the index version, bumped by every
+  write that adds nodes) and ``#w`` (that write's id: a cached index is
+  current only while epoch, version and write id all match, which survives
+  a store that rolls back; docs/traces.md, Write ids);
 * ``tok``: number -> packed payload (:mod:`tracestore.codec`);
 * ``txt``: number -> the segment's text (``StoreConfig.store_text``).
 
 Cost model: the prompt text never goes to Redis. A client keeps the index of
 each session it touches and the payloads of nodes it has read or written in
 a bounded cache (:mod:`tracestore.nodecache`); nodes are immutable so cached
-payloads never go stale, and each read checks the index version on the
+payloads (keyed by the write that stored them) never go stale, and each read checks the index version on the
 server in the same round trip that fetches what the cache lacks. The client
 hashes its prompt incrementally at the stored node ends and takes the
 longest stored key that prefixes it. Redis CPU and bytes on the wire per turn

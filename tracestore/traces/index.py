@@ -56,73 +56,89 @@ def node_id(key_text: str) -> str:
     return hex_id(h)
 
 
-def parse_record(record: str) -> tuple[int, int | None, str]:
-    """An ``idx`` record ``num,parent_num,fields``: ``(num, parent_num or None, fields)``.
+def parse_record(record: str) -> tuple[int, str, int | None, str]:
+    """An ``idx`` record ``num.wid,parent_num,fields``: ``(num, wid, parent_num or None, fields)``.
 
+    ``wid`` is '' in a record written before write ids (``num,parent_num,...``).
     ValueError when malformed.
     """
-    num, pnum, fields = record.split(",", 2)
+    head, pnum, fields = record.split(",", 2)
+    num, _, wid = head.partition(".")
     n = int(num)
     if n < 1 or (pnum and int(pnum) < 1):
         raise ValueError("node numbers start at 1")
-    return n, (int(pnum) if pnum else None), fields
+    if wid and (len(wid) != 8 or wid.strip("0123456789abcdef")):
+        raise ValueError(f"write id {wid!r} is not 8 hex characters")
+    return n, wid, (int(pnum) if pnum else None), fields
 
 
 class SessionIndex:
-    """Immutable snapshot of a session index at one version (cached per session)."""
+    """Immutable snapshot of a session index at one version (cached per session).
 
-    __slots__ = ("epoch", "version", "nodes", "nums", "ends", "key")
+    It is current while the server's index has the same ``epoch``,
+    ``version`` and write id ``wid`` (``#e``, ``#v``, ``#w``): after a store
+    rolled back, a version can come again for another index, its write id
+    cannot (lua/_lib/nodes.lua).
+    """
+
+    __slots__ = ("epoch", "version", "wid", "nodes", "nums", "ends", "key")
 
     def __init__(
-        self, epoch: str, version: int, nodes: dict[str, Node], nums: dict[str, int], key: str = ""
+        self, epoch: str, version: int, nodes: dict[str, Node], nums: dict[str, int], key: str = "",
+        wid: str = "",
     ) -> None:
         self.epoch = epoch
         self.version = version
+        self.wid = wid
         self.nodes = nodes
         self.nums = nums  # node id -> node number (its field in tok and txt), in this epoch
         self.ends = sorted({n.end for n in nodes.values()})
         self.key = key  # the idx key it was read from (named by CorruptData)
 
     @classmethod
-    def from_pairs(cls, epoch: str, version: int, flat: Sequence[Any], key: str) -> SessionIndex:
+    def from_pairs(
+        cls, epoch: str, version: int, flat: Sequence[Any], key: str, wid: str = ""
+    ) -> SessionIndex:
         """The snapshot of the ``idx`` hash ``key`` read as ``[field, value, ...]`` (``#`` fields skipped).
 
         Raises CorruptData naming ``key`` and the field when a record is malformed.
         """
-        raw: list[tuple[str, int, int | None, str]] = []
+        raw: list[tuple[str, int, str, int | None, str]] = []
         by_num: dict[int, str] = {}
         for f, v in pairs(flat):
             digest = "?"
             try:
                 digest = text(f)
                 if not digest.startswith("#"):
-                    num, pnum, fields = parse_record(text(v))
+                    num, nwid, pnum, fields = parse_record(text(v))
                     if num in by_num:
                         raise ValueError(f"node number {num} is also node {by_num[num]}'s")
                     by_num[num] = digest
-                    raw.append((digest, num, pnum, fields))
+                    raw.append((digest, num, nwid, pnum, fields))
             except ValueError as exc:  # (UnicodeDecodeError too)
                 raise CorruptData(key, f"malformed index record ({exc})", digest) from None
         nodes: dict[str, Node] = {}
         nums: dict[str, int] = {}
-        for digest, num, pnum, fields in raw:
+        for digest, num, nwid, pnum, fields in raw:
             # a parent number no node has: "#<num>", which path() reports as not stored
             parent = None if pnum is None else by_num.get(pnum, f"#{pnum}")
             try:
-                nodes[digest] = Node.parse(digest, parent, fields)
+                nodes[digest] = Node.parse(digest, parent, fields, nwid)
             except ValueError as exc:
                 raise CorruptData(key, f"malformed index record ({exc})", digest) from None
             nums[digest] = num
-        return cls(epoch, version, nodes, nums, key)
+        return cls(epoch, version, nodes, nums, key, wid)
 
-    def with_nodes(self, epoch: str, version: int, new: Sequence[tuple[Node, int]]) -> SessionIndex:
-        """A new snapshot with ``new`` ``(node, number)`` pairs added (this one is never changed)."""
+    def with_nodes(
+        self, epoch: str, version: int, new: Sequence[tuple[Node, int]], wid: str
+    ) -> SessionIndex:
+        """A new snapshot at ``version``/``wid`` with ``new`` ``(node, number)`` pairs added (this one is never changed)."""
         nodes = dict(self.nodes)
         nums = dict(self.nums)
         for n, num in new:
             nodes[n.id] = n
             nums[n.id] = num
-        return SessionIndex(epoch, version, nodes, nums, self.key)
+        return SessionIndex(epoch, version, nodes, nums, self.key, wid)
 
     @property
     def nbytes(self) -> int:
@@ -209,14 +225,14 @@ def idx_key(sid: str) -> tuple[str, str]:
     return ("idx", sid)
 
 
-def tok_key(sid: str, epoch: str, digest: str) -> tuple[str, str, str, str]:
-    """Cache key of a node payload (valid for one data epoch of the session)."""
-    return ("tok", sid, epoch, digest)
+def tok_key(sid: str, epoch: str, node: Node) -> tuple[str, str, str, str, str]:
+    """Cache key of a node's payload: valid for one data epoch of the session and the write that stored the node."""
+    return ("tok", sid, epoch, node.id, node.wid)
 
 
-def cache_payload(cache: NodeCache, sid: str, epoch: str, digest: str, data: bytes) -> None:
-    """Cache the payload of node ``digest`` (immutable, so it never goes stale within its epoch)."""
-    cache.put(tok_key(sid, epoch, digest), data, len(data) + 120)
+def cache_payload(cache: NodeCache, sid: str, epoch: str, node: Node, data: bytes) -> None:
+    """Cache the payload of ``node`` (immutable, so it never goes stale under its epoch and write id)."""
+    cache.put(tok_key(sid, epoch, node), data, len(data) + 120)
 
 
 __all__ = [

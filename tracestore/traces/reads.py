@@ -44,22 +44,21 @@ def read_path(
     k = ctx.keys
     cache = node_cache(ctx)
     snap: SessionIndex | None = cache.get(idx_key(sid))
-    want: list[str] = []
+    want: list[Node] = []
     guess: list[Node] = []
     if snap is not None:
         guess = snap.path(pick(snap))
-        want = [
-            n.id
-            for n in guess[skip(guess) :]
-            if cache.get(tok_key(sid, snap.epoch, n.id)) is None
-        ]
+        want = [n for n in guess[skip(guess) :] if cache.get(tok_key(sid, snap.epoch, n)) is None]
     reply = yield Eval(
         script("read_index"),
         (k.idx(sid), k.tok(sid), k.dead(sid)),
-        (snap.epoch if snap else "", snap.version if snap else -1, *(snap.nums[d] for d in want if snap)),
+        (
+            snap.epoch if snap else "", snap.version if snap else -1, snap.wid if snap else "",
+            *(snap.nums[n.id] for n in want if snap),
+        ),
     )
     r = Reply(reply, "read_index")
-    dead, epoch, version, changed = r.flag(), r.text(), r.int(), r.flag()
+    dead, epoch, version, wid, changed = r.flag(), r.text(), r.int(), r.text(), r.flag()
     index_pairs = r.take(r.int())
     if dead:
         cache.discard(idx_key(sid))
@@ -67,49 +66,61 @@ def read_path(
         raise SessionReleased(sid, "its trace data was purged")
     if version < 0:
         raise CorruptData(k.idx(sid), "the index version is not a number", "#v")
-    got: dict[str, bytes] = {}
-    for digest, data in zip(want, r.rest(), strict=True):
-        # (node numbers name other nodes in another epoch: only the one asked about counts)
-        if snap is not None and snap.epoch == epoch and data != b"":
-            got[digest] = as_bytes(data)
+    old = snap
     if changed:
-        snap = SessionIndex.from_pairs(epoch, version, index_pairs, k.idx(sid))
+        snap = SessionIndex.from_pairs(epoch, version, index_pairs, k.idx(sid), wid)
         cache.put(idx_key(sid), snap, snap.nbytes)
     assert snap is not None
-    for digest, data in got.items():  # came over the wire: cache them
-        cache_payload(cache, sid, epoch, digest, data)
+    got: dict[str, bytes] = {}
+    for n, data in zip(want, r.rest(), strict=True):
+        # asked by the number the cached index gave: it counts only when the index read gives
+        # that node the same number and write id (after a rollback, a number can name another node)
+        assert old is not None
+        if data != b"" and (
+            not changed
+            or (snap.epoch == old.epoch and n.same_write(snap.nodes.get(n.id)) and snap.nums[n.id] == old.nums[n.id])
+        ):
+            got[n.id] = as_bytes(data)
+            cache_payload(cache, sid, epoch, n, got[n.id])  # came over the wire: cache it
     path = snap.path(pick(snap)) if changed else guess  # unchanged index: same pick
-    missing = []
+    missing: list[Node] = []
     for n in path[skip(path) :]:
         if n.id in got:
             continue
         if n.ntok == 0:  # an empty payload (read_index answers '' for a missing one too)
             got[n.id] = b""
             continue
-        data = cache.get(tok_key(sid, epoch, n.id))  # (a hit is now most recently used)
+        data = cache.get(tok_key(sid, epoch, n))  # (a hit is now most recently used)
         if data is None:
-            missing.append(n.id)
+            missing.append(n)
         else:
             got[n.id] = data
     if missing:
-        # by node number, under the epoch just read (read_index checks it in the same call)
+        # by node number, for the index just read (read_index checks it in the same call)
         again = yield Eval(
             script("read_index"),
             (k.idx(sid), k.tok(sid), k.dead(sid)),
-            (epoch, version, *(snap.nums[d] for d in missing)),
+            (epoch, version, snap.wid, *(snap.nums[n.id] for n in missing)),
         )
         r2 = Reply(again, "read_index")
-        dead2, epoch2 = r2.flag(), r2.text()
-        r2.int(), r2.flag()
-        r2.take(r2.int())
+        dead2, epoch2, version2, wid2, changed2 = r2.flag(), r2.text(), r2.int(), r2.text(), r2.flag()
+        pairs2 = r2.take(r2.int())
         fetched = list(r2.rest())
-        for digest, data in zip(missing, fetched, strict=True):
+        if changed2 and not dead2 and epoch2 == epoch:
+            # others wrote meanwhile: the numbers asked by still name these nodes, unless the
+            # store rolled back (then the index read now gives one of them another write id)
+            now = SessionIndex.from_pairs(epoch2, version2, pairs2, k.idx(sid), wid2)
+            if any(not n.same_write(now.nodes.get(n.id)) or now.nums.get(n.id) != snap.nums[n.id] for n in missing):
+                cache.discard(idx_key(sid))
+                cache.discard(cont_key(sid))
+                return (yield from read_path(ctx, sid, pick, skip))
+        for n, data in zip(missing, fetched, strict=True):
             if dead2 or epoch2 != epoch or data == b"":  # purged (or purged and reopened) meanwhile
                 cache.discard(idx_key(sid))
                 cache.discard(cont_key(sid))
                 raise SessionReleased(sid, "its trace data was purged during the read")
-            got[digest] = as_bytes(data)
-            cache_payload(cache, sid, epoch, digest, got[digest])
+            got[n.id] = as_bytes(data)
+            cache_payload(cache, sid, epoch, n, got[n.id])
     # a payload of another size would decode to wrong tokens (the skipped nodes' were
     # checked when their tokens were read, or written by this client)
     for n in path[skip(path) :]:
@@ -161,7 +172,7 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
         start = None
         used[0] = None
         if base is not None and cont is not None and ix.epoch == cont.epoch:
-            if ix.nodes.get(base.node.id) == base.node:
+            if base.node.same_write(ix.nodes.get(base.node.id)):
                 start, used[0] = (base.node, base.state), base
         if start is None and base is not None:  # not current: hash it all (it cannot fail)
             node, used[1] = ix.match(prompt_text, "prompt_text")

@@ -19,7 +19,12 @@ class Node:
     parent's id (None at the root); ``end``: length of the key in characters;
     ``ntok``: tokens in the segment; ``flags``: :mod:`codec` label flags;
     ``version``: weight version that produced the segment; ``expert_key``:
-    routed-experts reference key or None.
+    routed-experts reference key or None; ``wid``: the write id of the call
+    that stored it (8 hex characters; '' before it is stored, and in records
+    written before write ids; not compared by ``==``, see :meth:`same_write`).
+    A store that rolls back (failover to a lagging replica, a restored
+    checkpoint) may store a node of the same id again with other tokens,
+    never under the same write id (docs/traces.md).
     """
 
     id: str
@@ -29,6 +34,16 @@ class Node:
     flags: int
     version: int
     expert_key: str | None
+    wid: str = field(default="", compare=False)
+
+    def same_write(self, other: Node | None) -> bool:
+        """True when ``other`` is this node as stored by the same write (equal and the same ``wid``).
+
+        ``==`` compares what a node is (its record), not which write stored it:
+        two stores of the same turn give equal nodes. A cached payload or
+        checkpoint of a node is valid only for the same write.
+        """
+        return other is not None and other == self and other.wid == self.wid
 
     @property
     def generated(self) -> bool:
@@ -38,16 +53,16 @@ class Node:
     def fields(self) -> str:
         """The record fields after the node numbers: ``end,ntok,flags,version,expert_key``.
 
-        The stored index record is ``num,parent_num,`` followed by these; the
-        numbers are given by the write script (docs/traces.md, Keys).
+        The stored index record is ``num.wid,parent_num,`` followed by these;
+        the numbers are given by the write script (docs/traces.md, Keys).
         """
         return f"{self.end},{self.ntok},{self.flags},{self.version},{self.expert_key or ''}"
 
     @classmethod
-    def parse(cls, digest: str, parent: str | None, fields: str) -> Node:
-        """Decode :meth:`fields` of node ``digest`` under ``parent``; ValueError on malformed ones."""
+    def parse(cls, digest: str, parent: str | None, fields: str, wid: str = "") -> Node:
+        """Decode :meth:`fields` of node ``digest`` under ``parent``, stored by write ``wid``; ValueError on malformed ones."""
         end, ntok, flags, version, expert_key = fields.split(",", 4)
-        node = cls(digest, parent, int(end), int(ntok), int(flags), int(version), expert_key or None)
+        node = cls(digest, parent, int(end), int(ntok), int(flags), int(version), expert_key or None, wid)
         if node.end < 0 or node.ntok < 0 or node.version < 0:
             raise ValueError("negative end, token count or version")
         return node

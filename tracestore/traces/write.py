@@ -9,9 +9,10 @@ are safe to retry.
 
 from __future__ import annotations
 
+import os
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import codec, validate
@@ -35,16 +36,32 @@ INSERT_ATTEMPTS = 64
 
 @dataclass(frozen=True)
 class _NewNode:
-    """A node to write: its index record, packed payload and segment text."""
+    """A node to write: its index record, packed payload and segment text.
+
+    ``parent_wid``: the write id the parent was read with, when the parent is
+    a stored node (the script refuses the write if it is stored with another
+    one now: the store rolled back and the tokens read under it are gone).
+    """
 
     node: Node
     payload: bytes
     text: str
+    parent_wid: str = ""
 
     def args(self, store_text: bool) -> tuple[Any, ...]:
-        """The node's script arguments: id, parent id, fields, payload, text (lua/_lib/nodes.lua)."""
+        """The node's script arguments: id, parent id[.wid], fields, payload, text (lua/_lib/nodes.lua)."""
         n = self.node
-        return (n.id, n.parent or "", n.fields(), self.payload, self.text if store_text else "")
+        parent = f"{n.parent}.{self.parent_wid}" if n.parent and self.parent_wid else n.parent or ""
+        return (n.id, parent, n.fields(), self.payload, self.text if store_text else "")
+
+    def stored(self, wid: str) -> _NewNode:
+        """This node as stored by write ``wid``."""
+        return replace(self, node=replace(self.node, wid=wid))
+
+
+def new_wid() -> str:
+    """A fresh write id: 8 random hex characters (lua/_lib/nodes.lua, Write ids)."""
+    return os.urandom(4).hex()
 
 
 # -- validation (before any I/O) -------------------------------------------------------------
@@ -214,19 +231,20 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
     h.update(t.response)
     response_id = hex_id(h)
     parent, start, prompt = t.parent.id if t.parent else None, t.start, t.prompt_text
+    parent_wid = t.parent.wid if t.parent else ""
     delta: _NewNode | None = None
     if t.delta_ids:
         d_lps = array("f", bytes(4 * len(t.delta_ids)))
         payload = codec.pack(t.delta_ids, d_lps, None, 0)
         _check_size(ctx, "delta_token_ids", payload)
         node = Node(prompt_id, parent, len(prompt), len(t.delta_ids), 0, t.version, t.delta_key)
-        delta = _NewNode(node, payload, prompt[start:])
-        parent, start = prompt_id, len(prompt)
+        delta = _NewNode(node, payload, prompt[start:], parent_wid)
+        parent, start, parent_wid = prompt_id, len(prompt), ""
     r_payload = codec.pack(t.response_ids, t.response_logprobs, None, codec.GENERATED)
     _check_size(ctx, "response_token_ids", r_payload)
     end = len(prompt) + len(t.response_text)
     node = Node(response_id, parent, end, len(t.response_ids), codec.GENERATED, t.version, t.response_key)
-    response = _NewNode(node, r_payload, prompt[start:] + t.response_text)
+    response = _NewNode(node, r_payload, prompt[start:] + t.response_text, parent_wid)
     return _TurnNodes(delta, response, at_prompt if t.delta_ids else at_prefix, h)
 
 
@@ -234,28 +252,29 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
 
 
 def _after_write(
-    ctx: Context, sid: str, epoch: str, before: int, after: int, new: Sequence[_NewNode],
-    nums: Sequence[int],
+    ctx: Context, sid: str, epoch: str, versions: tuple[int, int], wids: tuple[str, str],
+    new: Sequence[_NewNode], nums: Sequence[int],
 ) -> None:
     """Keep the cached index current after our own write, or drop it if others wrote too.
 
-    ``nums``: the node numbers the script gave (or found) for ``new``.
+    ``versions``/``wids``: the index's version and write id before and after
+    the call; ``new``: the nodes as stored (with their write ids); ``nums``:
+    the node numbers the script gave (or found) for them.
     """
+    (before, after), (wid_before, wid_after) = versions, wids
     cache = node_cache(ctx)
     snap: SessionIndex | None = cache.get(idx_key(sid))
-    if snap is not None and snap.epoch == epoch and snap.version == before:
-        snap = snap.with_nodes(epoch, after, [(x.node, n) for x, n in zip(new, nums, strict=True)])
+    pairs = [(x.node, n) for x, n in zip(new, nums, strict=True)]
+    if snap is not None and snap.epoch == epoch and snap.version == before and snap.wid == wid_before:
+        snap = snap.with_nodes(epoch, after, pairs, wid_after)
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif before == 0 and after > 0:  # we wrote the first nodes: we know the whole index
-        snap = SessionIndex(
-            epoch, after, {x.node.id: x.node for x in new},
-            {x.node.id: n for x, n in zip(new, nums, strict=True)}, ctx.keys.idx(sid),
-        )
+        snap = SessionIndex(epoch, 0, {}, {}, ctx.keys.idx(sid)).with_nodes(epoch, after, pairs, wid_after)
         cache.put(idx_key(sid), snap, snap.nbytes)
-    elif snap is not None and (snap.epoch != epoch or snap.version != after):
+    elif snap is not None and (snap.epoch != epoch or snap.version != after or snap.wid != wid_after):
         cache.discard(idx_key(sid))
     for x in new:
-        cache_payload(cache, sid, epoch, x.node.id, x.payload)
+        cache_payload(cache, sid, epoch, x.node, x.payload)
 
 
 def _continue(ctx: Context, t: _CheckedTurn, nodes: _TurnNodes, epoch: str) -> None:
@@ -341,12 +360,13 @@ def record_turn(
         (delta_expert_key, response_expert_key),
     )
     nodes = _turn_nodes(ctx, turn)
-    delta, response = nodes.delta, nodes.response
-    new = [response] if delta is None else [delta, response]
+    new = [nodes.response] if nodes.delta is None else [nodes.delta, nodes.response]
     k = ctx.keys
+    wid = new_wid()  # drawn once: a retry of the request carries the same
     args: list[Any] = [sid, 1 if ctx.config.store_text else 0, len(new)]
     for x in new:
         args.extend(x.args(ctx.config.store_text))
+    args.append(wid)
     keys: tuple[str, ...] = (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid), k.turn_shard(sid))
     op = ctx.op(op_id, "turn")
     if op.given:  # a caller's op id: record the reply (without one, content replays suffice)
@@ -357,9 +377,15 @@ def record_turn(
     epoch, before, after = r.text(), r.int(), r.int()
     written = sum(r.int() for _ in new)
     nums = [r.int() for _ in new]
-    _after_write(ctx, sid, epoch, before, after, new, nums)
+    wid_before = r.text()
+    new = [x.stored(r.text()) for x in new]
+    # a write stored the response node (a new delta has a new child); the wid is that call's
+    # (a replayed reply's is the first call's, not this one's)
+    wid_after = new[-1].node.wid if after != before else wid_before
+    _after_write(ctx, sid, epoch, (before, after), (wid_before, wid_after), new, nums)
+    nodes = replace(nodes, delta=new[0] if nodes.delta else None, response=new[-1])
     _continue(ctx, turn, nodes, epoch)
-    return Turn(delta.node if delta else None, response.node, written)
+    return Turn(nodes.delta.node if nodes.delta else None, nodes.response.node, written)
 
 
 def _segment_payload(segment: Segment) -> tuple[array, int, bytes]:  # type: ignore[type-arg]
@@ -415,7 +441,9 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
     k = ctx.keys
     keys = (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid))
     snap: SessionIndex | None = node_cache(ctx).get(idx_key(sid))
+    wid = new_wid()
     for _ in range(INSERT_ATTEMPTS):
+        read = snap is None  # checked against the server's index in this call, not a cached copy
         if snap is None:
             snap, _, _ = yield from read_path(ctx, sid, lambda ix: None)
         existing = snap.nodes.get(digest)
@@ -427,20 +455,32 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
             parent_id = parent.id if parent else None
             start = parent.end if parent else 0
         text = key_text[start:]
-        if segment.text is not None and segment.text != text:
-            raise InvalidInput(
-                "segment.text",
-                f"must equal the key after its parent's end (char {start}): {text[:WINDOW]!r}...",
-            )
-        if existing is None:
-            parent_node = snap.nodes.get(parent_id) if parent_id else None
-            _check_expert_keys(parent_node, ekey, ekey, "segment.expert_key")
-        new = _NewNode(Node(digest, parent_id, len(key_text), len(ids), flags, v, ekey), payload, text)
+        try:
+            if segment.text is not None and segment.text != text:
+                raise InvalidInput(
+                    "segment.text",
+                    f"must equal the key after its parent's end (char {start}): {text[:WINDOW]!r}...",
+                )
+            if existing is None:
+                parent_node = snap.nodes.get(parent_id) if parent_id else None
+                _check_expert_keys(parent_node, ekey, ekey, "segment.expert_key")
+        except InvalidInput:
+            if read:
+                raise
+            # judged on a cached index, which may be stale (the session purged and reopened,
+            # other writers): judge it again on the server's
+            node_cache(ctx).discard(idx_key(sid))
+            snap = None
+            continue
+        parent_wid = snap.nodes[parent_id].wid if parent_id in snap.nodes else ""
+        new = _NewNode(
+            Node(digest, parent_id, len(key_text), len(ids), flags, v, ekey), payload, text, parent_wid
+        )
         store_text = ctx.config.store_text
         reply = yield Eval(
             script("insert_node"),
             keys,
-            (sid, 1 if store_text else 0, snap.epoch, snap.version, *new.args(store_text)),
+            (sid, 1 if store_text else 0, snap.epoch, snap.version, *new.args(store_text), wid, snap.wid),
         )
         r = Reply(reply, "insert_node")
         stale, epoch, before, after = r.flag(), r.text(), r.int(), r.int()
@@ -450,7 +490,9 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
             node_cache(ctx).discard(idx_key(sid))
             snap = None
             continue
-        _after_write(ctx, sid, epoch, before, after, [new], [num])
+        new = new.stored(r.text())
+        wid_after = new.node.wid if after != before else snap.wid
+        _after_write(ctx, sid, epoch, (before, after), (snap.wid, wid_after), [new], [num])
         return new.node
     raise ScriptError(
         "insert_node",
