@@ -27,6 +27,7 @@ import pytest
 
 from tracestore import (
     DurabilityUnconfirmed,
+    PromptMismatch,
     StateRolledBack,
     StorageError,
     TraceStore,
@@ -141,6 +142,44 @@ def test_without_durability_a_failover_to_a_lagging_replica_loses_acknowledged_w
         st.close()
         if fresh is not None:
             fresh.close()
+
+
+def test_a_warm_client_reads_the_promoted_replicas_traces_not_the_lost_ones(cluster: LocalCluster) -> None:
+    """Traces after a failover to a lagging replica (docs/traces.md, Write ids): a client
+    that wrote a turn the promoted replica never had, and cached it, meets another client's
+    turn stored at the same index version with the same node number. It reads what the
+    store now holds: the lost turn is gone, the new one has the new tokens."""
+    run = f"fo-{uuid.uuid4().hex[:8]}"
+    st = TraceStore.connect(cluster.url, run=run, durability="none")
+    other: TraceStore | None = None
+    try:
+        st.open_session("t", PROD)
+        m = st.lookup("t", "p")
+        st.record_turn("t", "p", "q", prefix=m, delta_token_ids=[1, 2], response_token_ids=[3],
+                       response_logprobs=[0.0], version=0)  # version 1: replicated below
+        primary = cluster.primary_of(st.keys.idx("t"))
+        replica = cluster.cut_replica(primary)
+        m = st.lookup("t", "pq")
+        st.record_turn("t", "pq", "x", prefix=m, delta_token_ids=[], response_token_ids=[4],
+                       response_logprobs=[0.0], version=0)  # version 2, node 3: acknowledged, lost
+        assert st.export_training_trace("t", "pqx").input_ids == [1, 2, 3, 4]  # cached
+        primary.kill()
+        replica.resume()
+        cluster.takeover(replica)
+        primary.restart()
+        cluster.wait_replicas_online()
+        other = TraceStore.connect(cluster.url, run=run)
+        m2 = _retry(lambda: other.lookup("t", "pq"))
+        other.record_turn("t", "pq", "y", prefix=m2, delta_token_ids=[], response_token_ids=[5],
+                          response_logprobs=[0.0], version=0)  # version 2 again, node 3 again
+        with pytest.raises(PromptMismatch):
+            _retry(lambda: st.export_training_trace("t", "pqx"))
+        assert st.export_training_trace("t", "pqy").input_ids == [1, 2, 3, 5]
+        assert st.lookup("t", "pqy and on").token_ids == [1, 2, 3, 5]
+    finally:
+        st.close()
+        if other is not None:
+            other.close()
 
 
 def test_with_durability_replicas_no_acknowledged_write_is_lost_or_doubled(cluster: LocalCluster) -> None:
