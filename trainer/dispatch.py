@@ -21,7 +21,7 @@ from tracestore import TraceStore
 from tracestore.context import Context
 from tracestore.gate import Lease, settle_many
 from tracestore.router import Router, RouteScope, route_scope
-from tracestore.scripts import Op
+from tracestore.scripts import Op, gather
 
 from .actors import Workers
 from .sample import Sample
@@ -110,11 +110,22 @@ class WorkerPool:
         """:meth:`run`, each worker handing back the leases of its last round instead of settling them
         (``RolloutWorker.run_unsettled``): returns the results and the ``settle_many`` calls, for the
         caller to gather with its next store calls. Run them before anything waits for the gate to
-        drain (a weight update): until then those leases are in flight.
+        drain (a weight update): until then those leases are in flight. When a worker's call
+        raises, the leases the others handed back are settled here, then its error is raised.
         """
         calls = {w: self.workers[w].run_unsettled.remote(ss, temperature) for w, ss in by_worker.items()}
-        got = self.gather(calls)
+        got: dict[str, Any] = {}
+        failed: BaseException | None = None
+        for w, ref in calls.items():  # every worker's answer, even after one failed
+            try:
+                got.update(self.gather({w: ref}))
+            except BaseException as exc:  # its own leases it settled itself (RolloutWorker.run_unsettled)
+                failed = failed or exc
         unsettled = [pair for _out, pairs in got.values() for pair in pairs]
+        if failed is not None:
+            # the others' handed-back leases would otherwise expire into poison: settle them now
+            self.store.run(gather(settle_calls(self.store.context, unsettled)))
+            raise failed
         return {w: list(out) for w, (out, _pairs) in got.items()}, settle_calls(self.store.context, unsettled)
 
     def run(self, by_worker: dict[str, list[Sample]], temperature: float = 1.0) -> dict[str, list[Sample]]:
