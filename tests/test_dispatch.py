@@ -16,8 +16,9 @@ import pytest
 import ray
 
 from tracestore import TraceStore
+from tracestore.router import retire
 from tracestore.scripts import gather
-from trainer.dispatch import WorkerPool
+from trainer.dispatch import WorkerPool, WorkersLost
 
 pytestmark = pytest.mark.ray
 
@@ -70,3 +71,16 @@ def test_without_a_failure_the_leases_come_back_to_settle(standalone_url: str) -
     assert pool.store.gate.status().live == 3  # in flight until the caller settles them
     pool.store.run(gather(settles))
     assert pool.store.gate.status().live == 0
+
+
+def test_the_scope_outlives_the_last_worker_so_cleanup_can_retire(standalone_url: str) -> None:
+    """A role's cleanup retires its sessions' routes after the run raised WorkersLost: the
+    pool's scope must still be usable (evaluation's finally ran retire on an empty scope,
+    and its InvalidInput replaced the WorkersLost)."""
+    run = f"d-{uuid.uuid4().hex[:8]}"
+    pool = _pool(standalone_url, run, failing=set())
+    assert pool.router.acquire_many(["s1"])[0] in pool.workers
+    with pytest.raises(WorkersLost):
+        for w in list(pool.workers):
+            pool.lose(w)
+    assert pool.store.run(gather([retire(pool.scope, ["s1"])])) == [["s1"]]

@@ -66,8 +66,13 @@ class WorkerPool:
 
     @property
     def scope(self) -> RouteScope:
-        """The router's scope, to run its operations (``retire``, ``acquire_many``) in a ``gather``."""
-        return route_scope(self.store.context, sorted(self.workers))
+        """The router's scope, to run its operations (``retire``, ``acquire_many``) in a ``gather``.
+
+        With every worker lost, that of the lost ones: ``retire`` (what a role's cleanup runs
+        then) needs only the run, and an empty scope would raise InvalidInput over the
+        WorkersLost being raised.
+        """
+        return route_scope(self.store.context, sorted(self.workers) or sorted(set(self.lost)))
 
     def call(self, method: str, *args: Any, only: Iterable[str] | None = None) -> dict[str, Any]:
         """``method(*args)`` on every live worker (or those of ``only``) at once; results by worker.
