@@ -273,6 +273,10 @@ def test_short_default_timeouts(standalone_url: str) -> None:
         ("GET", bytearray(b"k")),  # hiredis refuses these: redis-py's packer converts them
         ("SET", memoryview(b"k"), b"v"),
         ("GET", "a b"),  # a space in an argument is not a word break
+        (" GET", "k"),  # a str name is stripped and split at any whitespace...
+        ("GET\t", "k"),
+        (b"GET\t", "k"),  # ...a bytes one only at spaces
+        (memoryview(b"GET"), "k"),
     ],
 )
 def test_the_fast_packer_writes_what_redis_py_writes(args: tuple[Any, ...]) -> None:

@@ -324,8 +324,9 @@ class FastPacker:
     bytearray or memoryview into bytes), which is most of the client's cost of
     a command with tens of thousands of arguments (the ``UNLINK`` and ``MSET``
     of a release's purge, the keys of a release script). A command hiredis
-    refuses (a bytearray, a memoryview) or whose name holds a space (redis-py
-    sends ``"CONFIG RESETSTAT"`` as one word and splits it) goes through
+    refuses (a bytearray, a memoryview) or whose name redis-py would split
+    (``"CONFIG RESETSTAT"``; any whitespace in a str name, leading or
+    trailing too, a space in a bytes one) goes through
     redis-py's own packer, so the bytes on the wire are the same.
     """
 
@@ -338,7 +339,8 @@ class FastPacker:
         """The RESP encoding of one command (a list of one bytes, as redis-py's packers return)."""
         head = args[0]
         if _hiredis_pack is not None and (
-            len(head.split()) == 1 if isinstance(head, str) else isinstance(head, bytes) and b" " not in head
+            # redis-py splits a str name at any whitespace, a bytes one only at spaces
+            head.split() == [head] if isinstance(head, str) else isinstance(head, bytes) and b" " not in head
         ):
             try:
                 return [_hiredis_pack(args)]
