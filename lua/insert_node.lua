@@ -15,19 +15,20 @@
 -- ARGV[4] = expected index version (int)
 -- ARGV[5..9] = id, parent id, fields, payload, text (as record_turn)
 -- ARGV[10] = write id of this call (8 hex; the same on a retry)
--- ARGV[11] = expected index write id ('#w'; '' = none yet)
+-- ARGV[11] = expected index write id ('#w', lua/_lib/nodes.lua; '' = none yet)
 -- returns: {0, stale (1: index changed, nothing written), epoch, version_before, version_after, fresh, num,
---           wid} (num: the node's number, 0 when stale; wid: the write id it is stored with)
+--           wid, index_wid_after} (num: the node's number, 0 when stale; wid: the write id it is
+--           stored with; index_wid_after: the index's '#w' after the call)
 -- errors: SESSION_RELEASED, INVALID_INPUT ('prefix', ...), NODE_CONFLICT, CORRUPT (as record_turn)
 -- include: nodes
 local meta = redis.call('HMGET', KEYS[1], '#e', '#v', '#w')
 local epoch, version, iwid = meta[1] or '', tonumber(meta[2] or '0'), meta[3] or ''
 if redis.call('EXISTS', KEYS[4]) == 0
     and (epoch ~= ARGV[3] or version ~= tonumber(ARGV[4]) or iwid ~= ARGV[11]) then
-  return {0, 1, epoch, version, version, 0, 0, ''}
+  return {0, 1, epoch, version, version, 0, 0, '', iwid}
 end
 local nodes = {{ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}}
 local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes, ARGV[10])
 if err then return err end
-local e, before, after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1', ARGV[10])
-return {0, 0, e, before, after, plan.fresh[1] and 1 or 0, tonumber(plan.nums[1]), plan.wids[1]}
+local e, before, after, _, wid_after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1', ARGV[10])
+return {0, 0, e, before, after, plan.fresh[1] and 1 or 0, tonumber(plan.nums[1]), plan.wids[1], wid_after}

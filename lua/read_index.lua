@@ -9,8 +9,8 @@
 -- KEYS[3] = ts:{R/sid}:dead  tombstone
 -- ARGV[1] = epoch the client holds ('' = none)
 -- ARGV[2] = index version the client holds (int; -1 = none, always returns the index)
--- ARGV[3] = index write id the client holds ('#w', lua/_lib/nodes.lua: after a rollback the
---   same version names another index, never with the same write id)
+-- ARGV[3] = index write id the client holds ('#w', lua/_lib/nodes.lua: the chain of the writes;
+--   after a rollback the same version names another index, never with the same chain)
 -- ARGV[4..] = node numbers whose payloads to return (numbers of the index the client holds:
 --   a client keeps a payload only when the index it gets back gives its node the same number
 --   and write id)

@@ -8,7 +8,8 @@
 -- id (KEYS[6]) the first reply is recorded too, so a call again returns it
 -- (its fresh flags) even after the session's data was purged.
 -- KEYS: 5+
--- KEYS[1] = ts:{R/sid}:idx   hash node id -> "num,parent_num,end,ntok,flags,version,expert_key"; '#e' epoch, '#v' index version
+-- KEYS[1] = ts:{R/sid}:idx   hash node id -> "num.wid,parent_num,end,ntok,flags,version,expert_key";
+--   '#e' epoch, '#v' index version, '#w' index write id (lua/_lib/nodes.lua)
 -- KEYS[2] = ts:{R/sid}:tok   hash node number -> packed payload (int32 ids, float32 logprobs[, int32 labels])
 -- KEYS[3] = ts:{R/sid}:txt   hash node number -> node text (segment text)
 -- KEYS[4] = ts:{R/sid}:dead  tombstone (string)
@@ -18,14 +19,14 @@
 -- ARGV[2] = store text (1|0)
 -- ARGV[3] = number of nodes n (1 or 2, parents first)
 -- ARGV[4 + 5(i-1) .. 8 + 5(i-1)] = node i: id (hex), parent id ('' at the root; "id.wid":
---   stored with that write id, lua/_lib/nodes.lua), fields "end,ntok,flags,version,expert_key",
---   payload (bytes), text
+--   must be stored with that write id, lua/_lib/nodes.lua), fields
+--   "end,ntok,flags,version,expert_key", payload (bytes), text
 -- ARGV[4 + 5n] = write id of this call (8 hex; the same on a retry)
 -- ARGV[5 + 5n] = op record ttl (ms), when KEYS[6] is given
 -- returns: {0, epoch, version_before, version_after, fresh_1, ..., fresh_n, num_1, ..., num_n,
---           wid_before, wid_1, ..., wid_n}
---   (fresh: 1 = newly written; num: the node's number, its field in tok and txt; wid_before:
---   the index's write id before the call; wid_i: the write id node i is stored with)
+--           index_wid_before, index_wid_after, wid_1, ..., wid_n}
+--   (fresh: 1 = newly written; num: the node's number, its field in tok and txt; index_wid:
+--   the index's '#w' before and after the call; wid_i: the write id node i is stored with)
 -- errors: SESSION_RELEASED (sid, detail), INVALID_INPUT ('prefix', msg) when a parent is missing,
 --         NODE_CONFLICT (sid, id, detail) when a node exists with another payload,
 --         CORRUPT (key, field, detail) when a stored record does not parse
@@ -44,12 +45,14 @@ end
 local wid = ARGV[4 + 5 * #nodes]
 local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes, wid)
 if err then return err end
-local epoch, before, after, wid_before = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1', wid)
+local epoch, before, after, wid_before, wid_after = nodes_write(
+  KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1', wid)
 if plan.fresh[#nodes] then redis.call('INCR', KEYS[5]) end
 local out = {0, epoch, before, after}
 for i = 1, #nodes do out[#out + 1] = plan.fresh[i] and 1 or 0 end
 for i = 1, #nodes do out[#out + 1] = tonumber(plan.nums[i]) end
 out[#out + 1] = wid_before
+out[#out + 1] = wid_after
 for i = 1, #nodes do out[#out + 1] = plan.wids[i] end
 if opkey then return op_record(opkey, tonumber(ARGV[5 + 5 * #nodes]), out) end
 return out

@@ -55,7 +55,8 @@ def test_trace_prints_the_tree_json_and_a_nodes_training_trace(
         doc = orjson.loads(out)
         assert [n["id"] for n in doc["nodes"]] == [node_id(k) for k in (
             P1, P1 + "4<|end|>", P2, P2 + "12<|end|>", P2 + "13<|end|>")]
-        assert doc["nodes"][4]["write_id"] == doc["write_id"] != doc["nodes"][0]["write_id"]
+        assert doc["nodes"][4]["write_id"] != doc["nodes"][2]["write_id"] == doc["nodes"][3]["write_id"]
+        assert len(doc["write_id"]) == 16  # the index's: the chain of its writes
         assert "".join(n["text"] for n in doc["nodes"][:3]) == P2
         # one node's training trace: by number (key rebuilt from the texts) or by its key
         code, by_num = _cli(url, run_id, "chat-1", "--node", "5", "--json")

@@ -7,6 +7,7 @@ clients, and identical results from the sync and async clients.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import pickle
 import re
@@ -153,7 +154,7 @@ def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
     """docs/traces.md, "Reading a session by hand": ids of 16 hex characters (node_id of the
     key), records num.wid,parent_num,end,ntok,flags,version,expert_key, tok and txt keyed by
     number; numbers 1.. in write order, a retried turn's answer a sibling of the first; the
-    nodes of one call share its write id, the index keeps the last one in #w."""
+    nodes of one call share its write id, the index keeps the chain of the calls' ids in #w."""
     final = _three_turns(store, "hand")
     m = store.lookup("hand", final[: -len(R3)])
     store.record_turn("hand", final[: -len(R3)], "5<|end|>", prefix=m, delta_token_ids=[],
@@ -172,8 +173,12 @@ def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
     wids = [w for _, w in nums]
     assert all(re.fullmatch("[0-9a-f]{8}", w) for w in wids)
     # three turns of two nodes, then the retry's answer alone: four calls, four write ids
-    assert wids[0] == wids[1] != wids[2] == wids[3] != wids[4] == wids[5] != wids[6] == last_wid
+    assert wids[0] == wids[1] != wids[2] == wids[3] != wids[4] == wids[5] != wids[6]
     assert len(set(wids)) == 4
+    chain = ""  # #w: sha1 of the previous #w, ':' and each call's write id, 16 hex characters
+    for w in (wids[0], wids[2], wids[4], wids[6]):
+        chain = hashlib.sha1(f"{chain}:{w}".encode()).hexdigest()[:16]
+    assert last_wid == chain
     assert [x[1] for x in recs] == ["", "1", "2", "3", "4", "5", "5"]  # the retry's answer: under node 5
     assert [int(x[2]) for x in recs] == [len(x) for x in keys]
     ids = {1: [1, 2, 3], 2: [10, 11], 3: [4, 5], 4: [12], 5: [6, 7, 8], 6: [13, 14, 15], 7: [16]}
@@ -270,6 +275,39 @@ def test_after_a_rollback_a_warm_client_reads_the_new_history_not_the_lost_one(
     assert c.export_training_trace("rb", "pqy?").input_ids == [1, 2, 3, 5, 9]
 
 
+def test_a_call_sent_again_after_a_rollback_does_not_make_the_two_histories_look_alike(
+    store_factory: Callable[..., TraceStore], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call whose reply a failover lost is sent again, with the same write id (a client's
+    retry resends its arguments), after another writer: the index reaches the version the lost
+    history had, and that call's write id. #w chains every write of the index, so the two
+    histories still differ (review of stop 23: a #w of the last call's id alone matched)."""
+    import tracestore.traces.write as write_mod
+
+    a, b, c, d = store_factory(), store_factory(), store_factory(), store_factory()
+    a.open_session("rb3", "producer")
+    _turn(a, "rb3", "p", "q", [1, 2], [3])  # version 1
+    a.checkpoint(tmp_path / "v1.tsck")  # what the lagging replica has
+    _turn(b, "rb3", "pq", "x", [], [4])  # version 2 "pqx": lost
+    monkeypatch.setattr(write_mod, "new_wid", lambda: "deadbeef")
+    _turn(c, "rb3", "pq", "w", [], [6])  # version 3 "pqw": lost, its reply too
+    monkeypatch.undo()
+    assert a.export_training_trace("rb3", "pqx").input_ids == [1, 2, 3, 4]  # a caches it all
+    lost_w = a.redis.hget(a.keys.idx("rb3"), "#w")
+    _roll_back(b, tmp_path / "v1.tsck")
+    _turn(d, "rb3", "pq", "y", [], [5])  # version 2 "pqy"
+    monkeypatch.setattr(write_mod, "new_wid", lambda: "deadbeef")
+    _turn(c, "rb3", "pq", "w", [], [6])  # c's call again: version 3, the same write id
+    monkeypatch.undo()
+    assert a.redis.hget(a.keys.idx("rb3"), "#v") == b"3"
+    assert a.redis.hget(a.keys.idx("rb3"), "#w") != lost_w
+    with pytest.raises(PromptMismatch):
+        a.export_training_trace("rb3", "pqx")
+    assert a.export_training_trace("rb3", "pqy").input_ids == [1, 2, 3, 5]
+    assert a.export_training_trace("rb3", "pqw").input_ids == [1, 2, 3, 6]  # the same call's nodes
+    assert a.insert("rb3", "pqyz", Segment([9])).parent == node_id("pqy")  # judged on the new index
+
+
 def test_a_turn_on_a_prefix_read_before_a_rollback_is_refused(
     store_factory: Callable[..., TraceStore], tmp_path: Any,
 ) -> None:
@@ -293,6 +331,41 @@ def test_a_turn_on_a_prefix_read_before_a_rollback_is_refused(
     _turn(a, "rb2", "pq", "z", [], [4])
     assert a.lookup("rb2", "pqz").token_ids == [1, 2, 30, 4]
     assert a.export_training_trace("rb2", "pqz").input_ids == [1, 2, 30, 4]
+
+
+def test_a_prefixs_write_id_is_checked_even_when_empty_and_must_be_hex(store_factory: Callable[..., TraceStore]) -> None:
+    """The prefix of a turn is sent as "id.wid" whatever its wid: a node read without one (a
+    record written before write ids, e.g. restored from a version 1 or 2 checkpoint) must still
+    be stored without one; a wid that is not 8 lowercase hex is refused as InvalidInput, not a
+    script error. Nothing is written either way."""
+    import dataclasses
+
+    a = store_factory()
+    _turn(a, "legacy", "p", "q", [1, 2], [3])
+    r, k = a.redis, a.keys
+    for f, v in r.hgetall(k.idx("legacy")).items():  # the records as a schema 1 file restores them
+        if not f.startswith(b"#"):
+            head, rest = v.split(b",", 1)
+            r.hset(k.idx("legacy"), f, head.split(b".")[0] + b"," + rest)
+    r.hdel(k.idx("legacy"), "#w")
+    b = store_factory()
+    m = b.lookup("legacy", "pq+")
+    assert m.token_ids == [1, 2, 3] and m.node is not None and m.node.wid == ""
+    call = {"delta_token_ids": [4], "response_token_ids": [5], "response_logprobs": [0.0], "version": 0}
+    # the prefix stored again (another write) since b read it: refused
+    rec = r.hget(k.idx("legacy"), m.node.id)
+    r.hset(k.idx("legacy"), m.node.id, rec.replace(b",", b".0badf00d,", 1))
+    before = r.hgetall(k.idx("legacy"))
+    with pytest.raises(InvalidInput, match="stored again"):
+        b.record_turn("legacy", "pq+", "r", prefix=m, **call)  # type: ignore[arg-type]
+    r.hset(k.idx("legacy"), m.node.id, rec)
+    bad = dataclasses.replace(m, node=dataclasses.replace(m.node, wid="NOT-HEX"))
+    with pytest.raises(InvalidInput) as ei:
+        b.record_turn("legacy", "pq+", "r", prefix=bad, **call)  # type: ignore[arg-type]
+    assert ei.value.field == "prefix"
+    assert r.hgetall(k.idx("legacy")) == {**before, m.node.id.encode(): rec}
+    b.record_turn("legacy", "pq+", "r", prefix=m, **call)  # type: ignore[arg-type]
+    assert a.export_training_trace("legacy", "pq+r").input_ids == [1, 2, 3, 4, 5]
 
 
 def test_retry_is_idempotent_and_does_not_bump_the_index(store: TraceStore) -> None:

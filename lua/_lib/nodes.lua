@@ -11,20 +11,25 @@
 -- addressed and immutable, so a replayed call finds equal nodes and writes
 -- nothing (and does not bump the index version).
 --
--- Write ids. Every call that writes carries a random write id (wid, 8 hex
--- characters, the same on a retry); each node it creates records it after
--- its number, and the index keeps the last one in '#w'. A store that rolls
--- back (a failover to a lagging replica, a restored checkpoint) hands out
--- the same index versions and node numbers again, for other nodes; the write
--- ids tell the two histories apart: a client's cached index is current only
--- when epoch, version and '#w' all match, a cached payload only for the wid
--- of its node. Records written before write ids ("num,...") have wid ''.
--- A parent given as "id.wid" must be stored with that wid (the caller read
--- the prefix's tokens under it); a bare "id" is not checked.
+-- Write ids. Every call that writes carries a random write id (wid, 8
+-- lowercase hex characters, the same on a retry); each node it creates
+-- records it after its number. The index keeps in '#w' the chain of the
+-- calls that wrote it: sha1(previous '#w' .. ':' .. wid), 16 hex characters.
+-- A store that rolls back (a failover to a lagging replica, a restored
+-- checkpoint) hands out the same index versions and node numbers again, for
+-- other nodes; the chain tells the two histories apart, even when a call
+-- whose reply was lost is sent again after the rollback (same wid, other
+-- writes before it): a client's cached index is current only when epoch,
+-- version and '#w' all match, a cached payload only for the wid of its node
+-- (one call's nodes have the same content whenever it runs). Records written
+-- before write ids ("num,...") have wid ''.
+-- A parent given as "id.wid" ("id." for a parent read without a write id)
+-- must be stored with that wid: the caller read the prefix's tokens under
+-- it. A bare "id" (a parent written by the same call) is not checked.
 
 -- The number and wid of a record "num[.wid],...": (num, wid) or nil.
 local function rec_num(rec)
-  local num, wid = string.match(rec, '^(%d+)%.?(%x*),')
+  local num, wid = string.match(rec, '^(%d+)%.?([0-9a-f]*),')
   return num, wid
 end
 
@@ -33,8 +38,8 @@ end
 -- a new node, the stored one's for an existing one), recs = records to store},
 -- or nil and an error reply. wid: this call's write id.
 local function nodes_check(idx, tok, dead, sid, nodes, wid)
-  if not string.match(wid or '', '^%x%x%x%x%x%x%x%x$') then
-    return nil, {1, 'INVALID_INPUT', 'wid', 'a write id is 8 hex characters'}
+  if not string.match(wid or '', '^[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]$') then
+    return nil, {1, 'INVALID_INPUT', 'wid', 'a write id is 8 lowercase hex characters'}
   end
   if redis.call('EXISTS', dead) == 1 then
     return nil, {1, 'SESSION_RELEASED', sid, 'its trace data was purged; writes are refused'}
@@ -46,7 +51,11 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
   for i, n in ipairs(nodes) do
     local pnum = ''
     if n[2] ~= '' then
-      local pid, pwid = string.match(n[2], '^([^.]+)%.?(%x*)$')
+      local pid, dot, pwid = string.match(n[2], '^([^.]+)(%.?)([0-9a-f]*)$')
+      if not pid then
+        return nil, {1, 'INVALID_INPUT', 'prefix',
+          'parent ' .. n[2] .. ' of node ' .. n[1] .. ' is not "id" or "id.wid" (8 lowercase hex)'}
+      end
       pnum = here[pid]
       if not pnum then
         local prec = redis.call('HGET', idx, pid)
@@ -59,7 +68,7 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
         if not pnum then
           return nil, {1, 'CORRUPT', idx, pid, 'malformed index record ' .. prec}
         end
-        if pwid ~= '' and swid ~= pwid then
+        if dot == '.' and swid ~= pwid then
           return nil, {1, 'INVALID_INPUT', 'prefix',
             'parent node ' .. pid .. ' of node ' .. n[1] .. ' in session ' .. sid ..
             ' was stored again since it was read (write ' .. swid .. ', read ' .. pwid ..
@@ -71,7 +80,7 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
     local mine = pnum .. ',' .. n[3]
     local old = redis.call('HGET', idx, n[1])
     if old then
-      local num, owid, rest = string.match(old, '^(%d+)%.?(%x*),(.*)$')
+      local num, owid, rest = string.match(old, '^(%d+)%.?([0-9a-f]*),(.*)$')
       if rest ~= mine then
         return nil, {1, 'NODE_CONFLICT', sid, n[1], 'stored record ' .. old .. ', new ?,' .. mine}
       end
@@ -95,13 +104,14 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
 end
 
 -- Writes the fresh nodes; returns epoch, index version before, after, and the
--- index's write id before (the call's own wid is '#w' after, when it wrote).
+-- index's write id ('#w') before and after.
 local function nodes_write(idx, tok, txt, nodes, plan, store_text, wid)
   local fresh, nums, recs = plan.fresh, plan.nums, plan.recs
   local meta = redis.call('HMGET', idx, '#e', '#v', '#w')
   local epoch = meta[1]
   local before = tonumber(meta[2] or '0')
   local wid_before = meta[3] or ''
+  local wid_after = wid_before
   local n_new = 0
   for i, n in ipairs(nodes) do
     if fresh[i] then
@@ -123,7 +133,8 @@ local function nodes_write(idx, tok, txt, nodes, plan, store_text, wid)
       redis.call('HSET', idx, '#e', epoch)
     end
     after = redis.call('HINCRBY', idx, '#v', 1)
-    redis.call('HSET', idx, '#w', wid)
+    wid_after = string.sub(redis.sha1hex(wid_before .. ':' .. wid), 1, 16)
+    redis.call('HSET', idx, '#w', wid_after)
   end
-  return epoch or '', before, after, wid_before
+  return epoch or '', before, after, wid_before, wid_after
 end

@@ -38,20 +38,24 @@ INSERT_ATTEMPTS = 64
 class _NewNode:
     """A node to write: its index record, packed payload and segment text.
 
-    ``parent_wid``: the write id the parent was read with, when the parent is
-    a stored node (the script refuses the write if it is stored with another
-    one now: the store rolled back and the tokens read under it are gone).
+    ``parent_wid``: the write id the parent was read with ('' for a node
+    written before write ids), when the parent is a stored node: the script
+    refuses the write if it is stored with another one now (the store rolled
+    back, or the session was purged and reopened, and the tokens read under
+    it are gone). None when the parent is written by the same call.
     """
 
     node: Node
     payload: bytes
     text: str
-    parent_wid: str = ""
+    parent_wid: str | None = None
 
     def args(self, store_text: bool) -> tuple[Any, ...]:
         """The node's script arguments: id, parent id[.wid], fields, payload, text (lua/_lib/nodes.lua)."""
         n = self.node
-        parent = f"{n.parent}.{self.parent_wid}" if n.parent and self.parent_wid else n.parent or ""
+        parent = n.parent or ""
+        if n.parent and self.parent_wid is not None:
+            parent = f"{n.parent}.{self.parent_wid}"
         return (n.id, parent, n.fields(), self.payload, self.text if store_text else "")
 
     def stored(self, wid: str) -> _NewNode:
@@ -231,7 +235,7 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
     h.update(t.response)
     response_id = hex_id(h)
     parent, start, prompt = t.parent.id if t.parent else None, t.start, t.prompt_text
-    parent_wid = t.parent.wid if t.parent else ""
+    parent_wid: str | None = t.parent.wid if t.parent else None
     delta: _NewNode | None = None
     if t.delta_ids:
         d_lps = array("f", bytes(4 * len(t.delta_ids)))
@@ -239,7 +243,7 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
         _check_size(ctx, "delta_token_ids", payload)
         node = Node(prompt_id, parent, len(prompt), len(t.delta_ids), 0, t.version, t.delta_key)
         delta = _NewNode(node, payload, prompt[start:], parent_wid)
-        parent, start, parent_wid = prompt_id, len(prompt), ""
+        parent, start, parent_wid = prompt_id, len(prompt), None
     r_payload = codec.pack(t.response_ids, t.response_logprobs, None, codec.GENERATED)
     _check_size(ctx, "response_token_ids", r_payload)
     end = len(prompt) + len(t.response_text)
@@ -377,11 +381,8 @@ def record_turn(
     epoch, before, after = r.text(), r.int(), r.int()
     written = sum(r.int() for _ in new)
     nums = [r.int() for _ in new]
-    wid_before = r.text()
+    wid_before, wid_after = r.text(), r.text()
     new = [x.stored(r.text()) for x in new]
-    # a write stored the response node (a new delta has a new child); the wid is that call's
-    # (a replayed reply's is the first call's, not this one's)
-    wid_after = new[-1].node.wid if after != before else wid_before
     _after_write(ctx, sid, epoch, (before, after), (wid_before, wid_after), new, nums)
     nodes = replace(nodes, delta=new[0] if nodes.delta else None, response=new[-1])
     _continue(ctx, turn, nodes, epoch)
@@ -472,7 +473,7 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
             node_cache(ctx).discard(idx_key(sid))
             snap = None
             continue
-        parent_wid = snap.nodes[parent_id].wid if parent_id in snap.nodes else ""
+        parent_wid = snap.nodes[parent_id].wid if parent_id in snap.nodes else None
         new = _NewNode(
             Node(digest, parent_id, len(key_text), len(ids), flags, v, ekey), payload, text, parent_wid
         )
@@ -491,7 +492,7 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
             snap = None
             continue
         new = new.stored(r.text())
-        wid_after = new.node.wid if after != before else snap.wid
+        wid_after = r.text()
         _after_write(ctx, sid, epoch, (before, after), (snap.wid, wid_after), [new], [num])
         return new.node
     raise ScriptError(
