@@ -30,5 +30,5 @@ end
 local nodes = {{ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}}
 local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes, ARGV[10])
 if err then return err end
-local e, before, after, _, wid_after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1', ARGV[10])
+local e, before, after, _, wid_after = nodes_write(KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1')
 return {0, 0, e, before, after, plan.fresh[1] and 1 or 0, tonumber(plan.nums[1]), plan.wids[1], wid_after}

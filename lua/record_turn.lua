@@ -46,7 +46,7 @@ local wid = ARGV[4 + 5 * #nodes]
 local plan, err = nodes_check(KEYS[1], KEYS[2], KEYS[4], ARGV[1], nodes, wid)
 if err then return err end
 local epoch, before, after, wid_before, wid_after = nodes_write(
-  KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1', wid)
+  KEYS[1], KEYS[2], KEYS[3], nodes, plan, ARGV[2] == '1')
 if plan.fresh[#nodes] then redis.call('INCR', KEYS[5]) end
 local out = {0, epoch, before, after}
 for i = 1, #nodes do out[#out + 1] = plan.fresh[i] and 1 or 0 end

@@ -35,8 +35,8 @@ end
 
 -- Returns the plan {fresh = {true: new node, false: equal existing one},
 -- nums = node numbers (strings), wids = the nodes' write ids (this call's for
--- a new node, the stored one's for an existing one), recs = records to store},
--- or nil and an error reply. wid: this call's write id.
+-- a new node, the stored one's for an existing one), recs = records to store,
+-- wid = this call's write id}, or nil and an error reply. wid: this call's write id.
 local function nodes_check(idx, tok, dead, sid, nodes, wid)
   if not string.match(wid or '', '^[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]$') then
     return nil, {1, 'INVALID_INPUT', 'wid', 'a write id is 8 lowercase hex characters'}
@@ -100,12 +100,12 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
     end
     here[n[1]] = nums[i]
   end
-  return {fresh = fresh, nums = nums, wids = wids, recs = recs}, nil
+  return {fresh = fresh, nums = nums, wids = wids, recs = recs, wid = wid}, nil
 end
 
 -- Writes the fresh nodes; returns epoch, index version before, after, and the
 -- index's write id ('#w') before and after.
-local function nodes_write(idx, tok, txt, nodes, plan, store_text, wid)
+local function nodes_write(idx, tok, txt, nodes, plan, store_text)
   local fresh, nums, recs = plan.fresh, plan.nums, plan.recs
   local meta = redis.call('HMGET', idx, '#e', '#v', '#w')
   local epoch = meta[1]
@@ -133,7 +133,7 @@ local function nodes_write(idx, tok, txt, nodes, plan, store_text, wid)
       redis.call('HSET', idx, '#e', epoch)
     end
     after = redis.call('HINCRBY', idx, '#v', 1)
-    wid_after = string.sub(redis.sha1hex(wid_before .. ':' .. wid), 1, 16)
+    wid_after = string.sub(redis.sha1hex(wid_before .. ':' .. plan.wid), 1, 16)
     redis.call('HSET', idx, '#w', wid_after)
   end
   return epoch or '', before, after, wid_before, wid_after
