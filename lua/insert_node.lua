@@ -19,7 +19,7 @@
 -- returns: {0, stale (1: index changed, nothing written), epoch, version_before, version_after, fresh, num,
 --           wid, index_wid_after} (num: the node's number, 0 when stale; wid: the write id it is
 --           stored with; index_wid_after: the index's '#w' after the call)
--- errors: SESSION_RELEASED, INVALID_INPUT ('prefix', ...), NODE_CONFLICT, CORRUPT (as record_turn)
+-- errors: SESSION_RELEASED, INVALID_INPUT ('prefix', ...), PREFIX_CHANGED, NODE_CONFLICT, CORRUPT (as record_turn)
 -- include: nodes
 local meta = redis.call('HMGET', KEYS[1], '#e', '#v', '#w')
 local epoch, version, iwid = meta[1] or '', tonumber(meta[2] or '0'), meta[3] or ''

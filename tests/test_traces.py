@@ -23,6 +23,7 @@ from tracestore import (
     InvalidId,
     InvalidInput,
     NodeConflict,
+    PrefixChanged,
     PrefixMatch,
     PromptMismatch,
     Segment,
@@ -323,7 +324,7 @@ def test_a_turn_on_a_prefix_read_before_a_rollback_is_refused(
     _roll_back(b, tmp_path / "empty.tsck")
     _turn(b, "rb2", "p", "q", [1, 2], [30])  # "pq" again, another write, other tokens
     before = b.redis.hgetall(b.keys.idx("rb2"))
-    with pytest.raises(InvalidInput, match="stored again") as ei:
+    with pytest.raises(PrefixChanged, match="stored again") as ei:
         a.record_turn("rb2", "pq", "z", prefix=m, delta_token_ids=[], response_token_ids=[4],
                       response_logprobs=[-0.5], version=0)
     assert ei.value.field == "prefix"
@@ -356,7 +357,7 @@ def test_a_prefixs_write_id_is_checked_even_when_empty_and_must_be_hex(store_fac
     rec = r.hget(k.idx("legacy"), m.node.id)
     r.hset(k.idx("legacy"), m.node.id, rec.replace(b",", b".0badf00d,", 1))
     before = r.hgetall(k.idx("legacy"))
-    with pytest.raises(InvalidInput, match="stored again"):
+    with pytest.raises(PrefixChanged, match="stored again"):
         b.record_turn("legacy", "pq+", "r", prefix=m, **call)  # type: ignore[arg-type]
     r.hset(k.idx("legacy"), m.node.id, rec)
     bad = dataclasses.replace(m, node=dataclasses.replace(m.node, wid="NOT-HEX"))

@@ -22,6 +22,7 @@ import pytest
 
 from tracestore import (
     InvalidInput,
+    PrefixChanged,
     PrefixMatch,
     PromptMismatch,
     Segment,
@@ -282,7 +283,7 @@ def test_match_read_before_a_reopen_does_not_seed_the_continuation(
     b.redis.delete(b.keys.dead(sid))
     _turn(b, sid, p1, R1, [91, 92], [93])  # the prefix node again, other ids
     call = {"delta_token_ids": [4], "response_token_ids": [5], "response_logprobs": [0.0], "version": 0}
-    with pytest.raises(InvalidInput, match="stored again") as ei:
+    with pytest.raises(PrefixChanged, match="stored again") as ei:
         a.record_turn(sid, p2, R2, prefix=m, **call)  # type: ignore[arg-type]
     assert ei.value.field == "prefix"
     with pytest.raises(PromptMismatch):

@@ -56,6 +56,30 @@ class InvalidInput(TracestoreError, ValueError):
         super().__init__(f"{field}: {message}")
 
 
+class PrefixChanged(InvalidInput):
+    """The prefix node a turn extends was stored again since ``lookup`` read it; nothing was written.
+
+    The store rolled back (a failover to a lagging replica, a restored
+    checkpoint) or the session was purged and reopened, and the node now
+    comes from another write (``stored_wid``, read as ``read_wid``): its
+    tokens may not be those the turn's response was generated after. Look
+    the prompt up again and run the turn again. An InvalidInput of field
+    ``prefix`` (docs/traces.md, Write ids).
+    """
+
+    def __init__(self, sid: str, node: str, stored_wid: str, read_wid: str) -> None:
+        self.sid = sid
+        self.node = node
+        self.stored_wid = stored_wid
+        self.read_wid = read_wid
+        super().__init__(
+            "prefix",
+            f"session {sid!r}: prefix node {node} was stored again since it was read (write "
+            f"{stored_wid or 'none'}, read {read_wid or 'none'}; the store rolled back, or the session "
+            "was purged and reopened): look the prompt up again",
+        )
+
+
 class ConfigError(TracestoreError, ValueError):
     """A connection URL or option is invalid."""
 
@@ -430,6 +454,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise GroupExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
     if code == "CORRUPT":
         raise CorruptData(str(f[0]), str(f[2]) if len(f) > 2 else "undecodable", str(f[1]) if len(f) > 1 else "")
+    if code == "PREFIX_CHANGED":
+        raise PrefixChanged(str(f[0]), str(f[1]), str(f[2]), str(f[3]))
     if code == "INVALID_INPUT":
         raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
     raise ScriptError(script, f"unknown result code {code!r} {f!r}")
@@ -446,6 +472,7 @@ __all__ = [
     "NotOwner",
     "OwnerLost",
     "NodeConflict",
+    "PrefixChanged",
     "PromptMismatch",
     "GateSealed",
     "GatePoisoned",

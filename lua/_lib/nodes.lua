@@ -69,11 +69,7 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
           return nil, {1, 'CORRUPT', idx, pid, 'malformed index record ' .. prec}
         end
         if dot == '.' and swid ~= pwid then
-          return nil, {1, 'INVALID_INPUT', 'prefix',
-            'parent node ' .. pid .. ' of node ' .. n[1] .. ' in session ' .. sid ..
-            ' was stored again since it was read (write ' .. swid .. ', read ' .. pwid ..
-            '; the store rolled back, or the session was purged and reopened): its tokens may' ..
-            ' not be those the turn extends; look the prompt up again'}
+          return nil, {1, 'PREFIX_CHANGED', sid, pid, swid, pwid}
         end
       end
     end

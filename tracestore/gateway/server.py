@@ -58,6 +58,7 @@ from ..errors import (
     InvalidId,
     InvalidInput,
     NodeConflict,
+    PrefixChanged,
     SessionExists,
     SessionReleased,
     SessionRetired,
@@ -736,6 +737,12 @@ class Gateway:
         except NodeConflict as exc:
             raise ApiError(
                 "conflict", f"this turn is already recorded with other tokens ({exc}); retry", code="node_conflict"
+            ) from None
+        except PrefixChanged as exc:  # (an InvalidInput: before it)
+            raise ApiError(
+                "conflict",
+                f"the conversation's stored prefix changed while this turn ran ({exc}); retry",
+                code="prefix_changed",
             ) from None
         except InvalidInput as exc:
             raise ApiError(
