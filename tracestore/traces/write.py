@@ -349,8 +349,10 @@ def record_turn(
     UTF-8, payload over ``max_payload_bytes``, a prefix that does not match
     the prompt, an empty response text, a version outside 0..2**53-1). From
     the script, with nothing written: SessionReleased (data purged),
-    InvalidInput('prefix') (prefix node not stored), NodeConflict (a node
-    exists with another payload); OutcomeUnknown when the reply was lost.
+    InvalidInput('prefix') (prefix node not stored), PrefixChanged (the
+    prefix node stored again by another write since lookup read it: look the
+    prompt up again), NodeConflict (a node exists with another payload);
+    OutcomeUnknown when the reply was lost.
     Recording the same turn again is always safe (nodes are immutable);
     with a caller's ``op_id`` the first reply is also recorded (in the
     session's slot, for ``op_ttl_s``), so a call again with it returns the
