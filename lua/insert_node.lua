@@ -15,14 +15,13 @@
 -- ARGV[4] = expected index version (int)
 -- ARGV[5..9] = id, parent id, fields, payload, text (as record_turn)
 -- ARGV[10] = write id of this call (8 hex; the same on a retry)
--- ARGV[11] = expected index write id ('#w', lua/_lib/nodes.lua; '' = none yet)
+-- ARGV[11] = expected index chain (after the version in '#v', lua/_lib/nodes.lua; '' = none yet)
 -- returns: {0, stale (1: index changed, nothing written), epoch, version_before, version_after, fresh, num,
 --           wid, index_wid_after} (num: the node's number, 0 when stale; wid: the write id it is
---           stored with; index_wid_after: the index's '#w' after the call)
+--           stored with; index_wid_after: the index's chain after the call)
 -- errors: SESSION_RELEASED, INVALID_INPUT ('prefix', ...), PREFIX_CHANGED, NODE_CONFLICT, CORRUPT (as record_turn)
 -- include: nodes
-local meta = redis.call('HMGET', KEYS[1], '#e', '#v', '#w')
-local epoch, version, iwid = meta[1] or '', tonumber(meta[2] or '0'), meta[3] or ''
+local epoch, version, iwid = idx_meta(KEYS[1])
 if redis.call('EXISTS', KEYS[4]) == 0
     and (epoch ~= ARGV[3] or version ~= tonumber(ARGV[4]) or iwid ~= ARGV[11]) then
   return {0, 1, epoch, version, version, 0, 0, '', iwid}

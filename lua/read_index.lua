@@ -4,12 +4,13 @@
 -- in one round trip. The whole index (tens of bytes per node) is returned
 -- only when it changed since the version the client holds.
 -- KEYS: 3
--- KEYS[1] = ts:{R/sid}:idx   hash node id -> record; '#e' epoch, '#v' index version, '#w' write id
+-- KEYS[1] = ts:{R/sid}:idx   hash node id -> record; '#e' epoch, '#v' "version.chain"
 -- KEYS[2] = ts:{R/sid}:tok   hash node number -> packed payload
 -- KEYS[3] = ts:{R/sid}:dead  tombstone
 -- ARGV[1] = epoch the client holds ('' = none)
 -- ARGV[2] = index version the client holds (int; -1 = none, always returns the index)
--- ARGV[3] = index write id the client holds ('#w', lua/_lib/nodes.lua: the chain of the writes;
+-- ARGV[3] = index chain the client holds (after the version in '#v', lua/_lib/nodes.lua: the chain
+--   of the writes' ids;
 --   after a rollback the same version names another index, never with the same chain)
 -- ARGV[4..] = node numbers whose payloads to return (numbers of the index the client holds:
 --   a client keeps a payload only when the index it gets back gives its node the same number
@@ -18,9 +19,10 @@
 --           (n items), payload_1, ..., payload_m} ('' for a missing payload)
 -- errors: none
 local dead = redis.call('EXISTS', KEYS[3])
-local meta = redis.call('HMGET', KEYS[1], '#e', '#v', '#w')
-local epoch, version = meta[1] or '', tonumber(meta[2] or '0') or -1  -- -1: not a number (corrupt)
-local wid = meta[3] or ''
+local meta = redis.call('HMGET', KEYS[1], '#e', '#v')
+local v, wid = string.match(meta[2] or '0', '^(%d+)%.?([0-9a-f]*)$')  -- '#v' = "version[.chain]"
+local epoch, version = meta[1] or '', tonumber(v) or -1  -- -1: not a number (corrupt)
+wid = wid or ''
 local out = {0, dead, epoch, version, wid, 0, 0}
 if epoch ~= ARGV[1] or version ~= tonumber(ARGV[2]) or wid ~= ARGV[3] then
   local all = redis.call('HGETALL', KEYS[1])

@@ -9,7 +9,7 @@
 -- (its fresh flags) even after the session's data was purged.
 -- KEYS: 5+
 -- KEYS[1] = ts:{R/sid}:idx   hash node id -> "num.wid,parent_num,end,ntok,flags,version,expert_key";
---   '#e' epoch, '#v' index version, '#w' index write id (lua/_lib/nodes.lua)
+--   '#e' epoch, '#v' "index version.chain" (lua/_lib/nodes.lua)
 -- KEYS[2] = ts:{R/sid}:tok   hash node number -> packed payload (int32 ids, float32 logprobs[, int32 labels])
 -- KEYS[3] = ts:{R/sid}:txt   hash node number -> node text (segment text)
 -- KEYS[4] = ts:{R/sid}:dead  tombstone (string)
@@ -26,7 +26,7 @@
 -- returns: {0, epoch, version_before, version_after, fresh_1, ..., fresh_n, num_1, ..., num_n,
 --           index_wid_before, index_wid_after, wid_1, ..., wid_n}
 --   (fresh: 1 = newly written; num: the node's number, its field in tok and txt; index_wid:
---   the index's '#w' before and after the call; wid_i: the write id node i is stored with)
+--   the index's chain before and after the call; wid_i: the write id node i is stored with)
 -- errors: SESSION_RELEASED (sid, detail), INVALID_INPUT ('prefix', msg) when a parent is missing,
 --         PREFIX_CHANGED (sid, parent id, stored wid, read wid) when a parent given as "id.wid"
 --         is stored with another write id (lua/_lib/nodes.lua),

@@ -7,7 +7,7 @@
 -- Index records are "num.wid,parent_num,end,ntok,flags,version,expert_key" (lua/_lib/nodes.lua;
 -- "num," without a write id in records written before write ids).
 -- KEYS: 2
--- KEYS[1] = ts:{R/sid}:idx   hash node id -> record; '#e' epoch, '#v' index version, '#w' write id
+-- KEYS[1] = ts:{R/sid}:idx   hash node id -> record; '#e' epoch, '#v' "index version.chain"
 -- KEYS[2] = ts:{R/sid}:dead  tombstone
 -- returns: {0, dead (0|1), oldest version of a trained token (int, -1 = none), trained nodes (int)}
 -- errors: none

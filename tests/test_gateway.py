@@ -589,10 +589,10 @@ def test_weight_update_aborts_requests_in_flight_and_clients_retry(gw: GW, engin
 
 def test_a_prefix_stored_again_since_the_gateway_read_it_is_409_prefix_changed(gw: GW) -> None:
     """The answer is generated after the prefix's tokens as the gateway read them (here from its
-    cache, still current by version and #w); when the store holds that prefix from another write
+    cache, still current by version and chain); when the store holds that prefix from another write
     (a rollback and another writer would do it; here by hand: same records, another write id),
     the turn is refused 409 prefix_changed and nothing is recorded. Once the index's chain says
-    so too (#w, as any real write does), the client's retry is recorded on the stored prefix."""
+    so too (#v's chain, as any real write does), the client's retry is recorded on the stored prefix."""
     client, s = gw.oai(), sid()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "reach 3 from 1"}]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_headers={"X-Session-Id": s})
@@ -609,7 +609,8 @@ def test_a_prefix_stored_again_since_the_gateway_read_it_is_409_prefix_changed(g
     assert ei.value.code == "prefix_changed" and "stored again" in str(ei.value)
     assert r.hgetall(idx) == before  # nothing recorded
     assert lease_outcomes(gw.store, s)[-1] == "failed"
-    r.hset(idx, "#w", "0badf00d0badf00d")  # the index's chain, as the other write would leave it
+    version = r.hget(idx, "#v").split(b".")[0]
+    r.hset(idx, "#v", version + b".0badf00d0badf00d")  # the index's chain, as the other write would leave it
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_headers={"X-Session-Id": s})
     assert again.choices[0].message.content is not None
     assert len(r.hgetall(idx)) > len(before)  # the retry is recorded, under the stored prefix

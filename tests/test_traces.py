@@ -155,7 +155,7 @@ def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
     """docs/traces.md, "Reading a session by hand": ids of 16 hex characters (node_id of the
     key), records num.wid,parent_num,end,ntok,flags,version,expert_key, tok and txt keyed by
     number; numbers 1.. in write order, a retried turn's answer a sibling of the first; the
-    nodes of one call share its write id, the index keeps the chain of the calls' ids in #w."""
+    nodes of one call share its write id, #v keeps the chain of the calls' ids after the version."""
     final = _three_turns(store, "hand")
     m = store.lookup("hand", final[: -len(R3)])
     store.record_turn("hand", final[: -len(R3)], "5<|end|>", prefix=m, delta_token_ids=[],
@@ -163,8 +163,8 @@ def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
     r: Any = store.redis
     k = store.keys
     idx = {f.decode(): v.decode() for f, v in r.hgetall(k.idx("hand")).items()}
-    last_wid = idx.pop("#w")
-    assert idx.pop("#v") == "4" and idx.pop("#e")
+    version, _, last_wid = idx.pop("#v").partition(".")
+    assert version == "4" and idx.pop("#e")
     keys = _keys_in_order(final) + [final[: -len(R3)] + "5<|end|>"]
     assert sorted(idx) == sorted(node_id(x) for x in keys)
     assert all(len(f) == 16 and int(f, 16) >= 0 for f in idx)
@@ -176,7 +176,7 @@ def test_the_layout_reads_by_hand_as_documented(store: TraceStore) -> None:
     # three turns of two nodes, then the retry's answer alone: four calls, four write ids
     assert wids[0] == wids[1] != wids[2] == wids[3] != wids[4] == wids[5] != wids[6]
     assert len(set(wids)) == 4
-    chain = ""  # #w: sha1 of the previous #w, ':' and each call's write id, 16 hex characters
+    chain = ""  # sha1 of the previous chain, ':' and each call's write id, 16 hex characters
     for w in (wids[0], wids[2], wids[4], wids[6]):
         chain = hashlib.sha1(f"{chain}:{w}".encode()).hexdigest()[:16]
     assert last_wid == chain
@@ -241,7 +241,7 @@ def test_after_a_rollback_a_warm_client_reads_the_new_history_not_the_lost_one(
 ) -> None:
     """A rollback hands out the same index version and node numbers again, for other nodes
     (docs/traces.md, Write ids). a's cache holds the lost history at the version b's new
-    write reaches: neither the index (same #v, another #w), nor a payload read by its old
+    write reaches: neither the index (same version, another chain), nor a payload read by its old
     number (now another node's), nor a payload cached for a node stored again with other
     tokens may be read as current."""
     a, b = store_factory(), store_factory()
@@ -281,8 +281,8 @@ def test_a_call_sent_again_after_a_rollback_does_not_make_the_two_histories_look
 ) -> None:
     """A call whose reply a failover lost is sent again, with the same write id (a client's
     retry resends its arguments), after another writer: the index reaches the version the lost
-    history had, and that call's write id. #w chains every write of the index, so the two
-    histories still differ (review of stop 23: a #w of the last call's id alone matched)."""
+    history had, and that call's write id. The chain in #v covers every write of the index, so
+    the two histories still differ (review of stop 23: the last call's id alone matched)."""
     import tracestore.traces.write as write_mod
 
     a, b, c, d = store_factory(), store_factory(), store_factory(), store_factory()
@@ -294,14 +294,14 @@ def test_a_call_sent_again_after_a_rollback_does_not_make_the_two_histories_look
     _turn(c, "rb3", "pq", "w", [], [6])  # version 3 "pqw": lost, its reply too
     monkeypatch.undo()
     assert a.export_training_trace("rb3", "pqx").input_ids == [1, 2, 3, 4]  # a caches it all
-    lost_w = a.redis.hget(a.keys.idx("rb3"), "#w")
+    lost_v = a.redis.hget(a.keys.idx("rb3"), "#v")
     _roll_back(b, tmp_path / "v1.tsck")
     _turn(d, "rb3", "pq", "y", [], [5])  # version 2 "pqy"
     monkeypatch.setattr(write_mod, "new_wid", lambda: "deadbeef")
     _turn(c, "rb3", "pq", "w", [], [6])  # c's call again: version 3, the same write id
     monkeypatch.undo()
-    assert a.redis.hget(a.keys.idx("rb3"), "#v") == b"3"
-    assert a.redis.hget(a.keys.idx("rb3"), "#w") != lost_w
+    now_v = a.redis.hget(a.keys.idx("rb3"), "#v")
+    assert now_v.split(b".")[0] == lost_v.split(b".")[0] == b"3" and now_v != lost_v
     with pytest.raises(PromptMismatch):
         a.export_training_trace("rb3", "pqx")
     assert a.export_training_trace("rb3", "pqy").input_ids == [1, 2, 3, 5]
@@ -348,7 +348,7 @@ def test_a_prefixs_write_id_is_checked_even_when_empty_and_must_be_hex(store_fac
         if not f.startswith(b"#"):
             head, rest = v.split(b",", 1)
             r.hset(k.idx("legacy"), f, head.split(b".")[0] + b"," + rest)
-    r.hdel(k.idx("legacy"), "#w")
+    r.hset(k.idx("legacy"), "#v", r.hget(k.idx("legacy"), "#v").split(b".")[0])
     b = store_factory()
     m = b.lookup("legacy", "pq+")
     assert m.token_ids == [1, 2, 3] and m.node is not None and m.node.wid == ""

@@ -455,7 +455,7 @@ def make_machine(clients: list[TraceStore]) -> type[RuleBasedStateMachine]:
             if not hasattr(self, "sid"):
                 return
             n = clients[0].redis.hlen(clients[0].keys.idx(self.sid))
-            assert n == (len(self.ref.by_key) + 3 if self.ref.by_key else 0)  # + #e, #v, #w
+            assert n == (len(self.ref.by_key) + 2 if self.ref.by_key else 0)  # + #e, #v
 
         def teardown(self) -> None:
             if hasattr(self, "sid"):

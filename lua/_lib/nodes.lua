@@ -13,19 +13,29 @@
 --
 -- Write ids. Every call that writes carries a random write id (wid, 8
 -- lowercase hex characters, the same on a retry); each node it creates
--- records it after its number. The index keeps in '#w' the chain of the
--- calls that wrote it: sha1(previous '#w' .. ':' .. wid), 16 hex characters.
+-- records it after its number. The index keeps, after its version in '#v'
+-- ("version.chain"), the chain of the calls that wrote it: sha1(previous
+-- chain .. ':' .. wid), 16 hex characters ('' before the first write; a '#v'
+-- written before write ids is the version alone).
 -- A store that rolls back (a failover to a lagging replica, a restored
 -- checkpoint) hands out the same index versions and node numbers again, for
 -- other nodes; the chain tells the two histories apart, even when a call
 -- whose reply was lost is sent again after the rollback (same wid, other
 -- writes before it): a client's cached index is current only when epoch,
--- version and '#w' all match, a cached payload only for the wid of its node
+-- version and chain all match, a cached payload only for the wid of its node
 -- (one call's nodes have the same content whenever it runs). Records written
 -- before write ids ("num,...") have wid ''.
 -- A parent given as "id.wid" ("id." for a parent read without a write id)
 -- must be stored with that wid: the caller read the prefix's tokens under
 -- it. A bare "id" (a parent written by the same call) is not checked.
+
+-- The index's epoch ('' before the first write), version (-1 when '#v' does
+-- not parse) and chain, from HMGET idx '#e' '#v'.
+local function idx_meta(idx)
+  local meta = redis.call('HMGET', idx, '#e', '#v')
+  local v, w = string.match(meta[2] or '0', '^(%d+)%.?([0-9a-f]*)$')
+  return meta[1] or '', tonumber(v) or -1, w or ''
+end
 
 -- The number and wid of a record "num[.wid],...": (num, wid) or nil.
 local function rec_num(rec)
@@ -44,9 +54,12 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
   if redis.call('EXISTS', dead) == 1 then
     return nil, {1, 'SESSION_RELEASED', sid, 'its trace data was purged; writes are refused'}
   end
+  local epoch, version, chain = idx_meta(idx)
+  if version < 0 then
+    return nil, {1, 'CORRUPT', idx, '#v', 'the index version is not "version[.chain]"'}
+  end
   local count = redis.call('HLEN', idx)
-  -- '#e' and '#v' are written with the first node, '#w' by every write since write ids
-  if count > 0 then count = count - 2 - redis.call('HEXISTS', idx, '#w') end
+  if count > 0 then count = count - 2 end  -- '#e' and '#v' are written with the first node
   local fresh, nums, wids, recs, here = {}, {}, {}, {}, {}
   for i, n in ipairs(nodes) do
     local pnum = ''
@@ -96,17 +109,15 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
     end
     here[n[1]] = nums[i]
   end
-  return {fresh = fresh, nums = nums, wids = wids, recs = recs, wid = wid}, nil
+  return {fresh = fresh, nums = nums, wids = wids, recs = recs, wid = wid,
+          epoch = epoch, version = version, chain = chain}, nil
 end
 
 -- Writes the fresh nodes; returns epoch, index version before, after, and the
--- index's write id ('#w') before and after.
+-- index's chain before and after (read by nodes_check, in the same script).
 local function nodes_write(idx, tok, txt, nodes, plan, store_text)
   local fresh, nums, recs = plan.fresh, plan.nums, plan.recs
-  local meta = redis.call('HMGET', idx, '#e', '#v', '#w')
-  local epoch = meta[1]
-  local before = tonumber(meta[2] or '0')
-  local wid_before = meta[3] or ''
+  local epoch, before, wid_before = plan.epoch, plan.version, plan.chain
   local wid_after = wid_before
   local n_new = 0
   for i, n in ipairs(nodes) do
@@ -121,16 +132,16 @@ local function nodes_write(idx, tok, txt, nodes, plan, store_text)
   end
   local after = before
   if n_new > 0 then
-    if not epoch then
+    if epoch == '' then
       -- The incarnation of this session's data: a client's cached index and
       -- nodes are valid only for the epoch they were read under.
       local t = redis.call('TIME')
       epoch = t[1] .. '.' .. t[2]
       redis.call('HSET', idx, '#e', epoch)
     end
-    after = redis.call('HINCRBY', idx, '#v', 1)
+    after = before + 1
     wid_after = string.sub(redis.sha1hex(wid_before .. ':' .. plan.wid), 1, 16)
-    redis.call('HSET', idx, '#w', wid_after)
+    redis.call('HSET', idx, '#v', after .. '.' .. wid_after)
   end
-  return epoch or '', before, after, wid_before, wid_after
+  return epoch, before, after, wid_before, wid_after
 end

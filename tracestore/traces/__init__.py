@@ -10,10 +10,11 @@ session, in the slot ``{R/sid}``:
 * ``idx``: id -> ``"num.wid,parent_num,end,ntok,flags,version,expert_key"``
   (``num`` the node's number, given by the write script; ``wid`` the write
   id of the call that stored it; ``end`` in characters of the key), plus
-  ``#e`` (the data's epoch), ``#v`` (the index version, bumped by every
-  write that adds nodes) and ``#w`` (that write's id: a cached index is
-  current only while epoch, version and write id all match, which survives
-  a store that rolls back; docs/traces.md, Write ids);
+  ``#e`` (the data's epoch) and ``#v`` (``version.chain``: the index
+  version, bumped by every write that adds nodes, and the chain of those
+  writes' ids: a cached index is current only while epoch, version and
+  chain all match, which survives a store that rolls back; docs/traces.md,
+  Write ids);
 * ``tok``: number -> packed payload (:mod:`tracestore.codec`);
 * ``txt``: number -> the segment's text (``StoreConfig.store_text``).
 

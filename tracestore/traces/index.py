@@ -76,9 +76,9 @@ class SessionIndex:
     """Immutable snapshot of a session index at one version (cached per session).
 
     It is current while the server's index has the same ``epoch``,
-    ``version`` and write id ``wid`` (``#e``, ``#v``, ``#w``): after a store
-    rolled back, a version can come again for another index, its write id
-    cannot (lua/_lib/nodes.lua).
+    ``version`` and chain of write ids ``wid`` (``#e``, and ``#v`` =
+    ``version.chain``): after a store rolled back, a version can come again
+    for another index, its chain cannot (lua/_lib/nodes.lua).
     """
 
     __slots__ = ("epoch", "version", "wid", "nodes", "nums", "ends", "key")
