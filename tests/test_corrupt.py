@@ -16,7 +16,7 @@ import pytest
 
 from tests._dump import dump_run
 from tests.test_ownership import prompt_of, response_of, write_turn
-from tracestore import CorruptData, Segment, TraceStore
+from tracestore import CorruptData, PrefixMatch, Segment, TraceStore
 from tracestore.replay import Group
 from tracestore.traces import node_id
 
@@ -97,6 +97,23 @@ def test_a_write_refuses_a_node_number_that_is_taken(store: TraceStore) -> None:
     with pytest.raises(CorruptData) as ei:
         store.insert("n", full + "more", Segment([9]))
     assert ei.value.key == k.tok("n") and "node number 2 is taken" in str(ei.value)
+    assert {key: r.dump(key) for key in before} == before
+
+
+def test_a_write_refuses_an_index_version_that_does_not_parse(store: TraceStore) -> None:
+    """#v is "version.chain"; edited by hand into something else, a turn on the session is
+    refused with CorruptData naming #v before anything is written (it once failed after
+    writing its nodes)."""
+    r, k = _raw(store), store.keys
+    write_turn(store, "v")
+    r.hset(k.idx("v"), "#v", "many")
+    before = {key: r.dump(key) for key in (k.idx("v"), k.tok("v"), k.txt("v"))}
+    full = prompt_of("v") + response_of("v")
+    m = PrefixMatch(0, [], None, ())  # the prefix as a client that cannot read the index has it
+    with pytest.raises(CorruptData) as ei:
+        store.record_turn("v", full + "?", "!", prefix=m, delta_token_ids=[1], response_token_ids=[2],
+                          response_logprobs=[0.0], version=0)
+    assert ei.value.key == k.idx("v") and ei.value.field == "#v"
     assert {key: r.dump(key) for key in before} == before
 
 
