@@ -28,8 +28,8 @@
 --   (fresh: 1 = newly written; num: the node's number, its field in tok and txt; index_wid:
 --   the index's chain before and after the call; wid_i: the write id node i is stored with)
 -- errors: SESSION_RELEASED (sid, detail), INVALID_INPUT ('prefix', msg) when a parent is missing,
---         PREFIX_CHANGED (sid, parent id, stored wid, read wid) when a parent given as "id.wid"
---         is stored with another write id (lua/_lib/nodes.lua),
+--         PREFIX_CHANGED (sid, parent id, stored wid, read wid, stored 1|0) when a parent given
+--         as "id.wid" is stored with another write id or no longer stored (lua/_lib/nodes.lua),
 --         NODE_CONFLICT (sid, id, detail) when a node exists with another payload,
 --         CORRUPT (key, field, detail) when a stored record does not parse
 -- include: op

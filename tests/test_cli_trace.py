@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 from click.testing import CliRunner
@@ -56,7 +58,7 @@ def test_trace_prints_the_tree_json_and_a_nodes_training_trace(
         assert [n["id"] for n in doc["nodes"]] == [node_id(k) for k in (
             P1, P1 + "4<|end|>", P2, P2 + "12<|end|>", P2 + "13<|end|>")]
         assert doc["nodes"][4]["write_id"] != doc["nodes"][2]["write_id"] == doc["nodes"][3]["write_id"]
-        assert len(doc["write_id"]) == 16  # the index's: the chain of its writes
+        assert len(doc["chain"]) == 16  # the index's: the chain of its writes' ids
         assert "".join(n["text"] for n in doc["nodes"][:3]) == P2
         # one node's training trace: by number (key rebuilt from the texts) or by its key
         code, by_num = _cli(url, run_id, "chat-1", "--node", "5", "--json")
@@ -85,6 +87,15 @@ def test_trace_errors_a_person_can_act_on(standalone_url: str, run_id: str) -> N
         assert code == 1 and out.startswith("error: PromptMismatch") and "nearest stored ends [32, 40, 71, 80]" in out
         code, out = _cli(standalone_url, run_id, "chat-1", "--node", "1", "--export", "x")
         assert code == 2 and "not both" in out
+        # a damaged index (a record edited by hand): one line naming the node, not a wrong tree
+        r: Any = st.redis
+        idx = st.keys.idx("chat-1")
+        rec = r.hget(idx, node_id(P2))
+        r.hset(idx, node_id(P2), b"3.00000000,9," + rec.split(b",", 2)[2])  # parent number 9: no such node
+        code, out = _cli(standalone_url, run_id, "chat-1")
+        assert code == 1 and out.startswith("error: CorruptData") and "is not stored" in out
+        code, out = _cli(standalone_url, run_id, "chat-1", "--node", "5")
+        assert code == 1 and out.startswith("error: CorruptData")
     with TraceStore.connect(standalone_url, run=run_id + "nt", store_text=False) as nt:
         _chat(nt, "chat-1")
         code, out = _cli(standalone_url, run_id + "nt", "chat-1", "--node", "2")

@@ -56,11 +56,22 @@ def test_a_failing_worker_does_not_strand_the_others_leases(standalone_url: str)
     run = f"d-{uuid.uuid4().hex[:8]}"
     pool = _pool(standalone_url, run, failing={"w1"})
     by_worker = {"w0": ["a", "b"], "w1": ["c"], "w2": ["d"]}
-    with pytest.raises(Exception, match="the policy crashed"):
+    with pytest.raises(Exception, match="the policy crashed") as ei:
         pool.run_unsettled(by_worker)  # type: ignore[arg-type]
+    assert not getattr(ei.value, "__notes__", None)  # one worker failed, the settle succeeded
     status = pool.store.gate.status()
     assert status.live == 0  # w0's and w2's three leases were settled, not left to expire
     assert sorted(pool.workers) == ["w0", "w1", "w2"]  # an error is not a lost worker
+
+
+def test_every_failure_is_reported_and_the_first_raised(standalone_url: str) -> None:
+    run = f"d-{uuid.uuid4().hex[:8]}"
+    pool = _pool(standalone_url, run, failing={"w0", "w2"})
+    with pytest.raises(Exception, match="w0: the policy crashed") as ei:
+        pool.run_unsettled({"w0": ["a"], "w1": ["b"], "w2": ["c"]})  # type: ignore[arg-type]
+    notes = getattr(ei.value, "__notes__", [])
+    assert len(notes) == 1 and "w2: the policy crashed" in notes[0]
+    assert pool.store.gate.status().live == 0  # w1's lease settled
 
 
 def test_without_a_failure_the_leases_come_back_to_settle(standalone_url: str) -> None:

@@ -24,7 +24,7 @@ CODES = {
     "UNKNOWN_LEASE": ("l-9",),
     "GROUP_EXISTS": ("g-1", "completed"),
     "INVALID_INPUT": ("ttl_s", "must be positive"),
-    "PREFIX_CHANGED": ("s-1", "ab" * 8, "0badf00d", ""),
+    "PREFIX_CHANGED": ("s-1", "ab" * 8, "0badf00d", "", "1"),
 }
 
 

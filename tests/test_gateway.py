@@ -587,7 +587,8 @@ def test_weight_update_aborts_requests_in_flight_and_clients_retry(gw: GW, engin
     assert gw.server.metric("tracestore_gateway_aborted_total", reason="weight_update") - aborted == 3
 
 
-def test_a_prefix_stored_again_since_the_gateway_read_it_is_409_prefix_changed(gw: GW) -> None:
+@pytest.mark.parametrize("change", ["stored again", "gone"])
+def test_a_prefix_stored_again_since_the_gateway_read_it_is_409_prefix_changed(gw: GW, change: str) -> None:
     """The answer is generated after the prefix's tokens as the gateway read them (here from its
     cache, still current by version and chain); when the store holds that prefix from another write
     (a rollback and another writer would do it; here by hand: same records, another write id),
@@ -599,14 +600,25 @@ def test_a_prefix_stored_again_since_the_gateway_read_it_is_409_prefix_changed(g
     messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
     r: Any = gw.store.redis
     idx = gw.store.keys.idx(s)
-    for f, v in r.hgetall(idx).items():  # every node stored again by another write
-        if not f.startswith(b"#"):
-            head, rest = v.split(b",", 1)
-            r.hset(idx, f, head.split(b".")[0] + b".0badf00d," + rest)
+    if change == "stored again":
+        for f, v in r.hgetall(idx).items():  # every node stored again by another write
+            if not f.startswith(b"#"):
+                head, rest = v.split(b",", 1)
+                r.hset(idx, f, head.split(b".")[0] + b".0badf00d," + rest)
+    else:  # the rollback lost turn 1's answer (a leaf: the prefix of turn 2)
+        leaf = max(
+            (f for f in r.hgetall(idx) if not f.startswith(b"#")),
+            key=lambda f: int(r.hget(idx, f).split(b",")[0].split(b".")[0]),
+        )
+        num = r.hget(idx, leaf).split(b",")[0].split(b".")[0]
+        r.hdel(idx, leaf)
+        r.hdel(gw.store.keys.tok(s), num)
+        r.hdel(gw.store.keys.txt(s), num)
     before = r.hgetall(idx)
     with pytest.raises(openai.ConflictError) as ei:
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_headers={"X-Session-Id": s})
-    assert ei.value.code == "prefix_changed" and "stored again" in str(ei.value)
+    assert ei.value.code == "prefix_changed"
+    assert ("stored again" if change == "stored again" else "no longer stored") in str(ei.value)
     assert r.hgetall(idx) == before  # nothing recorded
     assert lease_outcomes(gw.store, s)[-1] == "failed"
     version = r.hget(idx, "#v").split(b".")[0]

@@ -332,6 +332,14 @@ def test_a_turn_on_a_prefix_read_before_a_rollback_is_refused(
     _turn(a, "rb2", "pq", "z", [], [4])
     assert a.lookup("rb2", "pqz").token_ids == [1, 2, 30, 4]
     assert a.export_training_trace("rb2", "pqz").input_ids == [1, 2, 30, 4]
+    # a rollback that loses the prefix altogether: the same error (stored False), nothing written
+    m = a.lookup("rb2", "pqz")
+    _roll_back(b, tmp_path / "empty.tsck")
+    with pytest.raises(PrefixChanged, match="no longer stored") as ei2:
+        a.record_turn("rb2", "pqz", "!", prefix=m, delta_token_ids=[], response_token_ids=[5],
+                      response_logprobs=[-0.5], version=0)
+    assert not ei2.value.stored and ei2.value.field == "prefix"
+    assert not b.redis.exists(b.keys.idx("rb2"))
 
 
 def test_a_prefixs_write_id_is_checked_even_when_empty_and_must_be_hex(store_factory: Callable[..., TraceStore]) -> None:

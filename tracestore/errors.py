@@ -57,26 +57,32 @@ class InvalidInput(TracestoreError, ValueError):
 
 
 class PrefixChanged(InvalidInput):
-    """The prefix node a turn extends was stored again since ``lookup`` read it; nothing was written.
+    """The prefix node a turn extends is not the one ``lookup`` read; nothing was written.
 
     The store rolled back (a failover to a lagging replica, a restored
-    checkpoint) or the session was purged and reopened, and the node now
-    comes from another write (``stored_wid``, read as ``read_wid``): its
-    tokens may not be those the turn's response was generated after. Look
-    the prompt up again and run the turn again. An InvalidInput of field
-    ``prefix`` (docs/traces.md, Write ids).
+    checkpoint) or the session was purged and reopened since: the node is
+    stored again by another write (``stored_wid``; read as ``read_wid``), or
+    no longer stored (``stored`` False; also what a match of another session
+    gets). Its tokens may not be those the turn's response was generated
+    after. Look the prompt up again and run the turn again. An InvalidInput
+    of field ``prefix`` (docs/traces.md, Write ids).
     """
 
-    def __init__(self, sid: str, node: str, stored_wid: str, read_wid: str) -> None:
+    def __init__(self, sid: str, node: str, stored_wid: str, read_wid: str, stored: bool = True) -> None:
         self.sid = sid
         self.node = node
         self.stored_wid = stored_wid
         self.read_wid = read_wid
+        self.stored = stored
+        now = (
+            f"was stored again since it was read (write {stored_wid or 'none'}, read {read_wid or 'none'}"
+            if stored
+            else f"is no longer stored (read under write {read_wid or 'none'}; or it is another session's"
+        )
         super().__init__(
             "prefix",
-            f"session {sid!r}: prefix node {node} was stored again since it was read (write "
-            f"{stored_wid or 'none'}, read {read_wid or 'none'}; the store rolled back, or the session "
-            "was purged and reopened): look the prompt up again",
+            f"session {sid!r}: prefix node {node} {now}; the store rolled back, or the session was purged "
+            "and reopened): look the prompt up again",
         )
 
 
@@ -455,7 +461,7 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
     if code == "CORRUPT":
         raise CorruptData(str(f[0]), str(f[2]) if len(f) > 2 else "undecodable", str(f[1]) if len(f) > 1 else "")
     if code == "PREFIX_CHANGED":
-        raise PrefixChanged(str(f[0]), str(f[1]), str(f[2]), str(f[3]))
+        raise PrefixChanged(str(f[0]), str(f[1]), str(f[2]), str(f[3]), str(f[4]) != "0" if len(f) > 4 else True)
     if code == "INVALID_INPUT":
         raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
     raise ScriptError(script, f"unknown result code {code!r} {f!r}")

@@ -2,10 +2,12 @@
 
 Nodes never change once written (an equal rewrite is a no-op, a different
 one is refused), so a node payload read once can be served from memory for
-as long as the session's data incarnation lives. Session indexes do change
-(nodes are added); they are cached as immutable snapshots tagged with the
-index version, and every read validates that version on the server in the
-same round trip before trusting the snapshot.
+as long as the session's data incarnation lives (keyed by the write that
+stored the node: a store that rolls back may store it again, under another
+write id). Session indexes do change (nodes are added); they are cached as
+immutable snapshots tagged with the index version and the chain of its
+writes' ids, and every read validates both on the server in the same round
+trip before trusting the snapshot.
 
 The cache is bounded in bytes (``StoreConfig.cache_bytes``; 0 disables it),
 least recently used entries go first, and it is safe to share between

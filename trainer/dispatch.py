@@ -11,6 +11,7 @@ to the worker that holds its routed experts, and a worker whose actor died
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ from tracestore.scripts import Op, gather
 from .actors import Workers
 from .sample import Sample
 
+log = logging.getLogger(__name__)
+
 
 def settle_calls(ctx: Context, unsettled: Sequence[tuple[Lease, str]]) -> list[Op[Any]]:
     """``settle_many`` calls for ``(lease, outcome)`` pairs, one per outcome (to gather with others)."""
@@ -33,6 +36,14 @@ def settle_calls(ctx: Context, unsettled: Sequence[tuple[Lease, str]]) -> list[O
     for lease, status in unsettled:
         by.setdefault(status, []).append(lease)
     return [settle_many(ctx, ls, status) for status, ls in by.items()]
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to ``exc``'s notes (shown with its traceback; Python 3.11+), and log it."""
+    log.warning(text)
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(text)
 
 
 class WorkersLost(RuntimeError):
@@ -120,17 +131,23 @@ class WorkerPool:
         """
         calls = {w: self.workers[w].run_unsettled.remote(ss, temperature) for w, ss in by_worker.items()}
         got: dict[str, Any] = {}
-        failed: BaseException | None = None
+        failed: list[Exception] = []
         for w, ref in calls.items():  # every worker's answer, even after one failed
             try:
                 got.update(self.gather({w: ref}))
-            except BaseException as exc:  # its own leases it settled itself (RolloutWorker.run_unsettled)
-                failed = failed or exc
+            except Exception as exc:  # a failing worker settled its own leases (RolloutWorker.run_unsettled)
+                failed.append(exc)
         unsettled = [pair for _out, pairs in got.values() for pair in pairs]
-        if failed is not None:
-            # the others' handed-back leases would otherwise expire into poison: settle them now
-            self.store.run(gather(settle_calls(self.store.context, unsettled)))
-            raise failed
+        if failed:
+            first = failed[0]
+            for other in failed[1:]:
+                _note(first, f"another rollout worker failed too: {type(other).__name__}: {other}")
+            try:  # the others' handed-back leases would otherwise expire into poison: settle them now
+                self.store.run(gather(settle_calls(self.store.context, unsettled)))
+            except Exception as exc:
+                _note(first, f"settling the other workers' {len(unsettled)} leases failed too: "
+                      f"{type(exc).__name__}: {exc}")
+            raise first
         return {w: list(out) for w, (out, _pairs) in got.items()}, settle_calls(self.store.context, unsettled)
 
     def run(self, by_worker: dict[str, list[Sample]], temperature: float = 1.0) -> dict[str, list[Sample]]:

@@ -27,7 +27,8 @@
 -- before write ids ("num,...") have wid ''.
 -- A parent given as "id.wid" ("id." for a parent read without a write id)
 -- must be stored with that wid: the caller read the prefix's tokens under
--- it. A bare "id" (a parent written by the same call) is not checked.
+-- it (PREFIX_CHANGED when it is stored with another one, or no longer
+-- stored). A bare "id" (a parent written by the same call) is not checked.
 
 -- The index's epoch ('' before the first write), version (-1 when '#v' does
 -- not parse) and chain, from HMGET idx '#e' '#v'.
@@ -72,6 +73,9 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
       pnum = here[pid]
       if not pnum then
         local prec = redis.call('HGET', idx, pid)
+        if not prec and dot == '.' then  -- read by the caller, gone since: as stored again
+          return nil, {1, 'PREFIX_CHANGED', sid, pid, '', pwid, 0}
+        end
         if not prec then
           return nil, {1, 'INVALID_INPUT', 'prefix',
             'parent node ' .. pid .. ' of node ' .. n[1] .. ' is not stored in session ' .. sid}
@@ -82,7 +86,7 @@ local function nodes_check(idx, tok, dead, sid, nodes, wid)
           return nil, {1, 'CORRUPT', idx, pid, 'malformed index record ' .. prec}
         end
         if dot == '.' and swid ~= pwid then
-          return nil, {1, 'PREFIX_CHANGED', sid, pid, swid, pwid}
+          return nil, {1, 'PREFIX_CHANGED', sid, pid, swid, pwid, 1}
         end
       end
     end

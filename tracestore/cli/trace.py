@@ -33,7 +33,12 @@ def _labels(node: Node) -> str:
 
 
 def _tree(ix: SessionIndex) -> list[tuple[int, Node]]:
-    """The nodes depth first (children by end, then number), each with its depth."""
+    """The nodes depth first (children by end, then number), each with its depth.
+
+    CorruptData (naming the node) when a parent is not stored or the parents form a cycle.
+    """
+    for n in ix.nodes.values():
+        ix.path(n)
     children: dict[str | None, list[Node]] = {}
     for n in ix.nodes.values():
         parent = n.parent if n.parent in ix.nodes else None
@@ -99,7 +104,7 @@ def trace_command(
     tree = _tree(ix)
     if as_json:
         echo_json({
-            "sid": sid, "epoch": ix.epoch, "index_version": ix.version, "write_id": ix.wid,
+            "sid": sid, "epoch": ix.epoch, "index_version": ix.version, "chain": ix.wid or None,
             "nodes": [_node_json(ix, n, texts) for _, n in tree],
         })
         return
@@ -134,8 +139,7 @@ def _key_of(ix: SessionIndex, num: int, texts: dict[str, Any], sid: str) -> str:
     if num not in by_num:
         raise InvalidInput("node", f"session {sid!r} has no node {num} (it has {len(ix.nodes)})")
     parts: list[str] = []
-    node: Node | None = ix.nodes[by_num[num]]
-    while node is not None:
+    for node in ix.path(ix.nodes[by_num[num]]):  # (CorruptData: a parent not stored, a cycle)
         text = _text(ix, node, texts)
         if text is None:
             raise InvalidInput(
@@ -143,8 +147,7 @@ def _key_of(ix: SessionIndex, num: int, texts: dict[str, Any], sid: str) -> str:
                 "written with store_text=False): give its key with --export TEXT"
             )
         parts.append(text)
-        node = ix.nodes.get(node.parent) if node.parent else None
-    return "".join(reversed(parts))
+    return "".join(parts)
 
 
 def _text(ix: SessionIndex, n: Node, texts: dict[str, Any]) -> str | None:

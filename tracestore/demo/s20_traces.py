@@ -104,7 +104,7 @@ def run(store: TraceStore) -> list[tuple[str, object]]:
 
     r = store.redis
     k = store.keys
-    nodes = r.hlen(k.idx(sid)) - 3  # minus the epoch, version and write id fields
+    nodes = r.hlen(k.idx(sid)) - 2  # minus the epoch and version fields
     mem = sum(int(r.memory_usage(key) or 0) for key in k.data_keys(sid))
     rows.append(("session keys", f"{k.idx(sid)} ({nodes} nodes), :tok, :txt; {mem} bytes in Redis"))
     return rows
