@@ -266,14 +266,18 @@ def test_a_rollout_node_lost_mid_run_is_reclaimed_and_the_run_goes_on(
 
     Runs last in this module: the cluster keeps one rollout node afterwards.
     """
-    cfg = _cfg(nodes, cluster_url, tmp_path, workers=2, steps=5, lease_ttl_s=3.0, owner_ttl_s=3.0)
+    # The freeze must prove w0 is inside a request: a lease it handed back with its results stays
+    # unsettled too, until the producer has every worker's results (w1's round can take over a
+    # second on a busy machine: a 1 s watch was fooled in CI). Watching 4 s needs TTLs above it,
+    # or gc would declare w0's tag lost during the watch.
+    cfg = _cfg(nodes, cluster_url, tmp_path, workers=2, steps=5, lease_ttl_s=6.0, owner_ttl_s=6.0)
     victim = nodes.rollout_b  # w0's node (127.0.0.2 sorts first)
     frozen: dict[str, str] = {}
     errors: list[BaseException] = []
 
     def kill_node() -> None:  # while step 3 trains and the producer refills the buffer
         try:
-            frozen["lease"], frozen["sid"] = freeze_in_flight(victim, cluster_url, cfg.run, "w0")
+            frozen["lease"], frozen["sid"] = freeze_in_flight(victim, cluster_url, cfg.run, "w0", settle_s=4.0)
             nodes.cluster.remove_node(victim, allow_graceful=False)
         except BaseException as exc:
             errors.append(exc)
