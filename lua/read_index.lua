@@ -15,7 +15,7 @@
 -- ARGV[4..] = node numbers whose payloads to return (numbers of the index the client holds:
 --   a client keeps a payload only when the index it gets back gives its node the same number
 --   and write id)
--- returns: {0, dead (0|1), epoch, version, write id, changed (0|1), n, field_1, value_1, ...,
+-- returns: {0, dead (0|1), epoch, version, chain, changed (0|1), n, field_1, value_1, ...,
 --           (n items), payload_1, ..., payload_m} ('' for a missing payload)
 -- errors: none
 local dead = redis.call('EXISTS', KEYS[3])

@@ -104,7 +104,7 @@ def trace_command(
     tree = _tree(ix)
     if as_json:
         echo_json({
-            "sid": sid, "epoch": ix.epoch, "index_version": ix.version, "chain": ix.wid or None,
+            "sid": sid, "epoch": ix.epoch, "index_version": ix.version, "chain": ix.chain or None,
             "nodes": [_node_json(ix, n, texts) for _, n in tree],
         })
         return

@@ -76,20 +76,20 @@ class SessionIndex:
     """Immutable snapshot of a session index at one version (cached per session).
 
     It is current while the server's index has the same ``epoch``,
-    ``version`` and chain of write ids ``wid`` (``#e``, and ``#v`` =
+    ``version`` and chain of write ids ``chain`` (``#e``, and ``#v`` =
     ``version.chain``): after a store rolled back, a version can come again
     for another index, its chain cannot (lua/_lib/nodes.lua).
     """
 
-    __slots__ = ("epoch", "version", "wid", "nodes", "nums", "ends", "key")
+    __slots__ = ("epoch", "version", "chain", "nodes", "nums", "ends", "key")
 
     def __init__(
         self, epoch: str, version: int, nodes: dict[str, Node], nums: dict[str, int], key: str = "",
-        wid: str = "",
+        chain: str = "",
     ) -> None:
         self.epoch = epoch
         self.version = version
-        self.wid = wid
+        self.chain = chain
         self.nodes = nodes
         self.nums = nums  # node id -> node number (its field in tok and txt), in this epoch
         self.ends = sorted({n.end for n in nodes.values()})
@@ -97,7 +97,7 @@ class SessionIndex:
 
     @classmethod
     def from_pairs(
-        cls, epoch: str, version: int, flat: Sequence[Any], key: str, wid: str = ""
+        cls, epoch: str, version: int, flat: Sequence[Any], key: str, chain: str = ""
     ) -> SessionIndex:
         """The snapshot of the ``idx`` hash ``key`` read as ``[field, value, ...]`` (``#`` fields skipped).
 
@@ -127,18 +127,18 @@ class SessionIndex:
             except ValueError as exc:
                 raise CorruptData(key, f"malformed index record ({exc})", digest) from None
             nums[digest] = num
-        return cls(epoch, version, nodes, nums, key, wid)
+        return cls(epoch, version, nodes, nums, key, chain)
 
     def with_nodes(
-        self, epoch: str, version: int, new: Sequence[tuple[Node, int]], wid: str
+        self, epoch: str, version: int, new: Sequence[tuple[Node, int]], chain: str
     ) -> SessionIndex:
-        """A new snapshot at ``version``/``wid`` with ``new`` ``(node, number)`` pairs added (this one is never changed)."""
+        """A new snapshot at ``version``/``chain`` with ``new`` ``(node, number)`` pairs added (this one is never changed)."""
         nodes = dict(self.nodes)
         nums = dict(self.nums)
         for n, num in new:
             nodes[n.id] = n
             nums[n.id] = num
-        return SessionIndex(epoch, version, nodes, nums, self.key, wid)
+        return SessionIndex(epoch, version, nodes, nums, self.key, chain)
 
     @property
     def nbytes(self) -> int:

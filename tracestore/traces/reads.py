@@ -53,12 +53,12 @@ def read_path(
         script("read_index"),
         (k.idx(sid), k.tok(sid), k.dead(sid)),
         (
-            snap.epoch if snap else "", snap.version if snap else -1, snap.wid if snap else "",
+            snap.epoch if snap else "", snap.version if snap else -1, snap.chain if snap else "",
             *(snap.nums[n.id] for n in want if snap),
         ),
     )
     r = Reply(reply, "read_index")
-    dead, epoch, version, wid, changed = r.flag(), r.text(), r.int(), r.text(), r.flag()
+    dead, epoch, version, chain, changed = r.flag(), r.text(), r.int(), r.text(), r.flag()
     index_pairs = r.take(r.int())
     if dead:
         cache.discard(idx_key(sid))
@@ -68,7 +68,7 @@ def read_path(
         raise CorruptData(k.idx(sid), "the index version is not a number", "#v")
     old = snap
     if changed:
-        snap = SessionIndex.from_pairs(epoch, version, index_pairs, k.idx(sid), wid)
+        snap = SessionIndex.from_pairs(epoch, version, index_pairs, k.idx(sid), chain)
         cache.put(idx_key(sid), snap, snap.nbytes)
     assert snap is not None
     got: dict[str, bytes] = {}
@@ -100,16 +100,16 @@ def read_path(
         again = yield Eval(
             script("read_index"),
             (k.idx(sid), k.tok(sid), k.dead(sid)),
-            (epoch, version, snap.wid, *(snap.nums[n.id] for n in missing)),
+            (epoch, version, snap.chain, *(snap.nums[n.id] for n in missing)),
         )
         r2 = Reply(again, "read_index")
-        dead2, epoch2, version2, wid2, changed2 = r2.flag(), r2.text(), r2.int(), r2.text(), r2.flag()
+        dead2, epoch2, version2, chain2, changed2 = r2.flag(), r2.text(), r2.int(), r2.text(), r2.flag()
         pairs2 = r2.take(r2.int())
         fetched = list(r2.rest())
         if changed2 and not dead2 and epoch2 == epoch:
             # others wrote meanwhile: the numbers asked by still name these nodes, unless the
             # store rolled back (then the index read now gives one of them another write id)
-            now = SessionIndex.from_pairs(epoch2, version2, pairs2, k.idx(sid), wid2)
+            now = SessionIndex.from_pairs(epoch2, version2, pairs2, k.idx(sid), chain2)
             if any(not n.same_write(now.nodes.get(n.id)) or now.nums.get(n.id) != snap.nums[n.id] for n in missing):
                 cache.discard(idx_key(sid))
                 cache.discard(cont_key(sid))

@@ -256,26 +256,26 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
 
 
 def _after_write(
-    ctx: Context, sid: str, epoch: str, versions: tuple[int, int], wids: tuple[str, str],
+    ctx: Context, sid: str, epoch: str, versions: tuple[int, int], chains: tuple[str, str],
     new: Sequence[_NewNode], nums: Sequence[int],
 ) -> None:
     """Keep the cached index current after our own write, or drop it if others wrote too.
 
-    ``versions``/``wids``: the index's version and write id before and after
+    ``versions``/``chains``: the index's version and chain of write ids before and after
     the call; ``new``: the nodes as stored (with their write ids); ``nums``:
     the node numbers the script gave (or found) for them.
     """
-    (before, after), (wid_before, wid_after) = versions, wids
+    (before, after), (chain_before, chain_after) = versions, chains
     cache = node_cache(ctx)
     snap: SessionIndex | None = cache.get(idx_key(sid))
     pairs = [(x.node, n) for x, n in zip(new, nums, strict=True)]
-    if snap is not None and snap.epoch == epoch and snap.version == before and snap.wid == wid_before:
-        snap = snap.with_nodes(epoch, after, pairs, wid_after)
+    if snap is not None and snap.epoch == epoch and snap.version == before and snap.chain == chain_before:
+        snap = snap.with_nodes(epoch, after, pairs, chain_after)
         cache.put(idx_key(sid), snap, snap.nbytes)
     elif before == 0 and after > 0:  # we wrote the first nodes: we know the whole index
-        snap = SessionIndex(epoch, 0, {}, {}, ctx.keys.idx(sid)).with_nodes(epoch, after, pairs, wid_after)
+        snap = SessionIndex(epoch, 0, {}, {}, ctx.keys.idx(sid)).with_nodes(epoch, after, pairs, chain_after)
         cache.put(idx_key(sid), snap, snap.nbytes)
-    elif snap is not None and (snap.epoch != epoch or snap.version != after or snap.wid != wid_after):
+    elif snap is not None and (snap.epoch != epoch or snap.version != after or snap.chain != chain_after):
         cache.discard(idx_key(sid))
     for x in new:
         cache_payload(cache, sid, epoch, x.node, x.payload)
@@ -383,9 +383,9 @@ def record_turn(
     epoch, before, after = r.text(), r.int(), r.int()
     written = sum(r.int() for _ in new)
     nums = [r.int() for _ in new]
-    wid_before, wid_after = r.text(), r.text()
+    chain_before, chain_after = r.text(), r.text()
     new = [x.stored(r.text()) for x in new]
-    _after_write(ctx, sid, epoch, (before, after), (wid_before, wid_after), new, nums)
+    _after_write(ctx, sid, epoch, (before, after), (chain_before, chain_after), new, nums)
     nodes = replace(nodes, delta=new[0] if nodes.delta else None, response=new[-1])
     _continue(ctx, turn, nodes, epoch)
     return Turn(nodes.delta.node if nodes.delta else None, nodes.response.node, written)
@@ -483,7 +483,7 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
         reply = yield Eval(
             script("insert_node"),
             keys,
-            (sid, 1 if store_text else 0, snap.epoch, snap.version, *new.args(store_text), wid, snap.wid),
+            (sid, 1 if store_text else 0, snap.epoch, snap.version, *new.args(store_text), wid, snap.chain),
         )
         r = Reply(reply, "insert_node")
         stale, epoch, before, after = r.flag(), r.text(), r.int(), r.int()
@@ -494,8 +494,8 @@ def insert(ctx: Context, sid: str, key_text: str, segment: Segment) -> Op[Node]:
             snap = None
             continue
         new = new.stored(r.text())
-        wid_after = r.text()
-        _after_write(ctx, sid, epoch, (before, after), (snap.wid, wid_after), [new], [num])
+        chain_after = r.text()
+        _after_write(ctx, sid, epoch, (before, after), (snap.chain, chain_after), [new], [num])
         return new.node
     raise ScriptError(
         "insert_node",
