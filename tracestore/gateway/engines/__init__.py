@@ -1,0 +1,34 @@
+"""Engine adapters behind one contract (:mod:`.base`): ``sglang`` (SGLang's native ``/generate``),
+``vllm`` (vLLM's OpenAI-compatible ``/v1/completions`` with token ids). ``--engine-api`` picks one."""
+
+from .base import (
+    Chunk,
+    Engine,
+    EngineError,
+    EngineInfo,
+    EngineLost,
+    EngineOutput,
+    EngineRefused,
+    EngineRejected,
+    EngineRequest,
+    Sampling,
+    engine_apis,
+    engine_class,
+    register,
+)
+
+__all__ = [
+    "Chunk",
+    "Engine",
+    "EngineError",
+    "EngineInfo",
+    "EngineLost",
+    "EngineOutput",
+    "EngineRefused",
+    "EngineRejected",
+    "EngineRequest",
+    "Sampling",
+    "engine_apis",
+    "engine_class",
+    "register",
+]

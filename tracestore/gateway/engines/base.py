@@ -1,0 +1,265 @@
+"""The engine contract: what the gateway needs of an inference engine, engine-neutral (DESIGN section 13).
+
+An engine adapter speaks one engine's HTTP protocol (``sglang``: SGLang's
+native ``/generate``; ``vllm``: vLLM's OpenAI-compatible ``/v1/completions``
+with token ids) and gives the gateway the same things back:
+
+* :class:`EngineRequest` in: token ids, :class:`Sampling` parameters, whether
+  routed experts are wanted, and the request id (``rid``) to abort it by;
+* :class:`Chunk` out, one per piece of a stream (``stream``), or their sum,
+  :class:`EngineOutput` (``generate``): token ids, one logprob per id, the
+  finish reason (``stop``, ``length``, ``abort``) and the matched stop (a
+  token id or a stop string), the engine's weight version when it has one,
+  and the routed experts when asked and available;
+* ``abort(rid)`` ends one request: its ``generate`` returns (its stream
+  ends) with finish reason ``abort`` and the ids generated before the abort,
+  so a caller can continue the generation later (partial rollouts);
+* ``info()``: what the engine reports about itself (:class:`EngineInfo`:
+  vocabulary size and context length where it reports them), for the
+  gateway's start-up checks.
+
+Failures are told apart because the gate settles them differently:
+:class:`EngineRefused` (the connection was never made: the engine never saw
+the request), :class:`EngineLost` (the connection broke, or timed out, after
+the request was sent: outcome unknown), :class:`EngineRejected` (the engine
+answered with an error status; 4xx means the request was bad).
+
+Adapters register by name (:func:`register`); :func:`engine_class` finds
+one (``--engine-api``). Adding an engine is one module with one class and
+one ``@register`` line; nothing above this contract changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import aiohttp
+
+
+class EngineError(Exception):
+    """Base class of engine call failures (``url`` names the engine)."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"engine {url}: {message}")
+        self.url = url
+
+
+class EngineRefused(EngineError):
+    """The engine could not be reached: it never received the request."""
+
+
+class EngineLost(EngineError):
+    """The connection broke, or timed out, after the request was sent: outcome unknown."""
+
+
+class EngineRejected(EngineError):
+    """The engine answered with an error status (``status``; 4xx means a bad request)."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(url, f"HTTP {status}: {message}")
+        self.status = status
+        self.detail = message
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one request, engine-neutral.
+
+    ``max_tokens``: most new tokens; ``temperature`` 0 is greedy;
+    ``top_k`` -1 is off; ``stop``: stop strings; ``stop_token_ids``: ids that
+    end the answer (the tokenizer's end-of-turn ids); ``ignore_eos``: go on
+    past them; ``seed``: per-request sampling seed (None: the engine's).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation: ``input_ids`` (the whole context), ``sampling``, and ``rid``.
+
+    ``rid`` is the gateway's request id: ``abort(rid)`` ends it.
+    ``routed_experts``: ask for the routed experts (engines that have them).
+    """
+
+    rid: str
+    input_ids: Sequence[int]
+    sampling: Sampling
+    routed_experts: bool = False
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generation: the ids (and their logprobs) new since the previous piece.
+
+    The last piece has ``finish`` (``stop``, ``length`` or ``abort``) and
+    ``matched`` (the stop token id or stop string that ended it, None
+    otherwise); ``routed_experts`` (base64 of int32 little-endian rows, one
+    per token fed through the model: ``prompt + output - 1`` rows) and
+    ``experts_shape`` (``[rows, layers, top_k]``, or None: rows kept flat)
+    come with it when asked and available.
+    """
+
+    ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish: str | None = None
+    matched: int | str | None = None
+    weight_version: str | None = None
+    routed_experts: str | None = None
+    experts_shape: tuple[int, ...] | None = None
+
+
+#: The finish reasons of :attr:`Chunk.finish`.
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class EngineOutput:
+    """A whole generation (or the sum of a stream's chunks so far)."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    matched: int | str | None = None
+    weight_version: str | None = None
+    routed_experts: str | None = None
+    experts_shape: tuple[int, ...] | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        """Fold ``chunk`` into this output (ids and logprobs appended, the rest replaced when set)."""
+        self.output_ids.extend(chunk.ids)
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish is not None:
+            self.finish = chunk.finish
+            self.matched = chunk.matched
+        if chunk.weight_version is not None:
+            self.weight_version = chunk.weight_version
+        if chunk.routed_experts is not None:
+            self.routed_experts = chunk.routed_experts
+            self.experts_shape = chunk.experts_shape
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine reports about itself; None where it does not say.
+
+    ``model``: its model name or path; ``vocab_size``: ids it accepts are
+    ``[0, vocab_size)``; ``max_context``: most tokens of prompt + answer;
+    ``weight_version``: the weights it serves now.
+    """
+
+    model: str | None = None
+    vocab_size: int | None = None
+    max_context: int | None = None
+    weight_version: str | None = None
+
+
+class Engine(Protocol):
+    """One engine process, behind its HTTP protocol (an adapter, see the module docstring).
+
+    Built with ``cls(url, session, timeout)``: ``session`` is the gateway's
+    shared :class:`aiohttp.ClientSession`, ``timeout`` bounds a whole
+    generation (past it the call is :class:`EngineLost`).
+    """
+
+    #: The ``--engine-api`` name of this adapter.
+    api: ClassVar[str]
+    #: Base URL (``http://host:port``).
+    url: str
+
+    async def generate(self, req: EngineRequest) -> EngineOutput:  # pragma: no cover - protocol
+        """The whole generation. Raises EngineRefused / EngineLost / EngineRejected.
+
+        An aborted request returns with ``finish == "abort"`` and the ids
+        generated before the abort.
+        """
+        ...
+
+    def stream(self, req: EngineRequest) -> AsyncIterator[Chunk]:  # pragma: no cover - protocol
+        """The generation piece by piece; the last chunk has ``finish``.
+
+        Raises EngineRefused / EngineLost / EngineRejected; EngineLost too
+        when the stream ends without a finish reason.
+        """
+        ...
+
+    async def abort(self, rid: str) -> bool:  # pragma: no cover - protocol
+        """End request ``rid`` (its generation returns with ``finish == "abort"``).
+
+        False when the engine could not be told. An abort of a request the
+        engine has not seen yet may be remembered or lost, as the engine
+        does; the gateway never relies on either.
+        """
+        ...
+
+    async def info(self) -> EngineInfo:  # pragma: no cover - protocol
+        """What the engine reports about itself. Raises EngineRefused / EngineLost / EngineRejected."""
+        ...
+
+    async def health(self) -> bool:  # pragma: no cover - protocol
+        """True when the engine answers its health check now (never raises)."""
+        ...
+
+
+EngineFactory = Callable[[str, aiohttp.ClientSession, aiohttp.ClientTimeout], Engine]
+
+_REGISTRY: dict[str, Any] = {}
+
+#: Modules of this package that hold an adapter (imported on first lookup; each registers itself).
+ADAPTER_MODULES = ("sglang",)
+
+
+def register(cls: Any) -> Any:
+    """Class decorator: make an adapter available under its ``api`` name (``--engine-api``)."""
+    name = getattr(cls, "api", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls!r} has no api name")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def engine_apis() -> list[str]:
+    """The ``--engine-api`` names available, sorted."""
+    import importlib
+
+    for name in ADAPTER_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
+    return sorted(_REGISTRY)
+
+
+def engine_class(api: str) -> EngineFactory:
+    """The adapter class registered as ``api``; KeyError naming the choices when there is none."""
+    names = engine_apis()
+    if api not in _REGISTRY:
+        raise KeyError(f"unknown engine api {api!r}; choose one of {names}")
+    factory: EngineFactory = _REGISTRY[api]
+    return factory
+
+
+__all__ = [
+    "ADAPTER_MODULES",
+    "FINISH_REASONS",
+    "Chunk",
+    "Engine",
+    "EngineError",
+    "EngineFactory",
+    "EngineInfo",
+    "EngineLost",
+    "EngineOutput",
+    "EngineRefused",
+    "EngineRejected",
+    "EngineRequest",
+    "Sampling",
+    "engine_apis",
+    "engine_class",
+    "register",
+]

@@ -1,0 +1,87 @@
+"""HTTP helpers shared by the engine adapters: a POST that maps connection failures, JSON replies."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .base import EngineLost, EngineRefused, EngineRejected
+
+
+class post:
+    """``async with post(session, url, path, body, timeout) as resp``: a JSON POST whose failures
+    are :class:`EngineRefused` (no connection was made) or :class:`EngineLost` (no reply)."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, url: str, path: str, body: bytes, timeout: aiohttp.ClientTimeout
+    ) -> None:
+        self.session, self.url, self.path, self.body, self.timeout = session, url, path, body, timeout
+        self.resp: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        try:
+            self.resp = await self.session.post(
+                self.url + self.path,
+                data=self.body,
+                headers={"Content-Type": "application/json"},
+                timeout=self.timeout,
+            )
+        except aiohttp.ClientConnectorError as exc:
+            raise EngineRefused(self.url, f"cannot connect: {exc.os_error or exc}") from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise EngineLost(self.url, f"no reply: {exc!r}") from exc
+        return self.resp
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.resp is not None:
+            self.resp.release()
+
+    def close(self) -> None:
+        """Close the request's connection now (vLLM aborts a request whose client left)."""
+        if self.resp is not None:
+            self.resp.close()
+
+
+async def probe(session: aiohttp.ClientSession, url: str, path: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """``GET url + path`` as a JSON object. Raises EngineRefused / EngineLost / EngineRejected."""
+    try:
+        async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise EngineRejected(url, resp.status, detail(raw))
+    except aiohttp.ClientConnectorError as exc:
+        raise EngineRefused(url, f"cannot connect: {exc.os_error or exc}") from exc
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise EngineLost(url, f"no reply to GET {path}: {exc!r}") from exc
+    return json_object(url, raw)
+
+
+def json_object(url: str, raw: bytes) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object; EngineLost when it is not one (a broken engine reply)."""
+    try:
+        out = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise EngineLost(url, f"reply is not JSON: {raw[:200]!r}") from None
+    if not isinstance(out, dict):
+        raise EngineLost(url, "reply is not a JSON object")
+    return out
+
+
+def detail(raw: bytes) -> str:
+    """The message of an engine's error reply (OpenAI/SGLang shapes, or the raw text)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw[:500].decode("utf-8", "replace")
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(body.get("message") or err or body)
+    return str(body)
+
+
+__all__ = ["detail", "json_object", "post", "probe"]
