@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tracestore.gateway._http import serve_forever
+from tracestore.gateway.serve import serve_forever
 from tracestore.trainer.tokenizer import TOKENIZER
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from tests._gateway import CliServer, dump_run, lease_outcomes
 from tracestore import TraceStore
-from tracestore.gateway._http import BackgroundServer
+from tracestore.gateway.serve import BackgroundServer
 from tracestore.gateway.tokenizer import BuiltinTokenizer, HFTokenizer
 from tracestore.trainer.http_agents import CALC_TOOLS
 

@@ -272,7 +272,7 @@ class RolloutWorker:
         With ``--agents http`` the gateway sends every turn here; weights and
         aborts then go through the engine (its worker thread, between generations).
         """
-        from tracestore.gateway._http import BackgroundServer
+        from tracestore.gateway.serve import BackgroundServer
 
         from .engine import PolicyEngine
 

@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from tracestore.gateway._http import serve_forever
+from tracestore.gateway.serve import serve_forever
 from tracestore.gateway.tokenizer import BuiltinTokenizer
 
 from .actor_store import TokenizedSegment, remote_class

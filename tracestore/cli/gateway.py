@@ -29,8 +29,16 @@ def _announce(url: str) -> None:
     multiple=True,
     required=True,
     metavar="URL",
-    help="Engine base URL (SGLang native /generate), e.g. http://127.0.0.1:30000. Repeat for "
-    "several engines: they are the router's entrypoints, sticky per session.",
+    help="Engine base URL, e.g. http://127.0.0.1:30000. Repeat for several engines: they are the "
+    "router's entrypoints, sticky per session.",
+)
+@click.option(
+    "--engine-api",
+    type=click.Choice(["sglang", "vllm"]),
+    default="sglang",
+    show_default=True,
+    help="The engines' protocol: SGLang's native /generate, or vLLM's OpenAI-compatible "
+    "/v1/completions with token ids.",
 )
 @url_option
 @click.option(
@@ -92,7 +100,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
     """
     try:
         from ..gateway import GatewayConfig
-        from ..gateway._http import serve_forever
+        from ..gateway.serve import serve_forever
         from ..gateway.server import make_app
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the gateway needs the extra tracestore[gateway]: {exc}", EXIT_CONFIG)
@@ -101,6 +109,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
 
     cfg = GatewayConfig(
         engines=engines,
+        engine_api=kw["engine_api"],
         url=kw["url"],
         run=kw["run"],
         owner=kw["owner"],
@@ -151,7 +160,7 @@ def engine(host: str, port: int, seed: int, warmup_steps: int, max_len: int, wei
     gateway at SGLang for those).
     """
     try:
-        from ..gateway._http import serve_forever
+        from ..gateway.serve import serve_forever
         from ..trainer.engine import build_engine
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the engine needs the extras tracestore[ray,gateway] (torch, aiohttp): {exc}", EXIT_CONFIG)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -165,6 +165,18 @@ class Answer:
         return m
 
 
+class Wire(Protocol):
+    """What the gateway needs of a wire-format module (:mod:`.openai`, :mod:`.anthropic`)."""
+
+    NAME: str
+    Stream: Any
+
+    def parse(self, body: dict[str, Any], default_max_tokens: int) -> ChatRequest: ...  # pragma: no cover
+    def response(self, req: ChatRequest, answer: Answer, rid: str, piece: Any) -> dict[str, Any]: ...  # pragma: no cover
+    def error_body(self, err: ApiError) -> dict[str, Any]: ...  # pragma: no cover
+    def models(self, model: str) -> dict[str, Any]: ...  # pragma: no cover
+
+
 def new_id(prefix: str) -> str:
     """A random id with ``prefix`` (``chatcmpl-``, ``msg_``, ``call_``, ``toolu_``)."""
     return prefix + secrets.token_hex(12)
@@ -266,6 +278,7 @@ __all__ = [
     "ChatRequest",
     "Message",
     "ToolCall",
+    "Wire",
     "invalid",
     "new_id",
 ]

@@ -29,6 +29,9 @@ benchmarks) apart.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -36,6 +39,16 @@ _BUCKETS = (
     0.0002, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )
+
+
+@dataclass
+class Timing:
+    """Where one request's time went: ``engine_s`` in engine calls, ``store_s`` in store calls on
+    its path (``start``: ``perf_counter`` when it arrived)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    engine_s: float = 0.0
+    store_s: float = 0.0
 
 
 class Metrics:
@@ -65,4 +78,4 @@ class Metrics:
         return bytes(generate_latest(self.registry))
 
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "Timing"]

@@ -103,6 +103,7 @@ class BuiltinTokenizer:
     """
 
     name = "tracestore-reference"
+    tool_parser = "builtin"
 
     def __init__(self) -> None:
         from ..trainer import chat
@@ -242,6 +243,7 @@ class HFTokenizer:
         if tool_parser not in parsers:
             raise ConfigError(f"unknown tool parser {tool_parser!r}; choose one of {sorted(parsers)}")
         self._parse = parsers[tool_parser]
+        self.tool_parser = tool_parser
         self.name = Path(path).resolve().name
         stops = [self._tok.eos_token_id] if self._tok.eos_token_id is not None else []
         gen_cfg = Path(path) / "generation_config.json"

@@ -1,0 +1,280 @@
+"""Admission: the gate leases of one gateway process, and the requests they cover.
+
+* Admissions and settlements of one event-loop iteration go to Redis as one
+  call each (:class:`Coalescer`): a thousand turns starting together cost one
+  ``admit_many``, not a thousand round trips.
+* Every request being served is a :class:`Flight` (its engine request id, its
+  lease, where it is); :meth:`Admission.abort_all` stops the leased ones at
+  their engines.
+* **Learning of a seal.** One watcher task, running only while leased
+  requests are in flight, reads ``gate.status()`` every ``gate_poll_s``
+  (default 50 ms): one small script call per interval per gateway, not per
+  request. When it sees the gate sealed it aborts every leased request in
+  flight at its engine. A refused admission (GateSealed) does the same at
+  once. Latency from seal to the engine's abort call: at most
+  ``gate_poll_s`` plus one round trip. The watcher also renews leases older
+  than half their ttl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from ..errors import SessionReleased
+from ..gate import Lease
+from ..store import AsyncTraceStore
+from .engines import Engine
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+X = TypeVar("X")
+Y = TypeVar("Y")
+
+
+@dataclass(eq=False)
+class Flight:
+    """A request being served: what the seal watcher and the cleanup need of it.
+
+    ``rid``: the engine request id (``X-Request-Id``); ``engine``: where it
+    runs; ``abort_reason``: set when the gateway decided to stop it;
+    ``record_task``: the turn's write, once started (the commit point: a
+    recorded turn is not aborted any more).
+    """
+
+    rid: str
+    sid: str | None
+    engine: Engine
+    lease: Lease | None = None
+    renewed: float = field(default_factory=time.monotonic)
+    abort_reason: str | None = None
+    engine_started: bool = False
+    engine_done: bool = False
+    record_task: asyncio.Task[Any] | None = None
+    settled: bool = False
+
+    @property
+    def generating(self) -> bool:
+        """True while the engine works on it."""
+        return self.engine_started and not self.engine_done
+
+
+class Coalescer(Generic[X, Y]):
+    """Gathers the calls made during one event-loop iteration into one batch call.
+
+    ``flush(items)`` returns one result (or exception) per item, in order;
+    an exception it raises goes to every item of the batch. No timer: a batch
+    is sent on the loop's next iteration, so a lone call waits for nothing.
+    """
+
+    def __init__(self, flush: Callable[[list[X]], Awaitable[list[Y | BaseException]]], limit: int) -> None:
+        self._flush = flush
+        self._limit = limit
+        self._items: list[tuple[X, asyncio.Future[Y]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(self, item: X) -> Y:
+        """Queue ``item`` for the next batch and wait for its result."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Y] = loop.create_future()
+        if not self._items:
+            loop.call_soon(self._start)
+        self._items.append((item, fut))
+        return await fut
+
+    def _start(self) -> None:
+        items, self._items = self._items, []
+        for i in range(0, len(items), self._limit):
+            task = asyncio.ensure_future(self._run(items[i : i + self._limit]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, items: list[tuple[X, asyncio.Future[Y]]]) -> None:
+        try:
+            results = await self._flush([x for x, _ in items])
+        except BaseException as exc:  # every caller of the batch gets it
+            for _, fut in items:
+                if not fut.done():
+                    fut.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for (_, fut), res in zip(items, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(res, BaseException):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
+
+
+class Admission:
+    """The gate leases of one gateway process (see the module docstring).
+
+    ``db(coro)`` runs a store call once a pooled connection is free (the
+    gateway's connection budget); ``spawn(coro)`` runs a background task the
+    gateway waits for at shutdown.
+    """
+
+    def __init__(
+        self,
+        store: AsyncTraceStore,
+        holder: str,
+        ttl_s: float,
+        poll_s: float,
+        metrics: Metrics,
+        db: Callable[[Awaitable[Any]], Awaitable[Any]],
+        spawn: Callable[[Awaitable[Any]], None],
+    ) -> None:
+        self.store = store
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.poll_s = poll_s
+        self.metrics = metrics
+        self._db = db
+        self._spawn = spawn
+        self.flights: dict[str, Flight] = {}
+        self._leased = 0
+        self._busy = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+        self._admits: Coalescer[str, Lease] = Coalescer(self._admit_batch, 1000)
+        self._settles: Coalescer[tuple[Lease, str], None] = Coalescer(self._settle_batch, 1000)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the seal watcher (inside the running loop)."""
+        self._watcher = asyncio.create_task(self._watch(), name="gateway-gate-watcher")
+
+    async def close(self) -> None:
+        """Stop the seal watcher."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+            self._watcher = None
+
+    # -- flights ----------------------------------------------------------------------------
+
+    def register(self, flight: Flight) -> None:
+        """``flight`` is being served (the watcher runs while any leased flight is)."""
+        self.flights[flight.rid] = flight
+        if flight.lease is not None:
+            self._leased += 1
+            self._busy.set()
+
+    def unregister(self, flight: Flight) -> None:
+        """``flight`` is done (idempotent)."""
+        if self.flights.pop(flight.rid, None) is not None and flight.lease is not None:
+            self._leased -= 1
+            if self._leased == 0:
+                self._busy.clear()
+
+    def abort_all(self, reason: str) -> int:
+        """Mark every leased flight not yet recording aborted and stop those generating; how many."""
+        n = 0
+        for f in list(self.flights.values()):
+            if f.lease is None or f.abort_reason is not None or f.record_task is not None:
+                continue
+            f.abort_reason = reason
+            n += 1
+            if f.generating:
+                self._spawn(f.engine.abort(f.rid))
+        return n
+
+    # -- admit and settle -------------------------------------------------------------------
+
+    async def admit(self, sid: str) -> Lease:
+        """A lease for ``sid`` (coalesced with the admissions of this loop iteration).
+
+        Raises what ``gate.admit`` raises (GateSealed, SessionReleased...).
+        """
+        return await self._admits.submit(sid)
+
+    async def settle(self, lease: Lease, outcome: str) -> None:
+        """Settle ``lease`` (coalesced); a failure is logged, and the lease then expires into
+        the poison set: loud, not lost."""
+        try:
+            await self._settles.submit((lease, outcome))
+        except Exception as exc:
+            log.warning("gateway: could not settle lease %s as %s: %s", lease.id, outcome, exc)
+
+    async def settle_flight(self, flight: Flight, outcome: str) -> None:
+        """Settle ``flight``'s lease once (later calls do nothing) and unregister it."""
+        if flight.settled:
+            return
+        flight.settled = True
+        self.unregister(flight)
+        if flight.lease is not None:
+            await self.settle(flight.lease, outcome)
+
+    def completed(self, flight: Flight) -> None:
+        """The answer is out: settle ``completed`` in the background.
+
+        Not awaited by the handler: a client that closes its connection right
+        after reading the answer must not cancel the settlement.
+        """
+        flight.settled = True
+        self.unregister(flight)
+        if flight.lease is not None:
+            self._spawn(self.settle(flight.lease, "completed"))
+
+    async def _admit_batch(self, sids: list[str]) -> list[Lease | BaseException]:
+        """One ``admit_many`` for the admissions of one loop iteration.
+
+        admit_many is all or nothing: when one session of the batch was released,
+        each is admitted alone so that only that one is refused.
+        """
+        try:
+            leases: list[Lease | BaseException] = list(
+                await self._db(self.store.gate.admit_many([(s, self.holder) for s in sids], self.ttl_s))
+            )
+            return leases
+        except SessionReleased:
+            if len(sids) == 1:
+                raise
+        alone = await asyncio.gather(
+            *(self._db(self.store.gate.admit(s, self.holder, self.ttl_s)) for s in sids), return_exceptions=True
+        )
+        return list(alone)
+
+    async def _settle_batch(self, items: list[tuple[Lease, str]]) -> list[None | BaseException]:
+        """Settle the leases of one loop iteration: one pipelined ``settle_many`` per outcome."""
+        by: dict[str, list[Lease]] = {}
+        for lease, outcome in items:
+            by.setdefault(outcome, []).append(lease)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(self._db(self.store.gate.settle_many(ls, o)) for o, ls in by.items()))
+        finally:
+            self.metrics.latency.labels("settle").observe(time.perf_counter() - t0)
+        return [None] * len(items)
+
+    # -- the seal watcher -------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await self._busy.wait()
+            try:
+                st = await self.store.gate.status()
+                self.metrics.gate_polls.inc()
+                if st.sealed:
+                    self.abort_all("weight_update")
+                now = time.monotonic()
+                for f in list(self.flights.values()):
+                    if f.lease is not None and not f.settled and now - f.renewed > self.ttl_s / 2:
+                        f.renewed = now
+                        await self.store.gate.renew(f.lease, self.ttl_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep watching: a dead watcher would miss the next seal
+                log.warning("gateway: gate watcher: %s", exc)
+            await asyncio.sleep(self.poll_s)
+
+
+__all__ = ["Admission", "Coalescer", "Flight"]

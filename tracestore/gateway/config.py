@@ -1,0 +1,86 @@
+"""The gateway's options (``tracestore gateway`` flags map onto :class:`GatewayConfig`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+from ..errors import ConfigError, InvalidId
+from ..keys import validate_id
+from .engines import engine_apis
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Options of a gateway.
+
+    ``engines``: engine base URLs, the router's entrypoints (sticky per
+    session); ``engine_api``: their protocol (``sglang`` or ``vllm``, see
+    :mod:`.engines`). ``owner``: owner tag of sessions opened without an
+    ``X-Tracestore-Owner`` header. ``name``: lease holder name (default
+    ``gateway-<host>-<pid>``). ``model``: the model name served (default: the
+    tokenizer's). ``trace_sessions``: sessions whose latest turn
+    ``/v1/sessions/{sid}/trace`` can export (LRU). ``startup_checks``: probe
+    the engines and the chat template before serving (:mod:`.startup`).
+    """
+
+    engines: tuple[str, ...]
+    url: str | None = None
+    run: str = "default"
+    owner: str = "gateway"
+    engine_api: str = "sglang"
+    tokenizer: str = "builtin"
+    tool_parser: str = "hermes"
+    model: str | None = None
+    name: str | None = None
+    lease_ttl_s: float = 120.0
+    gate_poll_s: float = 0.05
+    max_body_bytes: int = 32 << 20
+    engine_timeout_s: float = 600.0
+    default_max_tokens: int = 1024
+    trace_sessions: int = 4096
+    redis_connections: int = 256
+    startup_checks: bool = True
+
+    def validate(self) -> GatewayConfig:
+        """Check the options; raises ConfigError with a message a person can act on."""
+        if not self.engines:
+            raise ConfigError("at least one --engine URL is needed")
+        for e in self.engines:
+            if not re.match(r"https?://[^\s/]+\Z", e):
+                raise ConfigError(f"--engine {e!r}: expected http://host:port (no path)")
+        if len(set(self.engines)) != len(self.engines):
+            raise ConfigError("--engine: the same URL is given twice")
+        if self.engine_api not in engine_apis():
+            raise ConfigError(f"--engine-api {self.engine_api!r}: choose one of {engine_apis()}")
+        try:
+            validate_id("owner", self.owner)
+            if self.name is not None:
+                validate_id("gateway name", self.name)
+        except InvalidId as exc:
+            raise ConfigError(str(exc)) from None
+        for name in ("lease_ttl_s", "gate_poll_s", "engine_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.redis_connections < 8:
+            raise ConfigError(f"redis_connections must be at least 8, got {self.redis_connections}")
+        for name in ("max_body_bytes", "default_max_tokens", "trace_sessions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        return self
+
+    @property
+    def holder(self) -> str:
+        """The lease holder name: ``name``, else ``gateway-<host>-<pid>``."""
+        return self.name or default_name()
+
+
+def default_name() -> str:
+    """``gateway-<host>-<pid>`` (the host name reduced to id characters)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:60] or "host"
+    return f"gateway-{host}-{os.getpid()}"
+
+
+__all__ = ["GatewayConfig", "default_name"]

@@ -1,0 +1,160 @@
+"""How a turn's engine input is built and how its answer is recorded: the gateway's prompt modes.
+
+A prompt mode turns a request's canonical messages into the token ids the
+engine receives (:meth:`PromptMode.prepare`, reading the session's stored
+trace) and records the answer as the session's next turn
+(:meth:`PromptMode.write`). The gateway's request path does not depend on
+which mode it runs.
+
+``template`` (:class:`TemplatePrompts`): the chat template over the whole
+conversation every turn, the longest stored *text* prefix looked up, only the
+text after it tokenised; the answer recorded under the template's rendering
+of the conversation with the answer (XTuner's text-keyed trie, through
+:class:`~tracestore.session.AsyncTurnRecorder`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import InvalidInput, PrefixChanged
+from ..session import AsyncTurnRecorder, ExpertHolder, Request
+from ..store import AsyncTraceStore
+from ..traces import Trace
+from .chat import Answer, ApiError, ChatRequest, Message
+from .engines import EngineOutput
+from .experts import PutAhead, decode_experts, put_ahead
+from .failures import Unrecordable
+from .tokenizer import ChatTokenizer
+
+
+@dataclass
+class Prepared:
+    """A turn ready for its engine: ``input_ids`` to send, ``new_tokens`` of them tokenised
+    this turn (the rest came from the store), and the mode's own state (``state``)."""
+
+    sid: str
+    input_ids: list[int]
+    new_tokens: int
+    state: Any
+
+
+class PromptMode(Protocol):
+    """What the gateway needs of a prompt mode (see the module docstring)."""
+
+    name: str
+
+    async def prepare(self, sid: str, req: ChatRequest) -> Prepared:  # pragma: no cover - protocol
+        """The engine input of ``req`` in session ``sid``; writes nothing. Raises store errors, ApiError."""
+        ...
+
+    async def put_experts(self, prep: Prepared, out: EngineOutput) -> Any:  # pragma: no cover - protocol
+        """Decode the routed experts of ``out`` and put them into the holder; the array (or None)."""
+        ...
+
+    async def write(
+        self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int
+    ) -> None:  # pragma: no cover - protocol
+        """Record the turn (the commit point). Raises Unrecordable, NodeConflict, PrefixChanged..."""
+        ...
+
+    async def export(self, sid: str) -> Trace | None:  # pragma: no cover - protocol
+        """The training trace of the latest turn this process recorded in ``sid`` (None: none)."""
+        ...
+
+    def plain(self, req: ChatRequest) -> list[int]:  # pragma: no cover - protocol
+        """The engine input of ``req`` without a session (nothing stored, nothing read)."""
+        ...
+
+
+class TemplatePrompts:
+    """``--prompt-mode template`` (see the module docstring).
+
+    ``holder`` keeps routed experts (None: none are recorded); ``remember``:
+    how many sessions' latest turns :meth:`export` can find (LRU).
+    """
+
+    name = "template"
+
+    def __init__(self, store: AsyncTraceStore, tok: ChatTokenizer, holder: ExpertHolder | None, remember: int) -> None:
+        self.store = store
+        self.tok = tok
+        self.holder = holder
+        self.remember = remember
+        self._last: OrderedDict[str, tuple[list[Message], Message, Any]] = OrderedDict()
+
+    def _recorder(self, req: ChatRequest) -> AsyncTurnRecorder:
+        tools = req.tools
+        memo: dict[tuple[int, bool], str] = {}
+
+        def render(messages: Sequence[Any], gen: bool) -> str:
+            # The recorder renders the request's messages twice (prepare, then to check
+            # the answer extends the same prompt): the list is not changed in between.
+            key = (id(messages), gen)
+            if messages is req.messages and key in memo:
+                return memo[key]
+            out = self.tok.render(messages, tools, gen)
+            if messages is req.messages:
+                memo[key] = out
+            return out
+
+        return AsyncTurnRecorder(self.store, render, self.tok.encode, PutAhead() if self.holder is not None else None)
+
+    async def prepare(self, sid: str, req: ChatRequest) -> Prepared:
+        """Render, look up the longest stored text prefix, tokenise the rest (1 round trip warm)."""
+        rec = self._recorder(req)
+        r = await rec.prepare(sid, req.messages)
+        return Prepared(sid, r.input_ids, len(r.delta_ids), (rec, r))
+
+    async def put_experts(self, prep: Prepared, out: EngineOutput) -> Any:
+        """Split the engine's rows into the delta's and the answer's and put both ahead of the write."""
+        if self.holder is None or out.routed_experts is None:
+            return None
+        rec, r = prep.state
+        rows = len(prep.input_ids) + len(out.output_ids) - 1
+        try:
+            experts = decode_experts(out.routed_experts, out.experts_shape, rows)
+        except ValueError as exc:
+            raise ApiError("bad_gateway", f"engine reply: {exc}", code="engine_error") from None
+        assert isinstance(r, Request) and isinstance(rec.holder, PutAhead)
+        p, d = len(r.prefix.token_ids), len(r.delta_ids)
+        parts = ([experts[p : p + d]] if d else []) + [experts[p + d :]]
+        rec.holder.keys = await put_ahead(self.holder, prep.sid, parts)
+        return experts
+
+    async def write(self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int) -> None:
+        """``record_turn`` through the recorder: the delta under the old prompt, the answer under the
+        template's rendering of the conversation with the answer (1 round trip)."""
+        rec, _ = prep.state
+        assistant = answer.message()
+        try:
+            await rec.after_response(
+                prep.sid, req.messages, assistant, answer.output_ids, answer.logprobs, experts, version
+            )
+        except PrefixChanged:
+            raise
+        except InvalidInput as exc:
+            raise Unrecordable(str(exc)) from None
+        self._last[prep.sid] = (req.messages, assistant, req.tools)
+        self._last.move_to_end(prep.sid)
+        if len(self._last) > self.remember:
+            self._last.popitem(last=False)
+
+    async def export(self, sid: str) -> Trace | None:
+        """The latest recorded turn's trace, by its key (the template's rendering with the answer)."""
+        last = self._last.get(sid)
+        if last is None:
+            return None
+        messages, assistant, tools = last
+        key = self.tok.render([*messages, assistant], tools, False).rstrip()
+        return await self.store.export_training_trace(sid, key)
+
+    def plain(self, req: ChatRequest) -> list[int]:
+        """The template over the messages, tokenised whole."""
+        return self.tok.encode(self.tok.render(req.messages, req.tools, True))
+
+
+__all__ = ["Prepared", "PromptMode", "TemplatePrompts"]

@@ -1,0 +1,159 @@
+"""Start-up checks: what one probe finds is never found per request (DESIGN section 13).
+
+Before the gateway listens:
+
+* :func:`check_engines`: every engine that answers is asked what it reports
+  about itself (:class:`~.engines.EngineInfo`); a vocabulary that cannot hold
+  the tokenizer's ids ends the gateway with one line naming the engine, the
+  tokenizer and what differs. An engine that does not answer yet is reported
+  and left to the per-request errors (it may be starting).
+* :func:`probe_template`: one probe conversation (a system message, a user
+  message, an assistant tool call, its tool result) is rendered through the
+  chat template, and the tool call parsed back. A template that cannot
+  render a feature is served without it: :meth:`TemplateFeatures.check`
+  answers a request that uses it with a 400 that names it. Tool-call ids take
+  the first form the template accepts (``call_<hex>``; Mistral's templates
+  want 9 alphanumeric characters).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from .chat import ApiError, ChatRequest, Message, invalid
+from .engines import Engine, EngineError
+from .tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_add",
+        "description": "add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+
+
+def tokenizer_ids(tok: ChatTokenizer) -> int:
+    """How many ids the tokenizer can produce (its largest id + 1)."""
+    return int(getattr(tok, "vocab_size", 0) or 0)
+
+
+async def check_engines(tok: ChatTokenizer, engines: list[Engine]) -> None:
+    """Ask every engine what it reports; ConfigError (one line) when one cannot serve ``tok``'s ids."""
+    need = tokenizer_ids(tok)
+    for e in engines:
+        try:
+            info = await e.info()
+        except EngineError as exc:
+            log.warning("gateway: start-up check skipped for %s (%s); requests to it will fail until it answers", e.url, exc)
+            continue
+        if info.vocab_size is not None and need and need > info.vocab_size:
+            raise ConfigError(
+                f"engine {e.url} ({info.model or e.api}) has a vocabulary of {info.vocab_size} ids, but the "
+                f"tokenizer {tok.name!r} makes ids up to {need - 1}: --tokenizer must be the engine's model's tokenizer"
+            )
+
+
+def _hex_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _alnum9(prefix: str) -> str:
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+#: Tool-call id forms, tried in order by :func:`probe_template`.
+CALL_IDS: tuple[Callable[[str], str], ...] = (_hex_id, _alnum9)
+
+
+@dataclass(frozen=True)
+class TemplateFeatures:
+    """What the chat template renders: ``system`` role, ``tools`` (definitions and calls), and
+    the tool-call id form it accepts (``call_id(prefix)``). ``notes``: what the probe found."""
+
+    system: bool = True
+    tools: bool = True
+    call_id: Callable[[str], str] = _hex_id
+    notes: tuple[str, ...] = field(default=())
+
+    def check(self, req: ChatRequest) -> None:
+        """A 400 naming the feature ``req`` uses that this template cannot render; else nothing."""
+        if not self.system and any(m["role"] == "system" for m in req.messages):
+            raise invalid(
+                "this model's chat template has no system role: send the instructions in the first user message",
+                "messages",
+            )
+        if not self.tools and (req.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)):
+            raise invalid("this model's chat template cannot render tools, tool calls or tool results", "tools")
+
+
+def _probe(call_id: str) -> list[Message]:
+    return [
+        {"role": "user", "content": "what is 2 + 3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "probe_add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "content": "5", "tool_call_id": call_id},
+        {"role": "user", "content": "thanks"},
+    ]
+
+
+def _renders(tok: ChatTokenizer, messages: list[Message], tools: list[dict[str, Any]] | None) -> str | None:
+    try:
+        return tok.render(messages, tools, True)
+    except ApiError:  # the template refused (raise_exception) or failed
+        return None
+
+
+def probe_template(tok: ChatTokenizer) -> TemplateFeatures:
+    """Render the probe conversation through ``tok``'s template; what it can render (see the module docstring)."""
+    notes: list[str] = []
+    system = _renders(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], None) is not None
+    if not system:
+        notes.append("no system role")
+    for make in CALL_IDS:
+        call_id = make("call_")
+        text = _renders(tok, _probe(call_id), [_PROBE_TOOL])
+        if text is not None and "probe_add" in text:
+            break
+    else:
+        notes.append("cannot render tools")
+        return TemplateFeatures(system=system, tools=False, notes=tuple(notes))
+    if make is not CALL_IDS[0]:
+        notes.append("tool-call ids of 9 alphanumeric characters")
+    _check_parser(tok, _probe(call_id)[:2])
+    return TemplateFeatures(system=system, tools=True, call_id=make, notes=tuple(notes))
+
+
+def _check_parser(tok: ChatTokenizer, turn: list[Message]) -> None:
+    """The tool parser must read back the tool call the template writes (else calls arrive as content)."""
+    if getattr(tok, "tool_parser", "") == "none":
+        return
+    before = tok.render(turn[:1], [_PROBE_TOOL], True)
+    after = tok.render(turn, [_PROBE_TOOL], False)
+    written = after[len(before) :] if after.startswith(before) else after
+    if tok.stop_word:  # the gateway cuts the end-of-turn marker before it parses an answer
+        written = written.split(tok.stop_word)[0]
+    _, calls = tok.parse_tool_calls(written, [_PROBE_TOOL])
+    if calls != [("probe_add", {"a": 2, "b": 3})]:
+        raise ConfigError(
+            f"the tool parser {getattr(tok, 'tool_parser', '?')!r} does not read the tool calls the chat template of "
+            f"{tok.name!r} writes ({written.strip()[:120]!r}): choose the model family's --tool-parser (docs/gateway.md)"
+        )
+
+
+__all__ = ["CALL_IDS", "TemplateFeatures", "check_engines", "probe_template", "tokenizer_ids"]

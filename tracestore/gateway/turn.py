@@ -1,0 +1,411 @@
+"""One request's path through the gateway, as one object: a :class:`Turn`.
+
+In order (DESIGN section 10):
+
+1. **open**: the first time this process sees the session, ``open_session(sid,
+   owner)`` (an open session is left as it is, a released one is a 410);
+2. **route, admit, prepare**, concurrently, one round trip: ``router.acquire``
+   (retired: 410), a gate lease (sealed: 503 with ``Retry-After``) and the
+   prompt mode's ``prepare`` (the engine input, from the stored trace);
+3. **engine**: the ids to the session's engine, streamed or not;
+4. **record**: the turn written in one round trip (routed experts into the
+   holder first), before the client sees the end of the answer, so its next
+   turn finds this one;
+5. **answer** (exact ``usage``) and **settle** the lease ``completed``.
+
+Any failure goes through one table (:mod:`.failures`): the client gets the
+HTTP error in its wire format's shape (or, once a stream has started, an
+error event), the lease is settled with what is known, nothing is recorded.
+A client that leaves mid-request gets its engine request aborted and its
+lease settled ``aborted`` (``completed`` if the turn was already recorded).
+
+Without a session id a turn is a plain proxy: the template, an engine
+chosen round-robin, nothing recorded, no lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..errors import GateSealed, SessionExists
+from ..gate import Lease
+from ..router import AsyncRouter
+from ..store import AsyncTraceStore
+from .admission import Admission, Flight
+from .chat import Answer, ChatRequest, ToolCall, Wire, new_id
+from .engines import (
+    Chunk,
+    Engine,
+    EngineError,
+    EngineLost,
+    EngineOutput,
+    EngineRejected,
+    EngineRequest,
+    Sampling,
+)
+from .failures import Failure, TurnAborted, classify, first
+from .metrics import Metrics, Timing
+from .prompts import Prepared, PromptMode
+from .startup import TemplateFeatures
+from .tokenizer import ChatTokenizer, Detokenizer
+
+#: How many session ids a gateway remembers as opened (LRU).
+OPENED_CACHE = 200_000
+#: Where a turn leaves the HTTP status it answered (an error event inside a 200 stream counts
+#: as its error's status in the metrics).
+STATUS_KEY = "tracestore.status"
+
+
+@dataclass
+class Services:
+    """What a turn uses of its gateway (built once by :class:`~.server.Gateway`)."""
+
+    store: AsyncTraceStore
+    tok: ChatTokenizer
+    prompts: PromptMode
+    admission: Admission
+    metrics: Metrics
+    router: AsyncRouter
+    engines: dict[str, Engine]
+    db: Callable[[Awaitable[Any]], Awaitable[Any]]
+    spawn: Callable[[Awaitable[Any]], None]
+    experts: bool = False
+    features: TemplateFeatures = field(default_factory=TemplateFeatures)
+    opened: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _rr: int = 0
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.tok.stop_token_ids)
+
+    def next_engine(self) -> Engine:
+        """An engine for a request without a session (round-robin)."""
+        engines = list(self.engines.values())
+        self._rr += 1
+        return engines[self._rr % len(engines)]
+
+
+class Turn:
+    """One chat request being served (see the module docstring); :meth:`run` answers it."""
+
+    def __init__(
+        self,
+        s: Services,
+        request: web.Request,
+        wire: Wire,
+        req: ChatRequest,
+        sid: str | None,
+        owner: str,
+        timing: Timing,
+    ) -> None:
+        self.s = s
+        self.request = request
+        self.wire = wire
+        self.req = req
+        self.sid = sid
+        self.owner = owner
+        self.timing = timing
+        self.prep: Prepared | None = None
+        self.flight: Flight | None = None
+
+    async def run(self) -> web.StreamResponse:
+        """Serve the request; a turn failure is answered here, in the caller's shape."""
+        try:
+            self.s.features.check(self.req)
+            if self.sid is None:
+                flight = Flight(new_id("req-"), None, self.s.next_engine())
+                return await self._serve(flight, self.s.prompts.plain(self.req))
+            flight = await self._admit(self.sid)
+            assert self.prep is not None
+            return await self._serve(flight, self.prep.input_ids)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:
+            f = classify(exc)
+            if f is None:  # a bug: settle what is known, then the server answers 500
+                if self.flight is not None:
+                    await self.s.admission.settle_flight(self.flight, "failed")
+                raise
+            await self._settle_failed(f, exc)
+            return self._error_response(f)
+
+    # -- 1 and 2: open, route, admit, prepare ----------------------------------------------
+
+    async def _admit(self, sid: str) -> Flight:
+        s = self.s
+        t0 = time.perf_counter()
+        if sid not in s.opened:
+            try:
+                await s.db(s.store.open_session(sid, self.owner))
+            except SessionExists:
+                pass
+            s.opened[sid] = None
+            if len(s.opened) > OPENED_CACHE:
+                s.opened.popitem(last=False)
+        phase = asyncio.ensure_future(
+            asyncio.gather(
+                s.db(s.prompts.prepare(sid, self.req)),
+                s.db(s.router.acquire(sid)),
+                s.admission.admit(sid),
+                return_exceptions=True,
+            )
+        )
+        try:
+            prep, entry, lease = await asyncio.shield(phase)
+        except asyncio.CancelledError:
+            s.spawn(self._settle_phase(phase))
+            raise
+        self.timing.store_s += time.perf_counter() - t0
+        errors = [x for x in (prep, entry, lease) if isinstance(x, BaseException)]
+        if errors:
+            if isinstance(lease, Lease):
+                await s.admission.settle(lease, "aborted")
+            e = first(errors)
+            if isinstance(e, GateSealed):
+                s.admission.abort_all("weight_update")  # learnt of a seal: stop what runs now
+            raise e
+        assert isinstance(prep, Prepared) and isinstance(lease, Lease)
+        self.prep = prep
+        self.flight = Flight(new_id("req-"), sid, s.engines[str(entry)], lease)
+        return self.flight
+
+    async def _settle_phase(self, phase: asyncio.Future[Any]) -> None:
+        """After a cancelled admission phase: settle its lease, if one was admitted."""
+        results = await phase
+        if isinstance(results[2], Lease):
+            await self.s.admission.settle(results[2], "aborted")
+
+    # -- 3: the engine call ----------------------------------------------------------------
+
+    def _sampling(self) -> Sampling:
+        r = self.req
+        return Sampling(
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop=tuple(r.stop),
+            stop_token_ids=tuple(self.s.tok.stop_token_ids),
+            ignore_eos=r.ignore_eos,
+            seed=r.seed,
+        )
+
+    async def _serve(self, flight: Flight, input_ids: list[int]) -> web.StreamResponse:
+        s = self.s
+        self.flight = flight
+        s.admission.register(flight)
+        ereq = EngineRequest(flight.rid, input_ids, self._sampling(), routed_experts=s.experts and self.sid is not None)
+        s.metrics.tokens.labels("prompt").inc(len(input_ids))
+        if self.prep is not None:
+            s.metrics.tokens.labels("prompt_new").inc(self.prep.new_tokens)
+        try:
+            if flight.abort_reason is not None:
+                raise TurnAborted(flight.abort_reason)
+            if self.req.stream:
+                return await self._stream(flight, ereq)
+            flight.engine_started = True
+            t0 = time.perf_counter()
+            try:
+                out = await flight.engine.generate(ereq)
+            finally:
+                self.timing.engine_s += time.perf_counter() - t0
+            flight.engine_done = True
+            if out.finish == "abort":
+                raise TurnAborted(flight.abort_reason or "engine_abort")
+            answer = self._answer(out, len(input_ids))
+            await self._record(answer, out)
+            resp = web.Response(
+                body=orjson.dumps(self.wire.response(self.req, answer, self._rid(), self._piece)),
+                content_type="application/json",
+                headers=self._headers(),
+            )
+            await resp.prepare(self.request)
+            await resp.write_eof()
+            s.admission.completed(flight)
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            s.spawn(self._client_gone(flight))
+            raise
+
+    async def _stream(self, flight: Flight, ereq: EngineRequest) -> web.StreamResponse:
+        """Stream the answer as the engine generates it, holding back what may turn out to be a
+        stop string; an error after the first byte is an error event (the SDKs raise it)."""
+        s, req = self.s, self.req
+        sw = self.wire.Stream(req, self._rid(), len(ereq.input_ids))
+        det = Detokenizer(s.tok.decode)
+        out = EngineOutput()
+        cuts = [x for x in (*req.stop, None if req.ignore_eos else s.tok.stop_word) if x]
+        hold = max((len(x) for x in cuts), default=1) - 1
+        text = ""
+        sent = 0
+        resp: web.StreamResponse | None = None
+
+        async def open_stream() -> web.StreamResponse:
+            r = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers()}
+            )
+            await r.prepare(self.request)
+            await r.write(sw.start())
+            return r
+
+        flight.engine_started = True
+        t0 = time.perf_counter()
+        try:
+            chunk: Chunk
+            async for chunk in flight.engine.stream(ereq):
+                out.add(chunk)
+                text_ids = chunk.ids
+                if out.finish == "stop" and text_ids and text_ids[-1] in s.stop_ids:
+                    text_ids = text_ids[:-1]
+                text += det.push(text_ids)
+                if req.parse_tools or out.finish is not None:
+                    continue
+                shown = text
+                for x in cuts:
+                    shown = _cut(shown, x)
+                safe = len(shown) if len(shown) < len(text) else max(sent, len(shown) - hold)
+                if safe > sent:
+                    if resp is None:
+                        resp = await open_stream()
+                    await resp.write(sw.text(shown[sent:safe]))
+                    sent = safe
+            self.timing.engine_s += time.perf_counter() - t0
+            flight.engine_done = True
+            if out.finish == "abort":
+                raise TurnAborted(flight.abort_reason or "engine_abort")
+            answer = self._answer(out, len(ereq.input_ids))
+            await self._record(answer, out)
+        except Exception as exc:
+            if isinstance(exc, EngineError):
+                self.timing.engine_s += time.perf_counter() - t0
+            f = classify(exc)
+            if resp is None or f is None:
+                raise
+            await self._settle_failed(f, exc)
+            self.request[STATUS_KEY] = f.error.status
+            await resp.write(sw.error(f.error))
+            return resp
+        if resp is None:
+            resp = await open_stream()
+        pending = answer.content[sent:] if answer.content.startswith(text[:sent]) else ""
+        await resp.write(sw.end(answer, pending))
+        await resp.write_eof()
+        s.admission.completed(flight)
+        return resp
+
+    # -- the answer and 4: the record -------------------------------------------------------
+
+    def _answer(self, out: EngineOutput, prompt_tokens: int) -> Answer:
+        s, req, flight = self.s, self.req, self.flight
+        assert flight is not None
+        ids, lps = out.output_ids, out.logprobs
+        if len(lps) != len(ids) or not ids:
+            raise EngineRejected(flight.engine.url, 502, f"{len(ids)} output ids with {len(lps)} logprobs")
+        text_ids = ids[:-1] if out.finish == "stop" and ids[-1] in s.stop_ids else ids
+        text = s.tok.decode(text_ids)
+        stop_string = out.matched if isinstance(out.matched, str) else None
+        text = _cut(text, stop_string)
+        if not req.ignore_eos:  # a model that spells out the end-of-turn marker ends its turn there
+            text = _cut(text, s.tok.stop_word)
+        calls: list[ToolCall] = []
+        if req.parse_tools and req.tools:
+            text, found = s.tok.parse_tool_calls(text, req.tools)
+            prefix = "toolu_" if self.wire.NAME == "anthropic" else "call_"
+            calls = [ToolCall(s.features.call_id(prefix), n, a) for n, a in found]
+        finish = "length" if out.finish == "length" else "tool_calls" if calls else "stop"
+        version = flight.lease.version if flight.lease is not None else None
+        return Answer(text, tuple(calls), finish, stop_string, ids, lps, prompt_tokens, version)
+
+    async def _record(self, answer: Answer, out: EngineOutput) -> None:
+        """Record the turn; the write is shielded from a client disconnect (it is the commit point)."""
+        flight, prep = self.flight, self.prep
+        if prep is None:  # a plain proxy request records nothing
+            return
+        assert flight is not None and flight.lease is not None
+        experts = await self.s.prompts.put_experts(prep, out)
+        t0 = time.perf_counter()
+        flight.record_task = asyncio.ensure_future(
+            self.s.db(self.s.prompts.write(prep, self.req, answer, experts, flight.lease.version))
+        )
+        try:
+            await asyncio.shield(flight.record_task)
+        finally:
+            self.timing.store_s += time.perf_counter() - t0
+        self.s.metrics.turns.inc()
+        self.s.metrics.tokens.labels("completion").inc(answer.completion_tokens)
+
+    # -- 5: settling, failures, a client gone -----------------------------------------------
+
+    async def _settle_failed(self, f: Failure, exc: BaseException) -> None:
+        """Settle the flight (if any) with the failure's outcome and count it."""
+        m = self.s.metrics
+        if f.metric is not None:
+            getattr(m, f.metric[0]).labels(f.metric[1]).inc()
+        if isinstance(exc, TurnAborted):
+            m.sealed.labels("weight_update").inc()
+            m.aborted.labels(exc.reason).inc()
+        flight = self.flight
+        if flight is None or flight.settled:
+            return
+        if isinstance(exc, EngineLost) and flight.generating:
+            self.s.spawn(flight.engine.abort(flight.rid))
+        outcome = "aborted" if flight.abort_reason is not None and f.outcome == "failed" else f.outcome
+        await self.s.admission.settle_flight(flight, outcome)
+
+    def _error_response(self, f: Failure) -> web.Response:
+        return web.Response(
+            body=orjson.dumps(self.wire.error_body(f.error)),
+            status=f.error.status,
+            content_type="application/json",
+            headers=f.error.headers(),
+        )
+
+    async def _client_gone(self, flight: Flight) -> None:
+        """The client left (handler cancelled, or a write failed): abort, settle, record nothing new."""
+        if flight.generating:
+            await flight.engine.abort(flight.rid)
+        outcome = "aborted"
+        if flight.record_task is not None:
+            try:
+                await flight.record_task
+                outcome = "completed"  # recorded before the client left: the turn stands
+            except Exception:
+                outcome = "failed"
+        else:
+            self.s.metrics.aborted.labels("client_disconnect").inc()
+        await self.s.admission.settle_flight(flight, outcome)
+
+    # -- small parts -------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        flight = self.flight
+        assert flight is not None
+        h = {"X-Request-Id": flight.rid}
+        if flight.sid is not None:
+            h["X-Session-Id"] = flight.sid
+        if flight.lease is not None:
+            h["X-Tracestore-Version"] = str(flight.lease.version)
+        return h
+
+    def _piece(self, tid: int) -> str:
+        return self.s.tok.decode([tid])
+
+    def _rid(self) -> str:
+        return new_id("msg_" if self.wire.NAME == "anthropic" else "chatcmpl-")
+
+
+def _cut(text: str, stop: str | None) -> str:
+    if not stop:
+        return text
+    i = text.find(stop)
+    return text if i < 0 else text[:i]
+
+
+__all__ = ["OPENED_CACHE", "STATUS_KEY", "Services", "Turn"]
