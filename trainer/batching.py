@@ -122,7 +122,8 @@ class Batcher:
         self.version = version
         self.max_batch = max_batch
         self.aborted = 0
-        #: Decode steps run, and the most rows one of them fed (for tests and benchmarks).
+        #: Tokens sampled, decode steps run, and the most rows one step fed (tests, benchmarks).
+        self.tokens = 0
         self.steps = 0
         self.widest = 0
         self._gen = torch.Generator().manual_seed(seed)
@@ -251,6 +252,7 @@ class Batcher:
                 self._finish(row, "abort")
                 continue
             tok, lp, top = self._sample(row)
+            self.tokens += 1
             row.out_ids.append(tok)
             row.out_lps.append(lp)
             matched: int | str | None = self._stop_string(row)

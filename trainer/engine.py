@@ -32,7 +32,8 @@ Both shapes also serve the reference engine's own extras:
 ``POST /update_weights_from_disk`` (``{"model_path", "weight_version"}``: a
 ``torch.save`` state dict or a trainer checkpoint's ``model.pt``),
 ``POST /update_weight_version`` (``{"new_version"}``) and ``GET
-/get_model_info`` (with the counters ``requests`` and ``aborted``). A weight
+/get_model_info`` (with the counters ``requests``, ``aborted`` and
+``generated_tokens``). A weight
 load waits for the running batch to drain (no request is admitted
 meanwhile): every generation comes from one weight version.
 
@@ -314,6 +315,7 @@ class PolicyEngine:
                 "max_batch": self.batcher.max_batch,
                 "requests": self.requests,
                 "aborted": self.aborted,
+                "generated_tokens": self.batcher.tokens,
             }
         )
 
