@@ -178,10 +178,13 @@ def test_stop_token_and_stop_string_end_where_they_are_generated(served: Served)
     drive(served.api, served.url, go)
 
 
-def test_length_ends_at_max_tokens(served: Served) -> None:
+def test_length_ends_at_max_tokens_and_ignore_eos_goes_past_the_stop_ids(served: Served) -> None:
     async def go(eng: Engine, _: aiohttp.ClientSession) -> None:
         out = await eng.generate(req("l-1", 7, temperature=0.0, ignore_eos=True))
         assert len(out.output_ids) == 7 and (out.finish, out.matched) == ("length", None)
+        # the contract's ignore_eos goes on past stop_token_ids too (the greedy answer has the EOS early)
+        past = await eng.generate(req("l-2", 30, temperature=0.0, ignore_eos=True, stop_token_ids=(EOS,)))
+        assert EOS in past.output_ids[:-1] and len(past.output_ids) == 30 and past.finish == "length"
 
     drive(served.api, served.url, go)
 
