@@ -26,9 +26,9 @@ import aiohttp
 
 from tests._gateway import CliServer
 from tracestore.gateway.engines import EngineRequest, Sampling, engine_class
-from trainer.batching import Batcher, Job, Sampled
-from trainer.policy import new_policy, set_determinism
-from trainer.tokenizer import TOKENIZER
+from tracestore.trainer.batching import Batcher, Job, Sampled
+from tracestore.trainer.policy import new_policy, set_determinism
+from tracestore.trainer.tokenizer import TOKENIZER
 
 PROMPT = TOKENIZER.encode("use add sub mul with one digit then done; reach 3 from 1")
 

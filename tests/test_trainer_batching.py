@@ -16,9 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.batching import Batcher, Job, Sampled
-from trainer.policy import Generation, MoEPolicy, new_policy, set_determinism, state_to_numpy
-from trainer.tokenizer import TOKENIZER
+from tracestore.trainer.batching import Batcher, Job, Sampled
+from tracestore.trainer.policy import (
+    Generation,
+    MoEPolicy,
+    new_policy,
+    set_determinism,
+    state_to_numpy,
+)
+from tracestore.trainer.tokenizer import TOKENIZER
 
 PROMPTS = [
     TOKENIZER.encode(t)
