@@ -62,7 +62,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(
-        self, x: Tensor, cache: tuple[Tensor, Tensor] | None
+        self,
+        x: Tensor,
+        cache: tuple[Tensor, Tensor] | None,
+        key_mask: Tensor | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         b, t, d = x.shape
         h = self.n_heads
@@ -74,7 +77,9 @@ class Attention(nn.Module):
             k = torch.cat([cache[0], k], dim=2)
             v = torch.cat([cache[1], v], dim=2)
         past = k.shape[2] - t
-        if past == 0:
+        if key_mask is not None:  # one decode step of rows padded to one cache length
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
+        elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif t == 1:
             y = F.scaled_dot_product_attention(q, k, v)
@@ -118,9 +123,13 @@ class Block(nn.Module):
         self.moe = MoE(cfg)
 
     def forward(
-        self, x: Tensor, routing: Tensor | None, cache: tuple[Tensor, Tensor] | None
+        self,
+        x: Tensor,
+        routing: Tensor | None,
+        cache: tuple[Tensor, Tensor] | None,
+        key_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
-        a, new_cache = self.attn(self.ln1(x), cache)
+        a, new_cache = self.attn(self.ln1(x), cache, key_mask)
         x = x + a
         b, t, d = x.shape
         flat_routing = None if routing is None else routing.reshape(b * t, -1)
@@ -147,23 +156,40 @@ class MoEPolicy(nn.Module):
         ids: Tensor,
         routing: Tensor | None = None,
         cache: KVCache | None = None,
+        *,
+        positions: Tensor | None = None,
+        key_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, KVCache]:
         """Logits ``[B, T, V]``, routing used ``[B, T, layers, k]`` and the new KV cache.
 
         ``routing`` (``[B, T, layers, k]`` long) replays expert choices; ``cache``
         continues a sequence (positions start after the cached length).
+
+        A batch of sequences of different lengths (an engine's decode step,
+        ``T == 1``) shares one cache padded to its longest row: ``positions``
+        (``[B, T]`` long) gives each row's positions and ``key_mask``
+        (``[B, past + T]`` bool) the cached keys each row attends to (False:
+        padding). Raises ValueError past ``max_len``, or for a ``key_mask``
+        with ``T != 1``.
         """
         b, t = ids.shape
         past = 0 if cache is None else cache[0][0].shape[2]
-        if past + t > self.cfg.max_len:
-            raise ValueError(f"sequence of {past + t} tokens exceeds max_len {self.cfg.max_len}")
-        pos = torch.arange(past, past + t)
+        if positions is None:
+            if past + t > self.cfg.max_len:
+                raise ValueError(f"sequence of {past + t} tokens exceeds max_len {self.cfg.max_len}")
+            pos = torch.arange(past, past + t)
+        else:
+            if int(positions.max()) >= self.cfg.max_len:
+                raise ValueError(f"position {int(positions.max())} is past max_len {self.cfg.max_len}")
+            pos = positions
+        if key_mask is not None and t != 1:
+            raise ValueError("key_mask is for one decode step (T == 1)")
         x = self.tok(ids) + self.pos(pos)
         used: list[Tensor] = []
         new_cache: KVCache = []
         for i, block in enumerate(self.blocks):
             layer_routing = None if routing is None else routing[:, :, i, :]
-            x, idx, kv = block(x, layer_routing, None if cache is None else cache[i])
+            x, idx, kv = block(x, layer_routing, None if cache is None else cache[i], key_mask)
             used.append(idx)
             new_cache.append(kv)
         return self.head(self.ln_f(x)), torch.stack(used, dim=2), new_cache

@@ -215,7 +215,7 @@ EngineFactory = Callable[[str, aiohttp.ClientSession, aiohttp.ClientTimeout], En
 _REGISTRY: dict[str, Any] = {}
 
 #: Modules of this package that hold an adapter (imported on first lookup; each registers itself).
-ADAPTER_MODULES = ("sglang",)
+ADAPTER_MODULES = ("sglang", "vllm")
 
 
 def register(cls: Any) -> Any:
