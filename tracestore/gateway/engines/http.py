@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -84,4 +85,22 @@ def detail(raw: bytes) -> str:
     return str(body)
 
 
-__all__ = ["detail", "json_object", "post", "probe"]
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of an SSE body, of any length (the first chunk carries the whole
+    prompt's ids: longer than aiohttp's line limit for a long context)."""
+    partial: list[bytes] = []  # a line's pieces until its newline arrives
+    async for piece in resp.content.iter_any():
+        if b"\n" not in piece:
+            partial.append(piece)
+            continue
+        *lines, rest = b"".join([*partial, piece]).split(b"\n")
+        partial = [rest] if rest else []
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    tail = b"".join(partial)
+    if tail.startswith(b"data:"):
+        yield tail[5:].strip()
+
+
+__all__ = ["detail", "json_object", "post", "probe", "sse_events"]

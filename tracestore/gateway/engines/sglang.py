@@ -41,7 +41,7 @@ from .base import (
     EngineRequest,
     register,
 )
-from .http import detail, json_object, post, probe
+from .http import detail, json_object, post, probe, sse_events
 
 
 @register
@@ -130,10 +130,7 @@ class SGLangEngine:
                 raise EngineRejected(self.url, resp.status, detail(await resp.read()))
             finished = False
             try:
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
+                async for data in sse_events(resp):
                     if data == b"[DONE]":
                         break
                     c = self.chunk(json_object(self.url, data))

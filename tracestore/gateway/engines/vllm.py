@@ -65,7 +65,7 @@ from .base import (
     EngineRequest,
     register,
 )
-from .http import detail, json_object, post, probe
+from .http import detail, json_object, post, probe, sse_events
 
 #: How long an abort of a request not sent yet is remembered.
 EARLY_ABORT_S = 60.0
@@ -193,7 +193,7 @@ class VLLMEngine:
                     raise EngineRejected(self.url, resp.status, detail(await resp.read()))
                 last_id: int | None = None
                 try:
-                    async for data in _events(resp):
+                    async for data in sse_events(resp):
                         if data == b"[DONE]" or finished:
                             continue  # read to the end: the connection is then kept for the next call
                         c = self.chunk(data, last_id)
@@ -264,24 +264,6 @@ class VLLMEngine:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
-
-
-async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The ``data:`` payloads of an SSE body, of any length (the first chunk carries the whole
-    prompt's ids: longer than aiohttp's line limit for a long context)."""
-    partial: list[bytes] = []  # a line's pieces until its newline arrives
-    async for piece in resp.content.iter_any():
-        if b"\n" not in piece:
-            partial.append(piece)
-            continue
-        *lines, rest = b"".join([*partial, piece]).split(b"\n")
-        partial = [rest] if rest else []
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
-    tail = b"".join(partial)
-    if tail.startswith(b"data:"):
-        yield tail[5:].strip()
 
 
 __all__ = ["VLLMEngine"]
