@@ -27,7 +27,34 @@ from .errors import InvalidInput
 GENERATED = 1
 #: Flag bit: explicit int32 labels follow the logprobs in the payload.
 EXPLICIT_LABELS = 2
-KNOWN_FLAGS = GENERATED | EXPLICIT_LABELS
+#: Flag bits saying why a node starts a branch of its own (token-exact traces, DESIGN section 14):
+#: the client changed, dropped or reordered earlier messages (``client_edit``), or, in
+#: ``template`` mode, the template rendered the history differently (``template``). A node
+#: without them extends its parent's path as every turn does.
+FORK_CLIENT_EDIT = 4
+FORK_TEMPLATE = 8
+#: Fork reasons by flag bit, and the bits of every reason.
+FORK_REASONS = {FORK_CLIENT_EDIT: "client_edit", FORK_TEMPLATE: "template"}
+FORK_FLAGS = FORK_CLIENT_EDIT | FORK_TEMPLATE
+KNOWN_FLAGS = GENERATED | EXPLICIT_LABELS | FORK_FLAGS
+
+
+def fork_flag(reason: str | None) -> int:
+    """The flag bit of fork ``reason`` (0 for None); InvalidInput for an unknown reason."""
+    if reason is None:
+        return 0
+    for bit, name in FORK_REASONS.items():
+        if name == reason:
+            return bit
+    raise InvalidInput("fork", f"unknown fork reason {reason!r}; one of {sorted(FORK_REASONS.values())}")
+
+
+def fork_reason(flags: int) -> str | None:
+    """The fork reason a node's ``flags`` carry (None: no fork)."""
+    for bit, name in FORK_REASONS.items():
+        if flags & bit:
+            return name
+    return None
 
 #: The label of a token that is not trained on.
 IGNORE_LABEL = -100

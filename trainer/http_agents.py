@@ -24,6 +24,7 @@ goes back to the buffer, as with local agents).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -31,27 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .agent import NoReply, Outcome, Reply, TurnRequest, play
+from .api_messages import CALC_TOOLS, to_openai
 from .config import TrainConfig
-from .sample import Message, Sample
-from .task import parse_action
+from .sample import Sample
 
 MODEL = "tracestore-reference"
 #: The name samples carry as ``worker`` when their routed experts are in the gateway's holder.
 GATEWAY_HOLDER = "gateway"
-#: The calculator, as OpenAI function tools.
-CALC_TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": op,
-            "description": f"{op} a one-digit number to the current value",
-            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
-        },
-    }
-    for op in ("add", "sub", "mul")
-]
-
-
 @dataclass
 class HttpStats:
     """What the agents saw: requests sent, turns that came back, each turn's latency."""
@@ -67,37 +54,6 @@ class HttpStats:
         self.turns += other.turns
         self.turn_s += other.turn_s
         self.gave_up += other.gave_up
-
-
-def to_openai(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """The episode's conversation as OpenAI messages: calculator turns as tool calls and results.
-
-    An assistant turn that is exactly a call's text (``add 3``) becomes a
-    ``tool_calls`` message, the tool message after it names the call's id;
-    ``done`` and anything else stay content, verbatim. Rendered by the
-    builtin template, both forms are the text the model wrote, so the
-    gateway finds the turn it recorded. A call the task accepts but written
-    otherwise (`` add 3``, ``add 3 ``: :func:`~.task.parse_action` strips it)
-    came back from the gateway as content, and stays content: sent as a
-    ``tool_calls`` message it would render as ``add 3``, a text the model
-    never wrote, and the session would branch off its recorded path (the
-    learner then finds no stored key for the sample's conversation).
-    """
-    out: list[dict[str, Any]] = []
-    last_call = ""
-    for i, m in enumerate(messages):
-        action = parse_action(m["content"]) if m["role"] == "assistant" else None
-        if action is not None and action[0] != "done" and m["content"] == f"{action[0]} {action[1]}":
-            last_call = f"call_{i}"
-            fn = {"name": action[0], "arguments": f'{{"n": {action[1]}}}'}
-            out.append({"role": "assistant", "content": None, "tool_calls": [{"id": last_call, "type": "function", "function": fn}]})
-        elif m["role"] == "tool":
-            out.append({"role": "tool", "tool_call_id": last_call, "content": m["content"]})
-        else:
-            if m["role"] == "assistant":
-                last_call = ""  # a result after it answers no call of the API's
-            out.append({"role": m["role"], "content": m["content"]})
-    return out
 
 
 async def _turn(client: Any, req: TurnRequest, cfg: TrainConfig, owner: str, temperature: float, stats: HttpStats) -> Outcome:
@@ -152,7 +108,7 @@ async def _episode(client: Any, sample: Sample, cfg: TrainConfig, owner: str, te
             request = agent.send(await _turn(client, request, cfg, owner, temperature, stats))
     except StopIteration as end:
         done: Sample = end.value
-        return done
+        return dataclasses.replace(done, keying="tito")  # the gateway records it token-exact
 
 
 def run_over_http(

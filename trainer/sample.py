@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, cast
 
+from .api_messages import tito_key
 from .chat import render
 from .task import Episode, Problem
 
@@ -47,6 +48,9 @@ class Sample:
     finish: str = ""
     error: str | None = None
     worker: str | None = None
+    #: How its session is keyed: ``text`` (the rendered conversation: local agents' turn
+    #: recorder) or ``tito`` (the canonical messages: HTTP agents through the gateway).
+    keying: Literal["text", "tito"] = "text"
 
     @classmethod
     def new(cls, sid: str, problem: Problem, max_calls: int) -> Sample:
@@ -66,7 +70,10 @@ class Sample:
         )
 
     def final_key(self) -> str:
-        """Key of the last response node: the conversation up to its last answer, rendered."""
+        """Key of the last response node: the conversation up to its last answer, rendered
+        (``text``) or as canonical messages (``tito``, :func:`~.api_messages.tito_key`)."""
+        if self.keying == "tito":
+            return tito_key(self.messages)
         return render(self.messages, False).rstrip()
 
     def to_json(self) -> dict[str, Any]:
@@ -100,6 +107,7 @@ class Sample:
             finish=str(d.get("finish", "")),
             error=d.get("error"),
             worker=d.get("worker"),
+            keying="tito" if d.get("keying") == "tito" else "text",
         )
 
 

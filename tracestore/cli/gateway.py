@@ -33,6 +33,14 @@ def _announce(url: str) -> None:
     "router's entrypoints, sticky per session.",
 )
 @click.option(
+    "--prompt-mode",
+    type=click.Choice(["tito", "template"]),
+    default="tito",
+    show_default=True,
+    help="tito: token-exact traces (the stored ids of earlier turns, only the new messages rendered); "
+    "template: the chat template over the whole conversation every turn (docs/gateway.md).",
+)
+@click.option(
     "--engine-api",
     type=click.Choice(["sglang", "vllm"]),
     default="sglang",
@@ -110,6 +118,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
     cfg = GatewayConfig(
         engines=engines,
         engine_api=kw["engine_api"],
+        prompt_mode=kw["prompt_mode"],
         url=kw["url"],
         run=kw["run"],
         owner=kw["owner"],

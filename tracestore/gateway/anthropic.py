@@ -32,6 +32,7 @@ from .chat import (
     opt_int,
     opt_number,
     stop_strings,
+    template_kwargs,
     tool_arguments,
 )
 
@@ -174,7 +175,20 @@ def parse(body: dict[str, Any], default_max_tokens: int) -> ChatRequest:
         top_k=int(opt_int(body, "top_k", -1, -1, 1 << 20) or -1),
         stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
         ignore_eos=opt_bool(body, "ignore_eos"),
+        template_kwargs=_kwargs(body),
     )
+
+
+def _kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs``, and ``thinking`` (``{"type": "enabled"|"disabled"}``) as ``enable_thinking``."""
+    kw = template_kwargs(body)
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = as_dict(thinking, "thinking").get("type")
+        if kind not in ("enabled", "disabled"):
+            raise invalid(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}", "thinking.type")
+        kw.setdefault("enable_thinking", kind == "enabled")
+    return kw
 
 
 def _stop_reason(answer: Answer) -> str:

@@ -126,6 +126,8 @@ class ChatRequest:
     logprobs: bool = False
     ignore_eos: bool = False
     session_id: str | None = None
+    #: ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``): they reach the chat template.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def parse_tools(self) -> bool:
@@ -244,6 +246,18 @@ def stop_strings(value: Any, param: str) -> list[str]:
     if len(items) > 16 or not all(isinstance(x, str) and x for x in items):
         raise invalid(f"{param} must be a non-empty string or up to 16 of them", param)
     return list(items)
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The body's ``chat_template_kwargs`` (an object of options for the chat template; {} when absent)."""
+    raw = body.get("chat_template_kwargs")
+    if raw is None:
+        return {}
+    kw = as_dict(raw, "chat_template_kwargs")
+    for k in kw:
+        if not k.isidentifier() or k in ("messages", "tools", "add_generation_prompt", "tokenize"):
+            raise invalid(f"chat_template_kwargs: {k!r} is not an option a template can take", "chat_template_kwargs")
+    return dict(kw)
 
 
 def tool_arguments(raw: Any, param: str) -> dict[str, Any]:

@@ -11,6 +11,9 @@ from ..errors import ConfigError, InvalidId
 from ..keys import validate_id
 from .engines import engine_apis
 
+#: ``--prompt-mode`` choices: token-exact traces (the default), or the chat template every turn.
+PROMPT_MODES = ("tito", "template")
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -18,7 +21,8 @@ class GatewayConfig:
 
     ``engines``: engine base URLs, the router's entrypoints (sticky per
     session); ``engine_api``: their protocol (``sglang`` or ``vllm``, see
-    :mod:`.engines`). ``owner``: owner tag of sessions opened without an
+    :mod:`.engines`). ``prompt_mode``: ``tito`` (token-exact traces,
+    :mod:`.tito`) or ``template`` (:class:`~.prompts.TemplatePrompts`). ``owner``: owner tag of sessions opened without an
     ``X-Tracestore-Owner`` header. ``name``: lease holder name (default
     ``gateway-<host>-<pid>``). ``model``: the model name served (default: the
     tokenizer's). ``trace_sessions``: sessions whose latest turn
@@ -31,6 +35,7 @@ class GatewayConfig:
     run: str = "default"
     owner: str = "gateway"
     engine_api: str = "sglang"
+    prompt_mode: str = "tito"
     tokenizer: str = "builtin"
     tool_parser: str = "hermes"
     model: str | None = None
@@ -53,6 +58,8 @@ class GatewayConfig:
                 raise ConfigError(f"--engine {e!r}: expected http://host:port (no path)")
         if len(set(self.engines)) != len(self.engines):
             raise ConfigError("--engine: the same URL is given twice")
+        if self.prompt_mode not in PROMPT_MODES:
+            raise ConfigError(f"--prompt-mode {self.prompt_mode!r}: choose one of {list(PROMPT_MODES)}")
         if self.engine_api not in engine_apis():
             raise ConfigError(f"--engine-api {self.engine_api!r}: choose one of {engine_apis()}")
         try:
@@ -83,4 +90,4 @@ def default_name() -> str:
     return f"gateway-{host}-{os.getpid()}"
 
 
-__all__ = ["GatewayConfig", "default_name"]
+__all__ = ["PROMPT_MODES", "GatewayConfig", "default_name"]

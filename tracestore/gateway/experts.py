@@ -43,6 +43,19 @@ class PutAhead:
         return self.keys.pop(0)
 
 
+async def put_parts(holder: ExpertHolder, sid: str, b64: str, shape: Sequence[int] | None, prefix: int, delta: int, output: int) -> tuple[Any, list[str]]:
+    """Decode an engine's routed experts (``prefix + delta + output - 1`` rows) and put the delta's
+    rows (when ``delta``) and the answer's rows into ``holder`` ahead of the write.
+
+    Returns the array (with its dummy row 0) and the keys, delta's first. Raises ValueError when
+    the rows do not match the tokens.
+    """
+    experts = decode_experts(b64, shape, prefix + delta + output - 1)
+    p, d = prefix, delta
+    parts = ([experts[p : p + d]] if d else []) + [experts[p + d :]]
+    return experts, await put_ahead(holder, sid, parts)
+
+
 async def put_ahead(holder: ExpertHolder, sid: str, parts: Sequence[Any]) -> list[str]:
     """Put each part into ``holder`` on a worker thread; their keys, in order.
 
@@ -52,4 +65,4 @@ async def put_ahead(holder: ExpertHolder, sid: str, parts: Sequence[Any]) -> lis
     return [await loop.run_in_executor(None, holder.put, sid, x) for x in parts]
 
 
-__all__ = ["PutAhead", "decode_experts", "put_ahead"]
+__all__ = ["PutAhead", "decode_experts", "put_ahead", "put_parts"]

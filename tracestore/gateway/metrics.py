@@ -20,6 +20,8 @@ metric                          type       labels / meaning
                                            this turn, the rest came from the trie),
                                            ``completion``
 ``turns_recorded_total``        counter    turns written with ``record_turn``
+``forks_total``                 counter    ``reason``: turns recorded on a new branch
+                                           (``client_edit``, ``template``)
 ``gate_polls_total``            counter    gate status reads of the seal watcher
 ==============================  =========  ==============================================
 
@@ -71,6 +73,7 @@ class Metrics:
         )
         self.tokens = Counter(f"{ns}_tokens", "Tokens in and out.", ["kind"], registry=r)
         self.turns = Counter(f"{ns}_turns_recorded", "Turns recorded.", registry=r)
+        self.forks = Counter(f"{ns}_forks", "Turns that left the stored path they matched, by why.", ["reason"], registry=r)
         self.gate_polls = Counter(f"{ns}_gate_polls", "Gate status reads of the seal watcher.", registry=r)
 
     def render(self) -> bytes:

@@ -31,6 +31,7 @@ from .chat import (
     opt_int,
     opt_number,
     stop_strings,
+    template_kwargs,
     tool_arguments,
 )
 
@@ -155,6 +156,7 @@ def parse(body: dict[str, Any], default_max_tokens: int) -> ChatRequest:
         include_usage=include_usage,
         logprobs=opt_bool(body, "logprobs"),
         ignore_eos=opt_bool(body, "ignore_eos"),
+        template_kwargs=template_kwargs(body),
     )
 
 

@@ -26,7 +26,7 @@ from ..store import AsyncTraceStore
 from ..traces import Trace
 from .chat import Answer, ApiError, ChatRequest, Message
 from .engines import EngineOutput
-from .experts import PutAhead, decode_experts, put_ahead
+from .experts import PutAhead, put_parts
 from .failures import Unrecordable
 from .tokenizer import ChatTokenizer
 
@@ -40,6 +40,8 @@ class Prepared:
     input_ids: list[int]
     new_tokens: int
     state: Any
+    #: Why this turn leaves the stored path it matched (``client_edit``, ``template``), or None.
+    fork: str | None = None
 
 
 class PromptMode(Protocol):
@@ -84,10 +86,10 @@ class TemplatePrompts:
         self.tok = tok
         self.holder = holder
         self.remember = remember
-        self._last: OrderedDict[str, tuple[list[Message], Message, Any]] = OrderedDict()
+        self._last: OrderedDict[str, tuple[list[Message], Message, ChatRequest]] = OrderedDict()
 
     def _recorder(self, req: ChatRequest) -> AsyncTurnRecorder:
-        tools = req.tools
+        tools, kwargs = req.tools, req.template_kwargs
         memo: dict[tuple[int, bool], str] = {}
 
         def render(messages: Sequence[Any], gen: bool) -> str:
@@ -96,7 +98,7 @@ class TemplatePrompts:
             key = (id(messages), gen)
             if messages is req.messages and key in memo:
                 return memo[key]
-            out = self.tok.render(messages, tools, gen)
+            out = self.tok.render(messages, tools, gen, kwargs)
             if messages is req.messages:
                 memo[key] = out
             return out
@@ -114,15 +116,14 @@ class TemplatePrompts:
         if self.holder is None or out.routed_experts is None:
             return None
         rec, r = prep.state
-        rows = len(prep.input_ids) + len(out.output_ids) - 1
+        assert isinstance(r, Request) and isinstance(rec.holder, PutAhead)
         try:
-            experts = decode_experts(out.routed_experts, out.experts_shape, rows)
+            experts, rec.holder.keys = await put_parts(
+                self.holder, prep.sid, out.routed_experts, out.experts_shape,
+                len(r.prefix.token_ids), len(r.delta_ids), len(out.output_ids),
+            )
         except ValueError as exc:
             raise ApiError("bad_gateway", f"engine reply: {exc}", code="engine_error") from None
-        assert isinstance(r, Request) and isinstance(rec.holder, PutAhead)
-        p, d = len(r.prefix.token_ids), len(r.delta_ids)
-        parts = ([experts[p : p + d]] if d else []) + [experts[p + d :]]
-        rec.holder.keys = await put_ahead(self.holder, prep.sid, parts)
         return experts
 
     async def write(self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int) -> None:
@@ -138,7 +139,7 @@ class TemplatePrompts:
             raise
         except InvalidInput as exc:
             raise Unrecordable(str(exc)) from None
-        self._last[prep.sid] = (req.messages, assistant, req.tools)
+        self._last[prep.sid] = (req.messages, assistant, req)
         self._last.move_to_end(prep.sid)
         if len(self._last) > self.remember:
             self._last.popitem(last=False)
@@ -148,13 +149,13 @@ class TemplatePrompts:
         last = self._last.get(sid)
         if last is None:
             return None
-        messages, assistant, tools = last
-        key = self.tok.render([*messages, assistant], tools, False).rstrip()
+        messages, assistant, req = last
+        key = self.tok.render([*messages, assistant], req.tools, False, req.template_kwargs).rstrip()
         return await self.store.export_training_trace(sid, key)
 
     def plain(self, req: ChatRequest) -> list[int]:
         """The template over the messages, tokenised whole."""
-        return self.tok.encode(self.tok.render(req.messages, req.tools, True))
+        return self.tok.encode(self.tok.render(req.messages, req.tools, True, req.template_kwargs))
 
 
 __all__ = ["Prepared", "PromptMode", "TemplatePrompts"]

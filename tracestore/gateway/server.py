@@ -37,6 +37,7 @@ from .metrics import Metrics, Timing
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
 from .startup import TemplateFeatures, check_engines, probe_template
+from .tito import TitoPrompts
 from .tokenizer import ChatTokenizer, load_tokenizer
 from .turn import STATUS_KEY, Services, Turn
 
@@ -107,7 +108,9 @@ class Gateway:
         self.admission = Admission(
             store, self.name, config.lease_ttl_s, config.gate_poll_s, self.metrics, self._db, self._spawn
         )
-        self.prompts: PromptMode = TemplatePrompts(store, tokenizer, holder, config.trace_sessions)
+        self.prompts: PromptMode = (TitoPrompts if config.prompt_mode == "tito" else TemplatePrompts)(
+            store, tokenizer, holder, config.trace_sessions
+        )
         self._session: aiohttp.ClientSession | None = None
         self.engines: dict[str, Engine] = {}
         self.services: Services | None = None

@@ -24,18 +24,17 @@ answer. Two implementations:
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
 
+from ..trainer import tool_syntax
 from .chat import Message, invalid
 
-#: A tool call found in an answer: (name, arguments).
-ParsedCall = tuple[str, dict[str, Any]]
+ParsedCall = tool_syntax.ParsedCall
 
 
 class ChatTokenizer(Protocol):
@@ -49,9 +48,14 @@ class ChatTokenizer(Protocol):
     stop_word: str | None
 
     def render(
-        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:  # pragma: no cover - protocol
-        """The chat template over ``messages`` (and ``tools``)."""
+        """The chat template over ``messages`` (and ``tools``; ``template_kwargs`` reach the
+        template, e.g. ``enable_thinking``)."""
         ...
 
     def encode(self, text: str) -> list[int]:  # pragma: no cover - protocol
@@ -67,30 +71,6 @@ class ChatTokenizer(Protocol):
     ) -> tuple[str, list[ParsedCall]]:  # pragma: no cover - protocol
         """``(content, calls)`` of an answer; no calls when none parse."""
         ...
-
-
-def _tool_params(tools: list[dict[str, Any]] | None) -> dict[str, list[tuple[str, str]]]:
-    """Tool name -> its parameters as ``(name, json type)`` in schema order."""
-    out: dict[str, list[tuple[str, str]]] = {}
-    for t in tools or ():
-        fn = t.get("function", {})
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        out[fn.get("name", "")] = [
-            (p, str(spec.get("type", "string")) if isinstance(spec, dict) else "string") for p, spec in props.items()
-        ]
-    return out
-
-
-def _typed(value: Any, kind: str) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "string":
-        return isinstance(value, str)
-    return True
 
 
 class BuiltinTokenizer:
@@ -115,30 +95,22 @@ class BuiltinTokenizer:
         self.stop_word: str | None = chat.STOP_WORD
         self.vocab_size = TOKENIZER.vocab_size
 
-    @staticmethod
-    def _value(v: Any) -> str:
-        if isinstance(v, str) and v and not any(c.isspace() or c == '"' for c in v):
-            return v
-        return json.dumps(v, ensure_ascii=False)
-
-    def _call_line(self, call: dict[str, Any], params: dict[str, list[tuple[str, str]]]) -> str:
-        fn = call.get("function", call)
-        name, args = fn["name"], fn.get("arguments") or {}
-        order = [p for p, _ in params.get(name, [])] or list(args)
-        return " ".join([name, *(self._value(args[p]) for p in order if p in args)])
-
     def render(
-        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """ChatML-like rendering (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message)."""
-        params = _tool_params(tools)
+        """ChatML-like rendering (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message; no options)."""
+        params = tool_syntax.tool_params(tools)
         plain: list[dict[str, str]] = []
         for m in messages:
             content = m.get("content") or ""
             calls = m.get("tool_calls")
             if calls:
                 lines = [content] if content else []
-                lines += [self._call_line(c, params) for c in calls]
+                lines += [tool_syntax.call_line(c, params) for c in calls]
                 content = "\n".join(lines)
             plain.append({"role": m["role"], "content": content})
         return self._render(plain, add_generation_prompt)
@@ -153,31 +125,7 @@ class BuiltinTokenizer:
 
     def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
         """Lines ``name v1 v2 ...`` naming a tool with exactly that many typed values are calls."""
-        params = _tool_params(tools)
-        content: list[str] = []
-        calls: list[ParsedCall] = []
-        for line in text.split("\n"):
-            words = line.split(" ")
-            spec = params.get(words[0]) if words else None
-            if spec is not None and len(words) - 1 == len(spec):
-                args: dict[str, Any] = {}
-                for (pname, kind), raw in zip(spec, words[1:], strict=True):
-                    try:
-                        val: Any = orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        val = raw
-                    if kind == "string" and not isinstance(val, str):
-                        val = raw
-                    if not _typed(val, kind):
-                        break
-                    args[pname] = val
-                else:
-                    calls.append((words[0], args))
-                    continue
-            content.append(line)
-        if not calls:
-            return text, []
-        return "\n".join(content).strip(), calls
+        return tool_syntax.parse_calls(text, tools)
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -193,7 +141,7 @@ def parse_hermes(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[Pars
     blocks = _HERMES.findall(text)
     if not blocks:
         return text, []
-    names = set(_tool_params(tools))
+    names = set(tool_syntax.tool_params(tools))
     calls: list[ParsedCall] = []
     for b in blocks:
         try:
@@ -257,12 +205,20 @@ class HFTokenizer:
         self.vocab_size = len(self._tok)
 
     def render(
-        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """``apply_chat_template(messages, tools=..., tokenize=False)``; a template error is a 400."""
+        """``apply_chat_template(messages, tools=..., tokenize=False, **template_kwargs)``; a template error is a 400."""
         try:
             out = self._tok.apply_chat_template(
-                list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+                list(messages),
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **dict(template_kwargs or {}),
             )
         except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception
             raise invalid(f"the chat template refused the messages: {exc}", "messages") from None

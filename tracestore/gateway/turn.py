@@ -340,6 +340,8 @@ class Turn:
             self.timing.store_s += time.perf_counter() - t0
         self.s.metrics.turns.inc()
         self.s.metrics.tokens.labels("completion").inc(answer.completion_tokens)
+        if prep.fork is not None:
+            self.s.metrics.forks.labels(prep.fork).inc()
 
     # -- 5: settling, failures, a client gone -----------------------------------------------
 
@@ -392,6 +394,8 @@ class Turn:
             h["X-Session-Id"] = flight.sid
         if flight.lease is not None:
             h["X-Tracestore-Version"] = str(flight.lease.version)
+        if self.prep is not None and self.prep.fork is not None:
+            h["X-Tracestore-Fork"] = self.prep.fork
         return h
 
     def _piece(self, tid: int) -> str:

@@ -81,7 +81,7 @@ class SessionIndex:
     for another index, its chain cannot (lua/_lib/nodes.lua).
     """
 
-    __slots__ = ("epoch", "version", "chain", "nodes", "nums", "ends", "key")
+    __slots__ = ("epoch", "version", "chain", "nodes", "nums", "ends", "key", "_parents")
 
     def __init__(
         self, epoch: str, version: int, nodes: dict[str, Node], nums: dict[str, int], key: str = "",
@@ -94,6 +94,13 @@ class SessionIndex:
         self.nums = nums  # node id -> node number (its field in tok and txt), in this epoch
         self.ends = sorted({n.end for n in nodes.values()})
         self.key = key  # the idx key it was read from (named by CorruptData)
+        self._parents: frozenset[str | None] | None = None
+
+    def has_child(self, node: Node | None) -> bool:
+        """True when a stored node hangs under ``node`` (under the root for None)."""
+        if self._parents is None:
+            self._parents = frozenset(n.parent for n in self.nodes.values())
+        return (node.id if node is not None else None) in self._parents
 
     @classmethod
     def from_pairs(

@@ -199,7 +199,7 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
     hashed = (
         HashedPrefix(prompt_text, node.end, used[1], ids, snap.epoch) if node is not None else None
     )
-    return PrefixMatch(node.end if node else 0, ids, node, tuple(path), _hashed=hashed)
+    return PrefixMatch(node.end if node else 0, ids, node, tuple(path), extended=snap.has_child(node), _hashed=hashed)
 
 
 def search(ctx: Context, sid: str, text: str) -> Op[PrefixMatch]:

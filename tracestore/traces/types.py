@@ -50,6 +50,11 @@ class Node:
         """True when the segment's labels are its token ids (model output)."""
         return bool(self.flags & codec.GENERATED)
 
+    @property
+    def fork(self) -> str | None:
+        """Why this node starts a branch (``client_edit``, ``template``), None when it does not."""
+        return codec.fork_reason(self.flags)
+
     def fields(self) -> str:
         """The record fields after the node numbers: ``end,ntok,flags,version,expert_key``.
 
@@ -132,7 +137,10 @@ class PrefixMatch:
     list-like, read-only, no copy; ``.tolist()`` for a list; any sequence
     given here is converted); ``node``: the matched node (None when
     nothing matched); ``path``: nodes from the root to ``node``;
-    ``segments``: one per node of ``path`` (filled by :func:`search` only).
+    ``segments``: one per node of ``path`` (filled by :func:`search` only);
+    ``extended``: a stored node continues the match (``node`` has a child;
+    with nothing matched, the session has nodes), so a turn recorded on it
+    starts a new branch (filled by :func:`lookup` only).
     Pass it back as ``record_turn(..., prefix=match)``.
     """
 
@@ -141,6 +149,7 @@ class PrefixMatch:
     node: Node | None
     path: tuple[Node, ...] = ()
     segments: tuple[Segment, ...] = ()
+    extended: bool = False
     # Set by lookup(): the hash state at the matched end, so that record_turn
     # need not hash the prefix again.
     _hashed: HashedPrefix | None = field(default=None, compare=False, repr=False)

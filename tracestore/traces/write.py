@@ -139,11 +139,13 @@ class _CheckedTurn:
     response_logprobs: array  # type: ignore[type-arg]
     delta_key: str | None
     response_key: str | None
+    fork_flags: int = 0
 
 
 def _check_turn(
     sid: str, prompt_text: str, response_text: str, prefix: PrefixMatch, v: int,
     ids: tuple[Sequence[int], Sequence[int], Sequence[float]], keys: tuple[str | None, str | None],
+    fork_flags: int = 0,
 ) -> _CheckedTurn:
     """Every check of :func:`record_turn`; each text is encoded once, the prefix hashed once.
 
@@ -208,7 +210,7 @@ def _check_turn(
         )
     return _CheckedTurn(
         sid, prompt_text, response_text, start, prefix.node, h, hashed, rest,
-        r_bytes, v, d_ids, r_ids, r_lps, dkey, rkey,
+        r_bytes, v, d_ids, r_ids, r_lps, dkey, rkey, fork_flags,
     )
 
 
@@ -241,13 +243,14 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
         d_lps = array("f", bytes(4 * len(t.delta_ids)))
         payload = codec.pack(t.delta_ids, d_lps, None, 0)
         _check_size(ctx, "delta_token_ids", payload)
-        node = Node(prompt_id, parent, len(prompt), len(t.delta_ids), 0, t.version, t.delta_key)
+        node = Node(prompt_id, parent, len(prompt), len(t.delta_ids), t.fork_flags, t.version, t.delta_key)
         delta = _NewNode(node, payload, prompt[start:], parent_wid)
         parent, start, parent_wid = prompt_id, len(prompt), None
     r_payload = codec.pack(t.response_ids, t.response_logprobs, None, codec.GENERATED)
     _check_size(ctx, "response_token_ids", r_payload)
     end = len(prompt) + len(t.response_text)
-    node = Node(response_id, parent, end, len(t.response_ids), codec.GENERATED, t.version, t.response_key)
+    flags = codec.GENERATED | (0 if t.delta_ids else t.fork_flags)
+    node = Node(response_id, parent, end, len(t.response_ids), flags, t.version, t.response_key)
     response = _NewNode(node, r_payload, prompt[start:] + t.response_text, parent_wid)
     return _TurnNodes(delta, response, at_prompt if t.delta_ids else at_prefix, h)
 
@@ -331,6 +334,7 @@ def record_turn(
     version: int,
     delta_expert_key: str | None = None,
     response_expert_key: str | None = None,
+    fork: str | None = None,
     op_id: str | None = None,
 ) -> Op[Turn]:
     """Record one turn atomically: the delta node and the response node.
@@ -341,8 +345,11 @@ def record_turn(
     (key = ``prompt_text``, labels -100, logprobs 0.0) is written only when
     ``delta_token_ids`` is non-empty; the response node (key = ``prompt_text
     + response_text``, labels = its ids) hangs under it, else under the
-    prefix node. Both carry ``version``. Re-recording an equal turn is a
-    no-op (safe to retry); nothing is written when anything is invalid.
+    prefix node. Both carry ``version``. ``fork`` (``client_edit`` or
+    ``template``) says why this turn leaves the stored path it matched: the
+    first new node records it (:attr:`Node.fork`). Re-recording an equal
+    turn is a no-op (safe to retry); nothing is written when anything is
+    invalid.
 
     Raises, before any I/O: InvalidId (sid); InvalidInput naming the field
     (ids not int32 or negative, logprobs length or NaN/+inf, text not valid
@@ -363,7 +370,7 @@ def record_turn(
     turn = _check_turn(
         sid, prompt_text, response_text, prefix, version,
         (delta_token_ids, response_token_ids, response_logprobs),
-        (delta_expert_key, response_expert_key),
+        (delta_expert_key, response_expert_key), codec.fork_flag(fork),
     )
     nodes = _turn_nodes(ctx, turn)
     new = [nodes.response] if nodes.delta is None else [nodes.delta, nodes.response]
