@@ -31,7 +31,7 @@ def key_slot(key: str | bytes) -> int:
 #: Hash slots of a Redis Cluster.
 SLOTS = 16384
 #: A session's data keys, by suffix (the tombstone ``dead`` aside).
-_DATA_PARTS = ("idx", "tok", "txt")
+_DATA_PARTS = ("idx", "tok", "txt", "part")
 
 
 @cache
@@ -301,6 +301,10 @@ class Keys:
     def txt(self, sid: str) -> str:
         """``ts:{R/sid}:txt`` hash node number -> node text."""
         return f"{self._d(sid)}:txt"
+
+    def part(self, sid: str) -> str:
+        """``ts:{R/sid}:part`` hash prompt node id -> tokens kept of a turn a weight update stopped."""
+        return f"{self._d(sid)}:part"
 
     def dead(self, sid: str) -> str:
         """``ts:{R/sid}:dead`` tombstone written when the session's data is purged."""

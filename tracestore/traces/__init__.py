@@ -51,6 +51,7 @@ The package is split by job: :mod:`~tracestore.traces.types` (value types),
 from __future__ import annotations
 
 from .index import node_id
+from .partial import Partial, drop_partial, keep_partial, read_partial
 from .reads import export_many, export_training_trace, lookup, search, trace_keys
 from .tokens import TokenIds
 from .types import Node, PrefixMatch, Segment, Trace, Turn
@@ -58,16 +59,20 @@ from .write import insert, record_turn
 
 __all__ = [
     "Node",
+    "Partial",
     "PrefixMatch",
     "Segment",
     "TokenIds",
     "Trace",
     "Turn",
     "export_many",
+    "drop_partial",
     "export_training_trace",
     "insert",
+    "keep_partial",
     "lookup",
     "node_id",
+    "read_partial",
     "record_turn",
     "search",
     "trace_keys",

@@ -262,7 +262,7 @@ def export_training_trace(ctx: Context, sid: str, prompt_text: str) -> Op[Trace]
         ids.extend(p.token_ids)
         labels.extend(p.labels)
         lps.extend(p.logprobs)
-        versions.extend([n.version] * n.ntok)
+        versions.extend(p.versions if p.versions is not None else [n.version] * n.ntok)
     keys = [n.expert_key for n in path]
     if all(x is None for x in keys):
         expert_keys = None

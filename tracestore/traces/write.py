@@ -140,12 +140,14 @@ class _CheckedTurn:
     delta_key: str | None
     response_key: str | None
     fork_flags: int = 0
+    response_versions: array | None = None  # type: ignore[type-arg]  # per token, when they differ
 
 
 def _check_turn(
     sid: str, prompt_text: str, response_text: str, prefix: PrefixMatch, v: int,
     ids: tuple[Sequence[int], Sequence[int], Sequence[float]], keys: tuple[str | None, str | None],
     fork_flags: int = 0,
+    response_versions: Sequence[int] | None = None,
 ) -> _CheckedTurn:
     """Every check of :func:`record_turn`; each text is encoded once, the prefix hashed once.
 
@@ -179,6 +181,17 @@ def _check_turn(
         raise InvalidInput(
             "response_logprobs", f"{len(r_lps)} logprobs for {len(r_ids)} response token ids"
         )
+    r_versions = None
+    if response_versions is not None:
+        r_versions = array("i", (validate.version("response_versions", x) for x in response_versions))
+        if len(r_versions) != len(r_ids):
+            raise InvalidInput(
+                "response_versions", f"{len(r_versions)} versions for {len(r_ids)} response token ids"
+            )
+        if max(r_versions, default=v) > v:
+            raise InvalidInput("response_versions", f"a token's version is newer than the turn's version {v}")
+        if all(x == v for x in r_versions):
+            r_versions = None  # one version: the node's
     start = prefix.text_len
     if not isinstance(start, int) or not 0 <= start <= len(prompt_text):
         raise InvalidInput(
@@ -210,7 +223,7 @@ def _check_turn(
         )
     return _CheckedTurn(
         sid, prompt_text, response_text, start, prefix.node, h, hashed, rest,
-        r_bytes, v, d_ids, r_ids, r_lps, dkey, rkey, fork_flags,
+        r_bytes, v, d_ids, r_ids, r_lps, dkey, rkey, fork_flags, r_versions,
     )
 
 
@@ -246,11 +259,15 @@ def _turn_nodes(ctx: Context, t: _CheckedTurn) -> _TurnNodes:
         node = Node(prompt_id, parent, len(prompt), len(t.delta_ids), t.fork_flags, t.version, t.delta_key)
         delta = _NewNode(node, payload, prompt[start:], parent_wid)
         parent, start, parent_wid = prompt_id, len(prompt), None
-    r_payload = codec.pack(t.response_ids, t.response_logprobs, None, codec.GENERATED)
+    flags = codec.GENERATED | (0 if t.delta_ids else t.fork_flags)
+    version = t.version
+    if t.response_versions is not None:
+        flags |= codec.VERSIONS
+        version = min(t.response_versions)  # the node's version is its oldest token's (staleness)
+    r_payload = codec.pack(t.response_ids, t.response_logprobs, None, flags, t.response_versions)
     _check_size(ctx, "response_token_ids", r_payload)
     end = len(prompt) + len(t.response_text)
-    flags = codec.GENERATED | (0 if t.delta_ids else t.fork_flags)
-    node = Node(response_id, parent, end, len(t.response_ids), flags, t.version, t.response_key)
+    node = Node(response_id, parent, end, len(t.response_ids), flags, version, t.response_key)
     response = _NewNode(node, r_payload, prompt[start:] + t.response_text, parent_wid)
     return _TurnNodes(delta, response, at_prompt if t.delta_ids else at_prefix, h)
 
@@ -335,6 +352,7 @@ def record_turn(
     delta_expert_key: str | None = None,
     response_expert_key: str | None = None,
     fork: str | None = None,
+    response_versions: Sequence[int] | None = None,
     op_id: str | None = None,
 ) -> Op[Turn]:
     """Record one turn atomically: the delta node and the response node.
@@ -347,7 +365,11 @@ def record_turn(
     + response_text``, labels = its ids) hangs under it, else under the
     prefix node. Both carry ``version``. ``fork`` (``client_edit`` or
     ``template``) says why this turn leaves the stored path it matched: the
-    first new node records it (:attr:`Node.fork`). Re-recording an equal
+    first new node records it (:attr:`Node.fork`). ``response_versions``:
+    the weight version of each response token when they differ (a
+    generation continued across a weight update; none newer than
+    ``version``): the export's ``versions`` then carry them, and the response
+    node's version is the oldest. Re-recording an equal
     turn is a no-op (safe to retry); nothing is written when anything is
     invalid.
 
@@ -370,7 +392,7 @@ def record_turn(
     turn = _check_turn(
         sid, prompt_text, response_text, prefix, version,
         (delta_token_ids, response_token_ids, response_logprobs),
-        (delta_expert_key, response_expert_key), codec.fork_flag(fork),
+        (delta_expert_key, response_expert_key), codec.fork_flag(fork), response_versions,
     )
     nodes = _turn_nodes(ctx, turn)
     new = [nodes.response] if nodes.delta is None else [nodes.delta, nodes.response]

@@ -1,0 +1,119 @@
+"""Kept tokens of a turn a weight update stopped: what a continued generation resumes from.
+
+When a weight update stops a generation (DESIGN section 15, ``--on-weight-update
+continue``), the gateway keeps the ids it had generated, their logprobs and
+the version of each, in the session's data slot (``ts:{R/sid}:part``, one
+field per turn, named by the node id of the turn's prompt key). Once the gate
+reopens the generation resumes from prompt + kept ids, and the turn is
+recorded once, with per-token versions; the field is then dropped. Because the
+tokens are in the store, a client that retries the same turn on another
+gateway (the first one died holding it) resumes from them too.
+
+Value layout (bytes, nothing pickled): ``b"p1,<input_len>,<kept_ms>,<n>\\n"``
+then ``n`` int32 ids, ``n`` float32 logprobs and ``n`` int32 versions, little
+endian. ``input_len`` is the length of the engine input the tokens followed
+(a resume on another input is refused by the caller).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import codec, validate
+from ..context import Context
+from ..errors import CorruptData, InvalidInput
+from ..scripts import Cmd, Eval, Op, script
+from ..validate import duration_ms, validate_id
+from .index import node_id, utf8
+
+_HEAD = b"p1,"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Tokens kept of a stopped turn: ``ids``, one logprob and one weight version per id,
+    the length of the engine input they followed, and when they were kept (ms, server clock)."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    input_len: int
+    kept_ms: int
+
+
+def _encode(p: Partial) -> bytes:
+    n = len(p.ids)
+    ids = codec.int32_array("partial.ids", p.ids, non_negative=True)
+    lps = codec.float32_logprobs("partial.logprobs", p.logprobs)
+    vs = array("i", (validate.version("partial.versions", v) for v in p.versions))
+    if not (len(lps) == len(vs) == n):
+        raise InvalidInput("partial", f"{n} ids, {len(lps)} logprobs, {len(vs)} versions")
+    head = _HEAD + f"{p.input_len},{p.kept_ms},{n}\n".encode()
+    return head + codec.pack(ids, lps, None, codec.VERSIONS, vs)
+
+
+def _decode(key: str, field: str, raw: bytes) -> Partial:
+    try:
+        head, body = raw.split(b"\n", 1)
+        if not head.startswith(_HEAD):
+            raise ValueError("unknown layout")
+        input_len, kept_ms, n = (int(x) for x in head[len(_HEAD) :].split(b","))
+        p = codec.unpack(body, n, codec.VERSIONS)
+    except (ValueError, InvalidInput) as exc:
+        raise CorruptData(key, f"kept tokens do not decode ({exc})", field) from None
+    assert p.versions is not None
+    return Partial(p.token_ids, p.logprobs, p.versions, input_len, kept_ms)
+
+
+def keep_partial(
+    ctx: Context,
+    sid: str,
+    key_text: str,
+    ids: Sequence[int],
+    logprobs: Sequence[float],
+    versions: Sequence[int],
+    input_len: int,
+    *,
+    kept_ms: int = 0,
+    ttl_s: float = 600.0,
+) -> Op[None]:
+    """Keep a stopped turn's tokens under its prompt key ``key_text`` (replacing what was kept).
+
+    Raises InvalidId/InvalidInput before I/O; SessionReleased when the
+    session's data was purged. Idempotent. One round trip.
+    """
+    validate_id("session id", sid)
+    utf8("key_text", key_text)
+    value = _encode(Partial(tuple(ids), tuple(logprobs), tuple(versions), int(input_len), int(kept_ms)))
+    k = ctx.keys
+    reply = yield Eval(
+        script("partial_keep"),
+        (k.part(sid), k.dead(sid)),
+        (sid, node_id(key_text), duration_ms("ttl_s", ttl_s), value),
+    )
+    del reply  # {}: the status was the whole reply
+    return None
+
+
+def read_partial(ctx: Context, sid: str, key_text: str) -> Op[Partial | None]:
+    """The tokens kept of the turn whose prompt key is ``key_text``, or None. One round trip
+    (pipelined with the turn's lookup when gathered with it). Raises CorruptData on a value
+    that does not decode."""
+    validate_id("session id", sid)
+    field = node_id(key_text)
+    k = ctx.keys
+    raw = yield Cmd(("HGET", k.part(sid), field), key=k.part(sid))
+    return None if raw is None else _decode(k.part(sid), field, bytes(raw))
+
+
+def drop_partial(ctx: Context, sid: str, key_text: str) -> Op[None]:
+    """Forget the tokens kept of that turn (it was recorded, or given up). Idempotent; one round trip."""
+    validate_id("session id", sid)
+    k = ctx.keys
+    yield Cmd(("HDEL", k.part(sid), node_id(key_text)), key=k.part(sid))
+    return None
+
+
+__all__ = ["Partial", "drop_partial", "keep_partial", "read_partial"]
