@@ -39,10 +39,10 @@ def engines() -> Iterator[dict[str, CliServer]]:
 
 
 class Gw:
-    def __init__(self, url: str, engine: str, api: str) -> None:
+    def __init__(self, url: str, engine: str, api: str, *extra: str) -> None:
         self.run = f"gwe-{uuid.uuid4().hex[:10]}"
         self.server = CliServer(
-            "gateway", "--engine", engine, "--engine-api", api, "--url", url, "--run", self.run, "--port", "0"
+            "gateway", "--engine", engine, "--engine-api", api, "--url", url, "--run", self.run, "--port", "0", *extra
         ).start()
         self.store = TraceStore.connect(url, run=self.run)
 
@@ -64,7 +64,7 @@ class Gw:
 
 @pytest.fixture(scope="module")
 def gws(engines: dict[str, CliServer], standalone_url: str) -> Iterator[dict[str, Gw]]:
-    made = {api: Gw(standalone_url, engines[api].url, api) for api in APIS}
+    made = {api: Gw(standalone_url, engines[api].url, api, "--on-weight-update", "abort") for api in APIS}
     yield made
     for g in made.values():
         g.close()
@@ -155,6 +155,7 @@ def test_sdks_multi_turn_with_tools_give_the_same_traces_through_both_adapters(g
 
 @pytest.mark.parametrize("api", APIS)
 def test_a_weight_update_aborts_requests_in_flight(gws: dict[str, Gw], engines: dict[str, CliServer], api: str) -> None:
+    """``--on-weight-update abort`` (the continue mode through both adapters: tests/test_gateway_continue.py)."""
     g = gws[api]
     s = f"wu-{uuid.uuid4().hex[:8]}"
     result: dict[str, Any] = {}

@@ -120,6 +120,7 @@ class _Plan:
     logprobs: list[float]
     version: int
     parts: tuple[Any, Any] | None  # routed-expert rows of the delta and of the response
+    versions: Sequence[int] | None = None  # per response token, when they differ
 
 
 class RecorderMethods(Generic[St]):
@@ -170,6 +171,7 @@ class RecorderMethods(Generic[St]):
     def _plan(
         self, req: Request, messages: Sequence[Message], assistant_message: Message,
         output_ids: Sequence[int], logprobs: Sequence[float], routed_experts: Any | None, version: int,
+        versions: Sequence[int] | None = None,
     ) -> _Plan:
         """Every check of a response, before anything is put or written."""
         sid, prompt = req.sid, req.prompt_text
@@ -200,7 +202,7 @@ class RecorderMethods(Generic[St]):
                     f"{rows} rows for {p} prefix + {d} delta + {len(out)} output tokens",
                 )
             parts = (routed_experts[p : p + d], routed_experts[p + d :])
-        return _Plan(req, new_text[len(prompt) :], out, lps, version, parts)
+        return _Plan(req, new_text[len(prompt) :], out, lps, version, parts, versions)
 
     def _put(self, plan: _Plan) -> tuple[str | None, str | None]:
         """Put the expert parts through the holder: ``(delta_key, response_key)``."""
@@ -257,6 +259,8 @@ class Response:
     logprobs: Sequence[float]
     routed_experts: Any | None
     version: int
+    #: Per output token, when a generation continued across weight updates (None: ``version``).
+    versions: Sequence[int] | None = None
 
 
 def _timed(rec: RecorderMethods[Any], operation: Op[R]) -> Op[R]:
@@ -322,6 +326,7 @@ def _record(rec: RecorderMethods[Any], plan: _Plan, keys: tuple[str | None, str 
             version=plan.version,
             delta_expert_key=keys[0],
             response_expert_key=keys[1],
+            response_versions=plan.versions,
         )
     finally:
         rec._pending.pop(req.sid, None)
@@ -338,6 +343,7 @@ def after_response(
     logprobs: Sequence[float],
     routed_experts: Any | None,
     version: int,
+    versions: Sequence[int] | None = None,
 ) -> Op[Turn]:
     """Record the turn: delta node (key = old prompt) and response node (key = new prompt).
 
@@ -353,7 +359,7 @@ def after_response(
     req = rec._pending_for(sid, rec._prompt(sid, messages))
     if req is None:
         req = yield from prepare(rec, sid, messages)
-    plan = rec._plan(req, messages, assistant_message, output_ids, logprobs, routed_experts, version)
+    plan = rec._plan(req, messages, assistant_message, output_ids, logprobs, routed_experts, version, versions)
     return (yield from _timed(rec, _record(rec, plan, rec._put(plan))))
 
 
@@ -395,7 +401,8 @@ def after_response_many(
         r = responses[i]
         try:
             plans[i] = rec._plan(
-                req, r.messages, r.assistant_message, r.output_ids, r.logprobs, r.routed_experts, r.version
+                req, r.messages, r.assistant_message, r.output_ids, r.logprobs, r.routed_experts, r.version,
+                r.versions,
             )
         except TracestoreError as err:
             out[i] = err

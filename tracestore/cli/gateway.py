@@ -41,6 +41,21 @@ def _announce(url: str) -> None:
     "template: the chat template over the whole conversation every turn (docs/gateway.md).",
 )
 @click.option(
+    "--on-weight-update",
+    type=click.Choice(["continue", "abort"]),
+    default="continue",
+    show_default=True,
+    help="continue: a generation a weight update stops is held (its tokens kept in the store) and "
+    "continued under the new weights, one answer to the client; abort: answer 503 and let the client retry.",
+)
+@click.option(
+    "--hold-timeout",
+    type=click.FloatRange(min=0.001),
+    default=600.0,
+    show_default=True,
+    help="Seconds a held generation waits for the gate to reopen before it is answered as in abort mode.",
+)
+@click.option(
     "--engine-api",
     type=click.Choice(["sglang", "vllm"]),
     default="sglang",
@@ -119,6 +134,8 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
         engines=engines,
         engine_api=kw["engine_api"],
         prompt_mode=kw["prompt_mode"],
+        on_weight_update=kw["on_weight_update"],
+        hold_timeout_s=kw["hold_timeout"],
         url=kw["url"],
         run=kw["run"],
         owner=kw["owner"],

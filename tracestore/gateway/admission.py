@@ -6,6 +6,8 @@
 * Every request being served is a :class:`Flight` (its engine request id, its
   lease, where it is); :meth:`Admission.abort_all` stops the leased ones at
   their engines.
+* **Held turns** (``--on-weight-update continue``) wait in :meth:`Admission.wait_open`
+  for the watcher to see the gate open again, then are admitted anew.
 * **Learning of a seal.** One watcher task, running only while leased
   requests are in flight, reads ``gate.status()`` every ``gate_poll_s``
   (default 50 ms): one small script call per interval per gateway, not per
@@ -19,9 +21,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -141,7 +144,10 @@ class Admission:
         self._spawn = spawn
         self.flights: dict[str, Flight] = {}
         self._leased = 0
+        self._held = 0
         self._busy = asyncio.Event()
+        self._open = asyncio.Event()  # set while the watcher last saw the gate open
+        self._open.set()
         self._watcher: asyncio.Task[None] | None = None
         self._admits: Coalescer[str, Lease] = Coalescer(self._admit_batch, 1000)
         self._settles: Coalescer[tuple[Lease, str], None] = Coalescer(self._settle_batch, 1000)
@@ -172,11 +178,12 @@ class Admission:
         """``flight`` is done (idempotent)."""
         if self.flights.pop(flight.rid, None) is not None and flight.lease is not None:
             self._leased -= 1
-            if self._leased == 0:
-                self._busy.clear()
+            self._busy_now()
 
     def abort_all(self, reason: str) -> int:
         """Mark every leased flight not yet recording aborted and stop those generating; how many."""
+        if reason == "weight_update":
+            self._open.clear()
         n = 0
         for f in list(self.flights.values()):
             if f.lease is None or f.abort_reason is not None or f.record_task is not None:
@@ -186,6 +193,43 @@ class Admission:
             if f.generating:
                 self._spawn(f.engine.abort(f.rid))
         return n
+
+    # -- held turns -------------------------------------------------------------------------
+
+    def _busy_now(self) -> None:
+        if self._leased or self._held:
+            self._busy.set()
+        else:
+            self._busy.clear()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """A turn waits for the gate to reopen (the watcher keeps reading it meanwhile)."""
+        self._held += 1
+        self._busy_now()
+        try:
+            yield
+        finally:
+            self._held -= 1
+            self._busy_now()
+
+    @property
+    def held(self) -> int:
+        """Turns waiting for the gate to reopen now."""
+        return self._held
+
+    async def wait_open(self, timeout_s: float) -> bool:
+        """Wait until the watcher sees the gate open (at most ``timeout_s``); False on timeout.
+        Call it inside :meth:`holding`."""
+        try:
+            await asyncio.wait_for(self._open.wait(), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def sealed(self) -> None:
+        """Learnt of a seal elsewhere (an admission refused): held turns wait for the next open."""
+        self._open.clear()
 
     # -- admit and settle -------------------------------------------------------------------
 
@@ -265,6 +309,8 @@ class Admission:
                 self.metrics.gate_polls.inc()
                 if st.sealed:
                     self.abort_all("weight_update")
+                else:
+                    self._open.set()
                 now = time.monotonic()
                 for f in list(self.flights.values()):
                     if f.lease is not None and not f.settled and now - f.renewed > self.ttl_s / 2:

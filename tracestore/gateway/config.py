@@ -13,6 +13,9 @@ from .engines import engine_apis
 
 #: ``--prompt-mode`` choices: token-exact traces (the default), or the chat template every turn.
 PROMPT_MODES = ("tito", "template")
+#: ``--on-weight-update`` choices: hold a stopped generation and continue it under the new
+#: weights (the default), or answer 503 so that the client retries from scratch.
+ON_WEIGHT_UPDATE = ("continue", "abort")
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,11 @@ class GatewayConfig:
     ``engines``: engine base URLs, the router's entrypoints (sticky per
     session); ``engine_api``: their protocol (``sglang`` or ``vllm``, see
     :mod:`.engines`). ``prompt_mode``: ``tito`` (token-exact traces,
-    :mod:`.tito`) or ``template`` (:class:`~.prompts.TemplatePrompts`). ``owner``: owner tag of sessions opened without an
+    :mod:`.tito`) or ``template`` (:class:`~.prompts.TemplatePrompts`).
+    ``on_weight_update``: ``continue`` (a generation a weight update stops is
+    held, its tokens kept, and continued under the new weights; held past
+    ``hold_timeout_s`` it is answered as in ``abort`` mode) or ``abort`` (503,
+    the client retries). ``owner``: owner tag of sessions opened without an
     ``X-Tracestore-Owner`` header. ``name``: lease holder name (default
     ``gateway-<host>-<pid>``). ``model``: the model name served (default: the
     tokenizer's). ``trace_sessions``: sessions whose latest turn
@@ -36,6 +43,8 @@ class GatewayConfig:
     owner: str = "gateway"
     engine_api: str = "sglang"
     prompt_mode: str = "tito"
+    on_weight_update: str = "continue"
+    hold_timeout_s: float = 600.0
     tokenizer: str = "builtin"
     tool_parser: str = "hermes"
     model: str | None = None
@@ -60,6 +69,8 @@ class GatewayConfig:
             raise ConfigError("--engine: the same URL is given twice")
         if self.prompt_mode not in PROMPT_MODES:
             raise ConfigError(f"--prompt-mode {self.prompt_mode!r}: choose one of {list(PROMPT_MODES)}")
+        if self.on_weight_update not in ON_WEIGHT_UPDATE:
+            raise ConfigError(f"--on-weight-update {self.on_weight_update!r}: choose one of {list(ON_WEIGHT_UPDATE)}")
         if self.engine_api not in engine_apis():
             raise ConfigError(f"--engine-api {self.engine_api!r}: choose one of {engine_apis()}")
         try:
@@ -68,7 +79,7 @@ class GatewayConfig:
                 validate_id("gateway name", self.name)
         except InvalidId as exc:
             raise ConfigError(str(exc)) from None
-        for name in ("lease_ttl_s", "gate_poll_s", "engine_timeout_s"):
+        for name in ("lease_ttl_s", "gate_poll_s", "engine_timeout_s", "hold_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.redis_connections < 8:
@@ -90,4 +101,4 @@ def default_name() -> str:
     return f"gateway-{host}-{os.getpid()}"
 
 
-__all__ = ["PROMPT_MODES", "GatewayConfig", "default_name"]
+__all__ = ["ON_WEIGHT_UPDATE", "PROMPT_MODES", "GatewayConfig", "default_name"]

@@ -18,10 +18,15 @@ metric                          type       labels / meaning
                                            path), ``total`` (request in, answer out)
 ``tokens_total``                counter    ``kind``: ``prompt``, ``prompt_new`` (tokenised
                                            this turn, the rest came from the trie),
-                                           ``completion``
+                                           ``completion``, ``discarded`` (generated, then
+                                           thrown away by an aborted turn)
 ``turns_recorded_total``        counter    turns written with ``record_turn``
 ``forks_total``                 counter    ``reason``: turns recorded on a new branch
                                            (``client_edit``, ``template``)
+``held_total``                  counter    ``event``: generations a weight update stopped
+                                           and the gateway ``held`` (tokens kept), then
+                                           ``continued`` (recorded as one turn) or
+                                           ``timed_out`` (past ``--hold-timeout``)
 ``gate_polls_total``            counter    gate status reads of the seal watcher
 ==============================  =========  ==============================================
 
@@ -74,6 +79,9 @@ class Metrics:
         self.tokens = Counter(f"{ns}_tokens", "Tokens in and out.", ["kind"], registry=r)
         self.turns = Counter(f"{ns}_turns_recorded", "Turns recorded.", registry=r)
         self.forks = Counter(f"{ns}_forks", "Turns that left the stored path they matched, by why.", ["reason"], registry=r)
+        self.held = Counter(
+            f"{ns}_held", "Generations a weight update stopped, by what became of them.", ["event"], registry=r
+        )
         self.gate_polls = Counter(f"{ns}_gate_polls", "Gate status reads of the seal watcher.", registry=r)
 
     def render(self) -> bytes:

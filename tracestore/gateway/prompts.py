@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from ..errors import InvalidInput, PrefixChanged
 from ..session import AsyncTurnRecorder, ExpertHolder, Request
 from ..store import AsyncTraceStore
-from ..traces import Trace
+from ..traces import Partial, Trace
 from .chat import Answer, ApiError, ChatRequest, Message
 from .engines import EngineOutput
 from .experts import PutAhead, put_parts
@@ -42,6 +42,10 @@ class Prepared:
     state: Any
     #: Why this turn leaves the stored path it matched (``client_edit``, ``template``), or None.
     fork: str | None = None
+    #: The turn's prompt key (what kept tokens are filed under; None: the mode keeps none).
+    key: str | None = None
+    #: Tokens kept of this turn by an earlier attempt a weight update stopped (resume from them).
+    partial: Partial | None = None
 
 
 class PromptMode(Protocol):
@@ -58,9 +62,11 @@ class PromptMode(Protocol):
         ...
 
     async def write(
-        self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int
+        self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int,
+        versions: Sequence[int] | None = None,
     ) -> None:  # pragma: no cover - protocol
-        """Record the turn (the commit point). Raises Unrecordable, NodeConflict, PrefixChanged..."""
+        """Record the turn (the commit point); ``versions``: per answer token, when they differ.
+        Raises Unrecordable, NodeConflict, PrefixChanged..."""
         ...
 
     async def export(self, sid: str) -> Trace | None:  # pragma: no cover - protocol
@@ -109,7 +115,7 @@ class TemplatePrompts:
         """Render, look up the longest stored text prefix, tokenise the rest (1 round trip warm)."""
         rec = self._recorder(req)
         r = await rec.prepare(sid, req.messages)
-        return Prepared(sid, r.input_ids, len(r.delta_ids), (rec, r))
+        return Prepared(sid, r.input_ids, len(r.delta_ids), (rec, r), key=r.prompt_text)
 
     async def put_experts(self, prep: Prepared, out: EngineOutput) -> Any:
         """Split the engine's rows into the delta's and the answer's and put both ahead of the write."""
@@ -126,14 +132,17 @@ class TemplatePrompts:
             raise ApiError("bad_gateway", f"engine reply: {exc}", code="engine_error") from None
         return experts
 
-    async def write(self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int) -> None:
+    async def write(
+        self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int,
+        versions: Sequence[int] | None = None,
+    ) -> None:
         """``record_turn`` through the recorder: the delta under the old prompt, the answer under the
         template's rendering of the conversation with the answer (1 round trip)."""
         rec, _ = prep.state
         assistant = answer.message()
         try:
             await rec.after_response(
-                prep.sid, req.messages, assistant, answer.output_ids, answer.logprobs, experts, version
+                prep.sid, req.messages, assistant, answer.output_ids, answer.logprobs, experts, version, versions
             )
         except PrefixChanged:
             raise

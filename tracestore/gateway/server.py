@@ -170,6 +170,7 @@ class Gateway:
             for note in features.notes:
                 log.info("gateway: chat template of %s: %s", self.tok.name, note)
         self.services = Services(
+            config=self.config,
             store=self.store,
             tok=self.tok,
             prompts=self.prompts,

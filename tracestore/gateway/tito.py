@@ -38,14 +38,17 @@ stored prompt, and the answer hangs beside the first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import traces
 from ..conversation import key_parts, message_key
 from ..errors import InvalidInput, PrefixChanged
+from ..scripts import gather
 from ..session import ExpertHolder
 from ..store import AsyncTraceStore
-from ..traces import PrefixMatch, TokenIds, Trace
+from ..traces import Partial, PrefixMatch, TokenIds, Trace
 from .chat import Answer, ApiError, ChatRequest, Message, invalid
 from .engines import EngineOutput
 from .experts import put_parts
@@ -119,7 +122,10 @@ class TitoPrompts:
         ends = [0]
         for p in parts:
             ends.append(ends[-1] + len(p))  # ends[i + 1]: after message i - 1 (ends[1]: the header)
-        match = await self.store.lookup(sid, key)
+        ctx = self.store.context
+        got = await self.store.run(gather([traces.lookup(ctx, sid, key), traces.read_partial(ctx, sid, key)]))
+        match, partial = got[0], got[1]  # one round trip for both
+        assert isinstance(match, PrefixMatch) and (partial is None or isinstance(partial, Partial))
         fork: str | None = None
         if match.text_len == len(key):  # the same messages again: a retry of this turn
             delta: list[int] = []
@@ -136,11 +142,14 @@ class TitoPrompts:
             if covered == 0:
                 delta = self.render_all(req)
             else:
-                ids = match.token_ids
+                stored = match.token_ids
                 generated = match.node is not None and match.node.generated
-                delta = self.tok.encode(self.suffix_text(req, covered, ids[-1] if ids and generated else None))
+                delta = self.tok.encode(self.suffix_text(req, covered, stored[-1] if stored and generated else None))
         plan = _Plan(key, match, delta)
-        return Prepared(sid, [*match.token_ids, *delta], len(delta), plan, fork)
+        ids = [*match.token_ids, *delta]
+        if partial is not None and (partial.input_len != len(ids) or fork is not None):
+            partial = None  # kept after another input: not this turn's (it expires)
+        return Prepared(sid, ids, len(delta), plan, fork, key=key, partial=partial)
 
     # -- the record -------------------------------------------------------------------------
 
@@ -158,7 +167,10 @@ class TitoPrompts:
             raise ApiError("bad_gateway", f"engine reply: {exc}", code="engine_error") from None
         return keys
 
-    async def write(self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int) -> None:
+    async def write(
+        self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int,
+        versions: Sequence[int] | None = None,
+    ) -> None:
         """``record_turn``: the delta node under the request's key, the answer under key + its line."""
         plan: _Plan = prep.state
         keys: list[str] = list(experts or [])
@@ -178,6 +190,7 @@ class TitoPrompts:
                 delta_expert_key=dkey,
                 response_expert_key=rkey,
                 fork=prep.fork,
+                response_versions=versions,
             )
         except PrefixChanged:
             raise

@@ -26,6 +26,7 @@ chosen round-robin, nothing recorded, no lease.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -35,16 +36,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..errors import GateSealed, SessionExists
+from ..errors import GateSealed, SessionExists, TracestoreError
 from ..gate import Lease
 from ..router import AsyncRouter
 from ..store import AsyncTraceStore
 from .admission import Admission, Flight
 from .chat import Answer, ChatRequest, ToolCall, Wire, new_id
+from .config import GatewayConfig
 from .engines import (
-    Chunk,
     Engine,
-    EngineError,
     EngineLost,
     EngineOutput,
     EngineRejected,
@@ -52,10 +52,14 @@ from .engines import (
     Sampling,
 )
 from .failures import Failure, TurnAborted, classify, first
+from .generation import Generation
 from .metrics import Metrics, Timing
 from .prompts import Prepared, PromptMode
 from .startup import TemplateFeatures
-from .tokenizer import ChatTokenizer, Detokenizer
+from .stream import TextStream, cut
+from .tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
 
 #: How many session ids a gateway remembers as opened (LRU).
 OPENED_CACHE = 200_000
@@ -68,6 +72,7 @@ STATUS_KEY = "tracestore.status"
 class Services:
     """What a turn uses of its gateway (built once by :class:`~.server.Gateway`)."""
 
+    config: GatewayConfig
     store: AsyncTraceStore
     tok: ChatTokenizer
     prompts: PromptMode
@@ -114,6 +119,11 @@ class Turn:
         self.timing = timing
         self.prep: Prepared | None = None
         self.flight: Flight | None = None
+        self.first_version: int | None = None
+        self.gen: Generation = Generation(0)
+        self.out: TextStream | None = None
+        self.kept = False  # this turn's tokens were kept in the store (held)
+        self.continued = False
 
     async def run(self) -> web.StreamResponse:
         """Serve the request; a turn failure is answered here, in the caller's shape."""
@@ -184,10 +194,10 @@ class Turn:
 
     # -- 3: the engine call ----------------------------------------------------------------
 
-    def _sampling(self) -> Sampling:
+    def _sampling(self, max_tokens: int) -> Sampling:
         r = self.req
         return Sampling(
-            max_tokens=r.max_tokens,
+            max_tokens=max_tokens,
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
@@ -200,105 +210,125 @@ class Turn:
     async def _serve(self, flight: Flight, input_ids: list[int]) -> web.StreamResponse:
         s = self.s
         self.flight = flight
+        self.first_version = flight.lease.version if flight.lease is not None else None
         s.admission.register(flight)
-        ereq = EngineRequest(flight.rid, input_ids, self._sampling(), routed_experts=s.experts and self.sid is not None)
         s.metrics.tokens.labels("prompt").inc(len(input_ids))
         if self.prep is not None:
             s.metrics.tokens.labels("prompt_new").inc(self.prep.new_tokens)
+        kept = self.prep.partial if self.prep is not None else None
+        gen = Generation(len(input_ids)) if kept is None else Generation.resumed(len(input_ids), kept.ids, kept.logprobs, kept.versions)
+        self.gen = gen
+        if self.req.stream:
+            self.out = TextStream(
+                self.request, self.wire, self.req, self._rid(), len(input_ids), s.tok, s.stop_ids, self._headers
+            )
         try:
+            if self.out is not None and gen.ids:  # resumed: what the client has not seen yet
+                await self.out.push(gen.ids, False, False)
+            await self._generate(input_ids)
+            answer = self._answer(gen.output(), len(input_ids))
+            await self._record(answer, gen)
+            if self.out is not None:
+                resp = await self.out.end(answer)
+            else:
+                resp = web.Response(
+                    body=orjson.dumps(self.wire.response(self.req, answer, self._rid(), self._piece)),
+                    content_type="application/json",
+                    headers=self._headers(),
+                )
+                await resp.prepare(self.request)
+                await resp.write_eof()
+            assert self.flight is not None
+            s.admission.completed(self.flight)
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            assert self.flight is not None
+            s.spawn(self._client_gone(self.flight))
+            raise
+        except Exception as exc:
+            f = classify(exc)
+            if self.out is None or not self.out.started or f is None:
+                raise  # answered by run() as an HTTP error
+            await self._settle_failed(f, exc)
+            self.request[STATUS_KEY] = f.error.status
+            return await self.out.error(f.error)
+
+    async def _generate(self, input_ids: list[int]) -> None:
+        """Engine calls until the answer is whole; a call a weight update stopped is held and
+        continued (``--on-weight-update continue``), else the turn is aborted."""
+        s, gen = self.s, self.gen
+        while True:
+            flight = self.flight
+            assert flight is not None
             if flight.abort_reason is not None:
                 raise TurnAborted(flight.abort_reason)
-            if self.req.stream:
-                return await self._stream(flight, ereq)
-            flight.engine_started = True
+            budget = self.req.max_tokens - len(gen.ids)
+            if budget <= 0:
+                gen.finish, gen.matched = "length", None
+                return
+            ereq = EngineRequest(flight.rid, [*input_ids, *gen.ids], self._sampling(budget), s.experts and self.sid is not None)
+            version = flight.lease.version if flight.lease is not None else 0
+            gen.begin()
+            flight.engine_started, flight.engine_done = True, False
             t0 = time.perf_counter()
             try:
-                out = await flight.engine.generate(ereq)
+                if self.out is not None:
+                    async for chunk in flight.engine.stream(ereq):
+                        gen.add(chunk, version)
+                        await self.out.push(chunk.ids, chunk.finish is not None, chunk.finish == "stop")
+                else:
+                    gen.add_output(await flight.engine.generate(ereq), version)
             finally:
                 self.timing.engine_s += time.perf_counter() - t0
             flight.engine_done = True
-            if out.finish == "abort":
-                raise TurnAborted(flight.abort_reason or "engine_abort")
-            answer = self._answer(out, len(input_ids))
-            await self._record(answer, out)
-            resp = web.Response(
-                body=orjson.dumps(self.wire.response(self.req, answer, self._rid(), self._piece)),
-                content_type="application/json",
-                headers=self._headers(),
-            )
-            await resp.prepare(self.request)
-            await resp.write_eof()
-            s.admission.completed(flight)
-            return resp
-        except (asyncio.CancelledError, ConnectionResetError):
-            s.spawn(self._client_gone(flight))
-            raise
+            if ereq.routed_experts and gen.experts is None and gen.ids:
+                gen.experts_missing = True
+            if gen.finish != "abort":
+                return
+            reason = flight.abort_reason or "engine_abort"
+            if reason != "weight_update" or s.config.on_weight_update != "continue" or self.sid is None:
+                raise TurnAborted(reason)
+            await self._hold(input_ids)
 
-    async def _stream(self, flight: Flight, ereq: EngineRequest) -> web.StreamResponse:
-        """Stream the answer as the engine generates it, holding back what may turn out to be a
-        stop string; an error after the first byte is an error event (the SDKs raise it)."""
-        s, req = self.s, self.req
-        sw = self.wire.Stream(req, self._rid(), len(ereq.input_ids))
-        det = Detokenizer(s.tok.decode)
-        out = EngineOutput()
-        cuts = [x for x in (*req.stop, None if req.ignore_eos else s.tok.stop_word) if x]
-        hold = max((len(x) for x in cuts), default=1) - 1
-        text = ""
-        sent = 0
-        resp: web.StreamResponse | None = None
-
-        async def open_stream() -> web.StreamResponse:
-            r = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers()}
-            )
-            await r.prepare(self.request)
-            await r.write(sw.start())
-            return r
-
-        flight.engine_started = True
-        t0 = time.perf_counter()
-        try:
-            chunk: Chunk
-            async for chunk in flight.engine.stream(ereq):
-                out.add(chunk)
-                text_ids = chunk.ids
-                if out.finish == "stop" and text_ids and text_ids[-1] in s.stop_ids:
-                    text_ids = text_ids[:-1]
-                text += det.push(text_ids)
-                if req.parse_tools or out.finish is not None:
+    async def _hold(self, input_ids: list[int]) -> None:
+        """Keep the tokens so far, settle the lease (the drain goes on), wait for the gate to
+        reopen, and admit the turn again (a new engine request id) to continue it."""
+        s, flight, gen = self.s, self.flight, self.gen
+        assert flight is not None and self.sid is not None
+        if self.prep is not None and self.prep.key is not None:
+            try:
+                await s.db(
+                    s.store.keep_partial(
+                        self.sid, self.prep.key, gen.ids, gen.logprobs, gen.versions, len(input_ids),
+                        ttl_s=s.config.hold_timeout_s,
+                    )
+                )
+                self.kept = True
+            except TracestoreError as exc:  # kept in this process only: a retry elsewhere regenerates
+                log.warning("gateway: could not keep the tokens of held turn %s: %s", flight.rid, exc)
+        await s.admission.settle_flight(flight, "aborted")
+        s.metrics.held.labels("held").inc()
+        deadline = time.monotonic() + s.config.hold_timeout_s
+        with s.admission.holding():
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    s.metrics.held.labels("timed_out").inc()
+                    raise TurnAborted("hold_timeout")
+                if not await s.admission.wait_open(min(left, 10.0)):
+                    if self.out is not None:
+                        await self.out.keepalive()
                     continue
-                shown = text
-                for x in cuts:
-                    shown = _cut(shown, x)
-                safe = len(shown) if len(shown) < len(text) else max(sent, len(shown) - hold)
-                if safe > sent:
-                    if resp is None:
-                        resp = await open_stream()
-                    await resp.write(sw.text(shown[sent:safe]))
-                    sent = safe
-            self.timing.engine_s += time.perf_counter() - t0
-            flight.engine_done = True
-            if out.finish == "abort":
-                raise TurnAborted(flight.abort_reason or "engine_abort")
-            answer = self._answer(out, len(ereq.input_ids))
-            await self._record(answer, out)
-        except Exception as exc:
-            if isinstance(exc, EngineError):
-                self.timing.engine_s += time.perf_counter() - t0
-            f = classify(exc)
-            if resp is None or f is None:
-                raise
-            await self._settle_failed(f, exc)
-            self.request[STATUS_KEY] = f.error.status
-            await resp.write(sw.error(f.error))
-            return resp
-        if resp is None:
-            resp = await open_stream()
-        pending = answer.content[sent:] if answer.content.startswith(text[:sent]) else ""
-        await resp.write(sw.end(answer, pending))
-        await resp.write_eof()
-        s.admission.completed(flight)
-        return resp
+                try:
+                    lease = await s.admission.admit(self.sid)
+                except GateSealed:
+                    s.admission.sealed()
+                    continue
+                break
+        nxt = Flight(new_id("req-"), self.sid, flight.engine, lease)
+        self.flight = nxt
+        s.admission.register(nxt)
+        self.continued = True
 
     # -- the answer and 4: the record -------------------------------------------------------
 
@@ -311,9 +341,9 @@ class Turn:
         text_ids = ids[:-1] if out.finish == "stop" and ids[-1] in s.stop_ids else ids
         text = s.tok.decode(text_ids)
         stop_string = out.matched if isinstance(out.matched, str) else None
-        text = _cut(text, stop_string)
+        text = cut(text, stop_string)
         if not req.ignore_eos:  # a model that spells out the end-of-turn marker ends its turn there
-            text = _cut(text, s.tok.stop_word)
+            text = cut(text, s.tok.stop_word)
         calls: list[ToolCall] = []
         if req.parse_tools and req.tools:
             text, found = s.tok.parse_tool_calls(text, req.tools)
@@ -323,25 +353,30 @@ class Turn:
         version = flight.lease.version if flight.lease is not None else None
         return Answer(text, tuple(calls), finish, stop_string, ids, lps, prompt_tokens, version)
 
-    async def _record(self, answer: Answer, out: EngineOutput) -> None:
+    async def _record(self, answer: Answer, gen: Generation) -> None:
         """Record the turn; the write is shielded from a client disconnect (it is the commit point)."""
-        flight, prep = self.flight, self.prep
+        flight, prep, s = self.flight, self.prep, self.s
         if prep is None:  # a plain proxy request records nothing
             return
         assert flight is not None and flight.lease is not None
-        experts = await self.s.prompts.put_experts(prep, out)
+        experts = await s.prompts.put_experts(prep, gen.output())
+        versions = gen.versions if len(gen.distinct_versions) > 1 else None
         t0 = time.perf_counter()
         flight.record_task = asyncio.ensure_future(
-            self.s.db(self.s.prompts.write(prep, self.req, answer, experts, flight.lease.version))
+            s.db(s.prompts.write(prep, self.req, answer, experts, flight.lease.version, versions))
         )
         try:
             await asyncio.shield(flight.record_task)
         finally:
             self.timing.store_s += time.perf_counter() - t0
-        self.s.metrics.turns.inc()
-        self.s.metrics.tokens.labels("completion").inc(answer.completion_tokens)
+        s.metrics.turns.inc()
+        s.metrics.tokens.labels("completion").inc(answer.completion_tokens)
         if prep.fork is not None:
-            self.s.metrics.forks.labels(prep.fork).inc()
+            s.metrics.forks.labels(prep.fork).inc()
+        if self.continued or prep.partial is not None:
+            s.metrics.held.labels("continued").inc()
+        if (self.kept or prep.partial is not None) and prep.key is not None and self.sid is not None:
+            s.spawn(s.db(s.store.drop_partial(self.sid, prep.key)))
 
     # -- 5: settling, failures, a client gone -----------------------------------------------
 
@@ -353,6 +388,8 @@ class Turn:
         if isinstance(exc, TurnAborted):
             m.sealed.labels("weight_update").inc()
             m.aborted.labels(exc.reason).inc()
+            if self.gen is not None:
+                m.tokens.labels("discarded").inc(len(self.gen.ids))
         flight = self.flight
         if flight is None or flight.settled:
             return
@@ -393,7 +430,10 @@ class Turn:
         if flight.sid is not None:
             h["X-Session-Id"] = flight.sid
         if flight.lease is not None:
-            h["X-Tracestore-Version"] = str(flight.lease.version)
+            h["X-Tracestore-Version"] = str(self.first_version if self.first_version is not None else flight.lease.version)
+        versions = self.gen.distinct_versions
+        if len(versions) > 1:
+            h["X-Tracestore-Versions"] = ",".join(str(v) for v in versions)
         if self.prep is not None and self.prep.fork is not None:
             h["X-Tracestore-Fork"] = self.prep.fork
         return h
@@ -403,13 +443,6 @@ class Turn:
 
     def _rid(self) -> str:
         return new_id("msg_" if self.wire.NAME == "anthropic" else "chatcmpl-")
-
-
-def _cut(text: str, stop: str | None) -> str:
-    if not stop:
-        return text
-    i = text.find(stop)
-    return text if i < 0 else text[:i]
 
 
 __all__ = ["OPENED_CACHE", "STATUS_KEY", "Services", "Turn"]
