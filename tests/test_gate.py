@@ -24,7 +24,8 @@ from tracestore.errors import (
     StaleVersion,
     UnknownLease,
 )
-from tracestore.gate import Lease, _reopen_as, _seal_as, admit, admit_many, drain, install, settle
+from tracestore.gate import Lease, admit, admit_many, drain, install, settle
+from tracestore.gate.cycle import _reopen_as, _seal_as
 from tracestore.scripts import Batch, Cmd
 
 # -- helpers ---------------------------------------------------------------------------------

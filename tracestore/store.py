@@ -125,7 +125,7 @@ class StoreMethods:
     gc = op(gc_ops.gc)
     # (end control plane)
 
-    # -- gate and router (gate.py, router.py) ---------------------------------------
+    # -- gate and router (gate/, router.py) ----------------------------------------
     gate = part(
         Gate,
         AsyncGate,
