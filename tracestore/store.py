@@ -24,13 +24,13 @@ from . import purge as purge_ops
 from . import run as run_ops
 from . import runs as runs_ops
 from . import traces as trace_ops
-from ._io import AsyncIO, SyncIO
 from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
 from .durability import OPTION_NAMES as DURABILITY_OPTIONS
 from .durability import Durability
 from .errors import DurabilityUnconfirmed, NotEnoughReplicas, TracestoreError
 from .gate import AsyncGate, Gate
+from .io import AsyncIO, SyncIO
 from .keys import Keys
 from .replay import AsyncReplay, Replay
 from .router import AsyncRouter, Router, route_scope
