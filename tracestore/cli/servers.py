@@ -14,7 +14,7 @@ import click
 import orjson
 
 from .. import default_server
-from .._table import format_table, human_bytes, human_duration
+from ..formatting import format_table, human_bytes, human_duration
 from ..servers import EmbeddedServer, LocalCluster, embedded_cli, node_status, redis_server_binary
 from ..store import TraceStore
 from . import echo_json, fail, json_option, main, url_option
