@@ -43,6 +43,8 @@ import orjson
 import redis
 
 from .errors import ServerError
+from .servers import EmbeddedServer
+from .urls import mask_url
 
 ENV_HOME = "TRACESTORE_HOME"
 #: A unix socket path must fit in ``sun_path`` (108 bytes on Linux, with its NUL).
@@ -90,8 +92,6 @@ class DefaultServer:
     @property
     def display_url(self) -> str:
         """The URL with its password (TCP fallback only) masked."""
-        from .connection import mask_url
-
         return mask_url(self.url)
 
 
@@ -226,8 +226,6 @@ def _looks_like_server(pid: int) -> bool:
 
 
 def _start(d: Path, startup_timeout_s: float) -> DefaultServer:
-    from .servers import EmbeddedServer
-
     over_unix = len(str(d / "server.sock")) <= MAX_SOCKET_PATH
     srv = EmbeddedServer(
         dir=d,
