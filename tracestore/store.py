@@ -91,7 +91,6 @@ class StoreMethods:
     # -- run ------------------------------------------------------------------------
     init_run = op(run_ops.init_run)
     ping = op(run_ops.ping)
-    session_states = op(run_ops.session_states)
     server_info = op(run_ops.server_info)
     run_ids = op(runs_ops.run_ids)
     list_runs = op(runs_ops.list_runs)
@@ -114,6 +113,7 @@ class StoreMethods:
     open_session = op(own_ops.open_session)
     open_sessions = op(own_ops.open_sessions)
     owner_of = op(own_ops.owner_of)
+    session_states = op(own_ops.session_states)
     transfer = op(own_ops.transfer)
     release = op(own_ops.release)
     release_owner = op(own_ops.release_owner)
