@@ -39,7 +39,7 @@ from .grpo import collate, train_step
 from .housekeeping import reclaim_lost_worker
 from .http_agents import GATEWAY_HOLDER
 from .policy import new_policy, replay_logprobs, set_determinism, state_to_numpy
-from .report import StepRecord
+from .steps import StepRecord
 from .tokenizer import TOKENIZER as TOK
 from .warmup import warm_start
 
