@@ -28,7 +28,7 @@ from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
 from .durability import OPTION_NAMES as DURABILITY_OPTIONS
 from .durability import Durability
-from .errors import DurabilityUnconfirmed, NotEnoughReplicas, TracestoreError
+from .errors import ConfigError, DurabilityUnconfirmed, NotEnoughReplicas, TracestoreError
 from .gate import AsyncGate, Gate
 from .io import AsyncIO, SyncIO
 from .keys import Keys
@@ -43,8 +43,6 @@ def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig, D
     store_fields = set(StoreConfig.__dataclass_fields__)
     unknown = set(opts) - conn_fields - store_fields - set(DURABILITY_OPTIONS)
     if unknown:
-        from .errors import ConfigError
-
         raise ConfigError(
             f"unknown option(s) {sorted(unknown)}; connection options: {sorted(conn_fields)}, "
             f"store options: {sorted(store_fields)}, durability options: {list(DURABILITY_OPTIONS)}"
