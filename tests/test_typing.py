@@ -35,6 +35,8 @@ def test_async_and_sync_results_are_precisely_typed() -> None:
         "tracestore.gate.AsyncGate",
         "tracestore.replay.AsyncReplay",
         "tracestore.router.AsyncRouter",
+        "tuple[tracestore.traces.types.PrefixMatch, tracestore.gate.types.GateStatus]",
         "tracestore.traces.types.PrefixMatch",
         "tracestore.gate.types.GateStatus",
+        "tuple[tracestore.traces.types.PrefixMatch, int]",
     ], proc.stdout

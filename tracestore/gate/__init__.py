@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from .. import validate
 from ..context import Context
-from ..twin import AsyncPart, SyncPart, op, scoped
+from ..twin import AsyncPart, OpBuilder, SyncPart, op, scoped
 from .cycle import drain, install, reopen, seal, status, weight_update
 from .leases import admit, admit_many, clear_poison, lease_records, renew, settle, settle_many
 from .types import (
@@ -102,6 +102,10 @@ class AsyncGate(GateMethods, AsyncPart[Context]):
     """
 
 
+class GateOps(GateMethods, OpBuilder[Context]):
+    """The gate's operations built and not run (``store.ops.gate``): ``store.ops.gate.settle(lease, "completed")``."""
+
+
 __all__ = [
     "DEFAULT_RETRY_AFTER_MS",
     "MAX_BLOCK_S",
@@ -111,6 +115,7 @@ __all__ = [
     "DrainResult",
     "Gate",
     "GateMethods",
+    "GateOps",
     "GateStatus",
     "Lease",
     "LeaseRecord",
