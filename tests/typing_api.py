@@ -12,7 +12,7 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 
 from typing_extensions import assert_type, reveal_type
 
-from tracestore import AsyncTraceStore, TracestoreError, TraceStore
+from tracestore import AsyncTraceStore, TraceStore, TracestoreError
 from tracestore.gate import AsyncGate, DrainResult, Gate, GateStatus, Lease, SettlementReceipt
 from tracestore.replay import AsyncReplay, Group, PutResult, Replay, Taken, TakenMany
 from tracestore.router import AsyncRouter, Route, Router, RouterOps, RouteTable, route_table
