@@ -46,9 +46,11 @@ def admit(ctx: Context, sid: str, holder: str, ttl_s: float, *, op_id: str | Non
     ``aborted`` first, one more round trip), InvalidId/InvalidInput
     before any I/O, and OutcomeUnknown when the reply was lost: its
     ``lease_id`` is the lease's id, chosen before the call (the ``op_id``
-    when given), so the caller can settle it, or call ``admit`` again with
-    ``op_id=err.op_id`` to get the lease the first call admitted (else it
-    admits now). One round trip.
+    when given), so the caller can settle it (whether the admit ran or not:
+    a lease never admitted is fenced by its settle), or call ``admit`` again
+    with ``op_id=err.op_id`` to get the lease the first call admitted (else
+    it admits now). LeaseFenced when that lease id was settled before it was
+    admitted (nothing admitted). One round trip.
     """
     validate_id("session id", sid)
     validate_id("holder", holder)
@@ -67,10 +69,11 @@ def admit_many(
     ``requests`` are ``(sid, holder)`` pairs, at most 1,000 per call (one
     atomic script, so a seal cannot split the batch). Every lease gets the
     gate's current version and the same deadline. Raises GateSealed or
-    SessionReleased (nothing admitted), InvalidId/InvalidInput before any
+    SessionReleased or LeaseFenced (one of the lease ids was settled before
+    it was admitted; nothing admitted), InvalidId/InvalidInput before any
     I/O, OutcomeUnknown (reply lost; ``lease_ids`` are the leases' ids:
-    ``<op_id>#<i>`` for request ``i``; call again with ``op_id=err.op_id``
-    to get them). One round trip for the whole batch; pair it with
+    ``<op_id>#<i>`` for request ``i``; settle them, or call again with
+    ``op_id=err.op_id`` to get them). One round trip for the whole batch; pair it with
     :func:`settle_many` to serve bursts of requests.
     """
     ttl_ms = duration_ms("ttl_s", ttl_s)
@@ -164,11 +167,16 @@ def settle(
     ``unknown`` poisons the lease (install is refused until it is cleared);
     a definite outcome after the deadline resolves the lease's poison entry.
     Settling a settled lease returns its first receipt, unchanged. The
-    settle that empties the live set wakes ``drain``. Raises InvalidInput
-    (bad outcome) or InvalidId before I/O, UnknownLease for a lease never
-    admitted (nothing changes), OutcomeUnknown (settle again: the lease's
-    first receipt; ``op_id`` only names the call, the lease id is the
-    idempotency key of a settlement). One round trip.
+    settle that empties the live set wakes ``drain``. A lease id the server
+    never admitted (an admit whose reply was lost and which never ran; or
+    one whose receipt expired) is *fenced*: the receipt says
+    ``admitted=False`` (``version`` -1), and an admit with that id is
+    refused (LeaseFenced) for the receipt retention (``op_ttl_s``), so the
+    lost admit cannot arrive later and leave a lease nobody serves; nothing
+    else changes. Raises InvalidInput (bad outcome) or InvalidId before I/O,
+    OutcomeUnknown (settle again: the lease's first receipt; ``op_id`` only
+    names the call, the lease id is the idempotency key of a settlement).
+    One round trip.
     """
     lid = _lease_id(lease)
     one_of("outcome", outcome, OUTCOMES)
@@ -183,10 +191,9 @@ def settle_many(
     """Settle several leases with one ``outcome``; their receipts, in order.
 
     Each settlement is its own atomic script (as :func:`settle`), pipelined:
-    one round trip per call. If some lease is unknown, every other one is
-    still settled and the first error (UnknownLease) is raised afterwards;
-    settling again returns the first receipts. InvalidId/InvalidInput before
-    any I/O; OutcomeUnknown as :func:`settle`.
+    one round trip per call; a lease never admitted is fenced (as
+    :func:`settle`). Settling again returns the first receipts.
+    InvalidId/InvalidInput before any I/O; OutcomeUnknown as :func:`settle`.
     """
     one_of("outcome", outcome, OUTCOMES)
     if isinstance(leases, (str, bytes)) or not isinstance(leases, Sequence):
@@ -219,6 +226,7 @@ def _receipt(reply: list[Any]) -> SettlementReceipt:
         late=r.flag(),
         poisoned=r.flag(),
         replayed=not r.flag(),
+        admitted=r.flag(),
     )
 
 

@@ -40,6 +40,10 @@ class SettlementReceipt:
     a definite outcome resolved that). ``poisoned``: the lease is in the
     poison set after this settlement (outcome ``unknown``). ``replayed`` is
     True when this call found the lease already settled (not compared).
+    ``admitted``: False when the server never admitted the lease (its admit's
+    reply was lost and it never ran): this settlement fenced the id, an admit
+    with it is refused (LeaseFenced) for the receipt retention, and
+    ``version`` is -1.
     """
 
     lease_id: str
@@ -49,6 +53,7 @@ class SettlementReceipt:
     late: bool
     poisoned: bool
     replayed: bool = field(default=False, compare=False)
+    admitted: bool = True
 
 
 @dataclass(frozen=True)
