@@ -63,7 +63,8 @@ def server(ctx: click.Context, host: str, port: int | None, password: str | None
         if binary is None:
             fail("redis-server is not installed (apt-get install redis-server)")
     srv = EmbeddedServer(
-        host=host, port=port, aof=aof, dir=data_dir, binary=binary, password=password
+        host=host, port=port, aof=aof, dir=data_dir, binary=binary, password=password,
+        die_with_parent=True,  # never orphaned: it ends with this process, SIGKILL included
     ).start()
     click.echo(srv.url, nl=True)
     if host not in LOOPBACK and not password:

@@ -8,13 +8,15 @@ off unless ``aof=True``. ``stop()`` shuts the process down and waits for it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,66 @@ class TlsFiles:
         return cls(d / "cert.pem", d / "key.pem", d / "cert.pem")
 
 
+#: prctl option: the signal a process gets when its parent dies (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when ``parent`` dies (Linux), else None.
+
+    It runs in the child between fork and exec: ``prctl(PR_SET_PDEATHSIG,
+    SIGTERM)``, then a check that ``parent`` is still the parent (had it died
+    before the call, the signal would never come: the child exits at once).
+    The signal follows the thread that started the child, so start a server
+    that must die with its process from its main thread (the CLI does).
+    libc is loaded here, before the fork.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        return None
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
+def holder_of(host: str, port: int) -> str:
+    """What holds ``host:port``, as the end of a "port ... is already in use" message ("" if unknown).
+
+    A Redis or Valkey server there is asked (one ``INFO server``) for its
+    process: a server left by a killed ``tracestore server`` is named with its
+    pid and how to stop it.
+    """
+    c = redis.Redis(host=host, port=port, protocol=2, socket_timeout=1.0, socket_connect_timeout=1.0,
+                    retry=Retry(NoBackoff(), 0))
+    try:
+        info = c.info("server")
+    except redis.exceptions.AuthenticationError:
+        return " (by a password-protected Redis/Valkey server)"
+    except redis.exceptions.ResponseError as exc:
+        if "NOAUTH" in str(exc):
+            return " (by a password-protected Redis/Valkey server)"
+        return ""
+    except redis.exceptions.RedisError:
+        return ""
+    finally:
+        c.close()
+    name = "valkey-server" if "valkey_version" in info else "redis-server"
+    pid = info.get("process_id", "?")
+    up = int(info.get("uptime_in_seconds", 0))
+    return (
+        f" by {name} pid {pid}, up {up} s (a server left running, e.g. by a killed "
+        f"`tracestore server`: stop it with `kill {pid}`, or choose another --port)"
+    )
+
+
 class _PortTaken(ServerError):
     """The free port chosen was taken by another process before the server bound it."""
 
@@ -68,6 +130,9 @@ class EmbeddedServer:
     turns on the append-only file with ``appendfsync always`` (nothing
     acknowledged is lost on SIGKILL). ``dir=`` keeps data in a directory the
     caller owns (not removed on stop), so a server can restart on it.
+    ``die_with_parent=True`` ends the server (SIGTERM) when the process that
+    started it dies, even by SIGKILL (Linux; see :func:`parent_death_signal`):
+    a foreground server never outlives its ``tracestore server``.
     """
 
     def __init__(
@@ -85,6 +150,7 @@ class EmbeddedServer:
         tcp: bool = True,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 15.0,
+        die_with_parent: bool = False,
     ) -> None:
         if not tcp and not unix_socket:
             raise ServerError("a server without TCP needs unix_socket=True")
@@ -102,6 +168,7 @@ class EmbeddedServer:
         self.cluster_enabled = cluster_enabled
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
+        self.die_with_parent = die_with_parent
         self._own_dir = dir is None
         self.dir = Path(dir) if dir is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -165,7 +232,10 @@ class EmbeddedServer:
             return self._launch()
         if self.requested_port:
             if not port_is_free(self.requested_port, self.host):
-                raise ServerError(f"port {self.requested_port} on {self.host} is already in use")
+                raise ServerError(
+                    f"port {self.requested_port} on {self.host} is already in use"
+                    f"{holder_of(self.connect_host, self.requested_port)}"
+                )
             self.port = self.requested_port
             return self._launch()
         for attempt in range(5):
@@ -223,6 +293,7 @@ class EmbeddedServer:
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 start_new_session=True,
+                preexec_fn=parent_death_signal(os.getpid()) if self.die_with_parent else None,
             )
         try:
             self._wait_ready()
