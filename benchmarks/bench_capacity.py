@@ -37,10 +37,8 @@ import uuid
 from typing import Any
 
 from tracestore import TraceStore
-from tracestore.gate import admit_many, settle_many
-from tracestore.scripts import Op, gather
+from tracestore.scripts import Op
 from tracestore.servers import LocalCluster
-from tracestore.traces import lookup, record_turn
 
 from .bench_traces import TURNS, _session, _Turn
 
@@ -74,11 +72,10 @@ def _control_index(store: TraceStore, ports: list[int]) -> int:
 
 def _turn_ops(store: TraceStore, sid: str, t: _Turn, i: int) -> Op[Any]:
     """lookup then record_turn of one turn (one operation: gather pipelines many of them)."""
-    ctx = store.context
-    m = yield from lookup(ctx, sid, t.prompt)
+    m = yield from store.ops.lookup(sid, t.prompt)
     return (
-        yield from record_turn(
-            ctx, sid, t.prompt, t.response, prefix=m, delta_token_ids=t.delta,
+        yield from store.ops.record_turn(
+            sid, t.prompt, t.response, prefix=m, delta_token_ids=t.delta,
             response_token_ids=t.out, response_logprobs=t.logprobs, version=i,
         )
     )
@@ -104,21 +101,21 @@ def _run(primaries: int, n_sessions: int) -> dict[str, Any]:
             mode = "pipelined" if i % 2 else "one_by_one"
             c0 = _cpu(store, ports)
             if mode == "pipelined":
-                leases = [store.run(admit_many(store.context, [(s, OWNER) for s in b], 60.0)) for b in batches]
+                leases = [store.gate.admit_many([(s, OWNER) for s in b], 60.0) for b in batches]
             else:
                 leases = [[store.gate.admit(s, OWNER, 60.0)] for s in sids]
             c1 = _cpu(store, ports)
             w0 = time.perf_counter()
             if mode == "pipelined":
                 for b in batches:
-                    store.run(gather([_turn_ops(store, s, sessions[s][i], i) for s in b]))
+                    store.gather(*(_turn_ops(store, s, sessions[s][i], i) for s in b))
             else:
                 for s in sids:
                     store.run(_turn_ops(store, s, sessions[s][i], i))
             w1 = time.perf_counter()
             c2 = _cpu(store, ports)
             for ls in leases:
-                store.run(settle_many(store.context, ls, "completed"))
+                store.gate.settle_many(ls, "completed")
             c3 = _cpu(store, ports)
             if i == 0:
                 continue  # the first turn writes the long first prompt: not a steady turn

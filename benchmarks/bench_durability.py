@@ -30,34 +30,18 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 from tracestore import TraceStore
 from tracestore.durability import LEVELS
 from tracestore.replay import Group
-from tracestore.replay import put as put_op
-from tracestore.scripts import Batch
 from tracestore.servers import LocalCluster
-from tracestore.traces import record_turn as record_turn_op
 
 OWNER = "producer"
 BATCH = 64
 PROMPT = "p" * 40
 RESPONSE = " r" * 16
-
-
-def _drive(store: TraceStore, ops: list[Generator[Any, Any, Any]]) -> list[Any]:
-    """Run operations whose first request completes them, all their requests in one pipeline."""
-    replies = store.execute(Batch(tuple(next(op) for op in ops)))
-    out = []
-    for op, rep in zip(ops, replies, strict=True):
-        try:
-            op.send(rep)
-            raise AssertionError("operation needed a second round trip")
-        except StopIteration as stop:
-            out.append(stop.value)
-    return out
 
 
 class Calls:
@@ -84,8 +68,8 @@ class Calls:
         groups = [Group(f"g{s}", "t", (s, sids[2 * k + 1])) for k, s in enumerate(sids[::2])]
         if batch == 1:
             return (lambda: self.st.replay.put(groups[0], OWNER)), 1
-        ctx = self.st.context
-        return (lambda: _drive(self.st, [put_op(ctx, g, OWNER) for g in groups])), batch
+        build = self.st.ops
+        return (lambda: self.st.gather(*[build.replay.put(g, OWNER) for g in groups])), batch
 
     def record_turn(self, batch: int) -> tuple[Callable[[], Any], int]:
         sids = self._sids(batch)
@@ -96,11 +80,10 @@ class Calls:
         }
         if batch == 1:
             return (lambda: self.st.record_turn(sids[0], PROMPT, RESPONSE, prefix=prefixes[0], **kw)), 1
-        ctx = self.st.context
+        build = self.st.ops
         return (
-            lambda: _drive(
-                self.st,
-                [record_turn_op(ctx, s, PROMPT, RESPONSE, prefix=m, **kw) for s, m in zip(sids, prefixes, strict=True)],
+            lambda: self.st.gather(
+                *[build.record_turn(s, PROMPT, RESPONSE, prefix=m, **kw) for s, m in zip(sids, prefixes, strict=True)],
             )
         ), batch
 

@@ -5,7 +5,7 @@ Figures, measured side by side in one process against one server:
 * ``pairs_per_s``: admit + settle of one lease, from one process,
   - ``sequential``: one thread, two round trips per pair;
   - ``async``: one event loop, ``concurrency`` tasks each admitting and settling;
-  - ``pipelined``: the same operations (``tracestore.gate.admit``/``settle``)
+  - ``pipelined``: the same operations (``store.ops.gate.admit``/``settle``)
     driven in batches of ``batch`` requests, one round trip per batch;
   - baseline ``ping_per_s``: sequential PINGs (the round-trip ceiling).
 * ``drain``: with 1,000 leases live and the gate sealed, a thread blocks in
@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from tracestore import AsyncTraceStore, TraceStore
-from tracestore.gate import Lease, admit, settle
+from tracestore.gate import Lease
 from tracestore.scripts import Batch
 from tracestore.servers import EmbeddedServer, LocalCluster
 
@@ -80,12 +80,12 @@ def _one_pipeline(store: TraceStore, ops: list[Any]) -> list[Any]:
 
 
 def pipelined_pairs(store: TraceStore, n: int, batch: int) -> float:
-    ctx = store.context
+    gate = store.ops.gate
     start = time.perf_counter()
     for b in range(0, n, batch):
         k = min(batch, n - b)
-        leases: list[Lease] = _one_pipeline(store, [admit(ctx, f"p{b + i}", "bench", 60) for i in range(k)])
-        for settled in _one_pipeline(store, [settle(ctx, lease, "completed") for lease in leases]):
+        leases: list[Lease] = _one_pipeline(store, [gate.admit(f"p{b + i}", "bench", 60) for i in range(k)])
+        for settled in _one_pipeline(store, [gate.settle(lease, "completed") for lease in leases]):
             assert not settled.poisoned
     return n / (time.perf_counter() - start)
 

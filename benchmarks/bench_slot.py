@@ -36,10 +36,6 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from tracestore import Group, TraceStore
-from tracestore import gate as gate_ops
-from tracestore import ownership as own_ops
-from tracestore import replay as replay_ops
-from tracestore.router import acquire_route, retire, route_scope
 from tracestore.scripts import Batch, Cmd, Eval, registry
 from tracestore.servers import EmbeddedServer
 
@@ -135,39 +131,39 @@ def _round(url: str, n: int, out: dict[str, Any]) -> dict[str, dict[str, float]]
     with _fresh(url) as st:
         info = st.redis.info("server")
         out["server"] = f"valkey {info.get('valkey_version') or info.get('redis_version')} standalone"
-        ctx = st.context
+        build = st.ops  # operations built, run by measure()
         print("   admit + settle ...", flush=True)
         leases: list[Any] = []
-        ops["admit"] = measure(st, n, lambda i: _collect(leases, gate_ops.admit(ctx, f"s{i}", "w", 60)))
-        ops["settle"] = measure(st, n, lambda i: gate_ops.settle(ctx, leases[i], "completed"))
+        ops["admit"] = measure(st, n, lambda i: _collect(leases, build.gate.admit(f"s{i}", "w", 60)))
+        ops["settle"] = measure(st, n, lambda i: build.gate.settle(leases[i], "completed"))
         burst = 100
         many: list[Any] = []
         am = measure(
             st, max(1, n // burst),
-            lambda i: _collect(many, gate_ops.admit_many(ctx, [(f"m{i}.{j}", "w") for j in range(burst)], 60)),
+            lambda i: _collect(many, build.gate.admit_many([(f"m{i}.{j}", "w") for j in range(burst)], 60)),
         )
         ops["admit_many_per_lease"] = _per(am, burst)
         for b in range(0, len(many), 10):
             st.gate.settle_many([x for part in many[b : b + 10] for x in part], "completed")
         print("   open, release ...", flush=True)
-        ops["open_session"] = measure(st, n, lambda i: own_ops.open_session(ctx, f"o{i}", "rollout:0"))
+        ops["open_session"] = measure(st, n, lambda i: build.open_session(f"o{i}", "rollout:0"))
         ops["release"] = measure(
-            st, n, lambda i: own_ops.release(ctx, [f"o{i}"], "rollout:0", "done", purge=False)
+            st, n, lambda i: build.release([f"o{i}"], "rollout:0", "done", purge=False)
         )
         batch = 100
         nb = max(1, n // batch)
         ob = measure(
             st, nb,
-            lambda i: own_ops.open_sessions(ctx, [f"b{i}.{j}" for j in range(batch)], "rollout:0"),
+            lambda i: build.open_sessions([f"b{i}.{j}" for j in range(batch)], "rollout:0"),
         )
         ops["open_sessions_per_session"] = _per(ob, batch)
         rb_ = measure(
             st, nb,
-            lambda i: own_ops.release(ctx, [f"b{i}.{j}" for j in range(batch)], "rollout:0", purge=False),
+            lambda i: build.release([f"b{i}.{j}" for j in range(batch)], "rollout:0", purge=False),
         )
         ops["release_batched_per_session"] = _per(rb_, batch)
     with _fresh(url) as st:
-        ctx = st.context
+        build = st.ops  # operations built, run by measure()
         print("   put, take ...", flush=True)
         ng = max(1, n // GROUP)
         sids = [f"g{i}.{j}" for i in range(ng) for j in range(GROUP)]
@@ -175,8 +171,8 @@ def _round(url: str, n: int, out: dict[str, Any]) -> dict[str, dict[str, float]]
             st.open_sessions(sids[b : b + 4000], "rollout:0")
         ops["put"] = measure(
             st, ng,
-            lambda i: replay_ops.put(
-                ctx, Group(f"g{i}", "calc", tuple(sids[i * GROUP : (i + 1) * GROUP])), "rollout:0"
+            lambda i: build.replay.put(
+                Group(f"g{i}", "calc", tuple(sids[i * GROUP : (i + 1) * GROUP])), "rollout:0"
             ),
         )
         # a learner takes a batch of groups per step, one take at a time (concurrent takers
@@ -184,17 +180,16 @@ def _round(url: str, n: int, out: dict[str, Any]) -> dict[str, dict[str, float]]
         per_take = 16
         tk = measure(
             st, ng // per_take,
-            lambda i: replay_ops.take(ctx, "calc", per_take, owner=f"train:{i}", current_version=0),
+            lambda i: build.replay.take("calc", per_take, owner=f"train:{i}", current_version=0),
             pipeline=1,
         )
         ops["take_per_group"] = _per(tk, per_take)
     with _fresh(url) as st:
-        ctx = st.context
         print("   routes ...", flush=True)
-        scope = route_scope(ctx, ["ep-a", "ep-b", "ep-c", "ep-d"])
-        ops["route_new"] = measure(st, n, lambda i: acquire_route(scope, f"r{i}"))
-        ops["route_sticky"] = measure(st, n, lambda i: acquire_route(scope, f"r{i}"))
-        ops["route_retire"] = measure(st, n, lambda i: retire(scope, [f"r{i}"]))
+        router = st.ops.router(["ep-a", "ep-b", "ep-c", "ep-d"])
+        ops["route_new"] = measure(st, n, lambda i: router.acquire_route(f"r{i}"))
+        ops["route_sticky"] = measure(st, n, lambda i: router.acquire_route(f"r{i}"))
+        ops["route_retire"] = measure(st, n, lambda i: router.retire([f"r{i}"]))
     return ops
 
 

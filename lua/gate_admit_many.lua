@@ -3,7 +3,9 @@
 -- requests): all of them or, while the gate is sealed, none. Every lease gets the same
 -- version and deadline. Idempotent under client retry: the lease ids are
 -- generated once per call by the client, and a retry that finds the first
--- lease already recorded returns the recorded admission.
+-- lease already recorded returns the recorded admission. A lease id that
+-- gate_settle fenced (settled before it was admitted: the recovery of a lost
+-- admit) refuses the whole call, nothing admitted.
 -- KEYS: 3+
 -- CHUNK: 1000
 -- KEYS[1] = ts:{R}:gate            hash: state, version, retry_ms
@@ -13,13 +15,16 @@
 -- ARGV[1] = ttl (ms, > 0)
 -- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[4..]
 -- returns: {0, version (int), deadline_ms (int), replayed (0|1)}
--- errors: GATE_SEALED (version, retry_after_ms), SESSION_RELEASED (sid, detail): nothing admitted
+-- errors: GATE_SEALED (version, retry_after_ms), SESSION_RELEASED (sid, detail), LEASE_FENCED (lease id): nothing admitted
 -- include: clock
 -- include: gate
 local gate, leases, released = KEYS[1], KEYS[2], KEYS[3]
 local ttl = tonumber(ARGV[1])
 if #KEYS > 3 then
-  local prior = redis.call('HMGET', KEYS[4], 'version', 'deadline_ms')
+  local prior = redis.call('HMGET', KEYS[4], 'version', 'deadline_ms', 'fenced')
+  if prior[3] then
+    return {1, 'LEASE_FENCED', ARGV[2]}
+  end
   if prior[1] then
     -- (a settled lease keeps only its receipt: no deadline any more)
     return {0, tonumber(prior[1]), tonumber(prior[2] or '0'), 1}
@@ -31,9 +36,12 @@ if g[1] == 'sealed' then
   return {1, 'GATE_SEALED', version, tonumber(g[3] or '500')}
 end
 for i = 4, #KEYS do
-  local sid = ARGV[2 + 3 * (i - 4) + 1]
-  if redis.call('ZSCORE', released, sid) then
-    return {1, 'SESSION_RELEASED', sid, 'released; it is admitted no more requests'}
+  local a = 2 + 3 * (i - 4)
+  if redis.call('ZSCORE', released, ARGV[a + 1]) then
+    return {1, 'SESSION_RELEASED', ARGV[a + 1], 'released; it is admitted no more requests'}
+  end
+  if i > 4 and redis.call('HEXISTS', KEYS[i], 'fenced') == 1 then
+    return {1, 'LEASE_FENCED', ARGV[a]}
   end
 end
 local now = now_ms()

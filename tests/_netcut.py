@@ -134,9 +134,9 @@ def proxied_cluster(
     from redis.cluster import RedisCluster
 
     from tracestore import TraceStore
-    from tracestore._io import SyncIO
     from tracestore.connection import ConnectionOptions, _common, parse_url
     from tracestore.context import Context, StoreConfig
+    from tracestore.io import SyncIO
     from tracestore.keys import Keys
     from tracestore.replies import text
 

@@ -13,9 +13,9 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from tracestore import StorageError, TraceStore
+from tracestore import StorageError, TraceStore, default_server
 from tracestore.cli import main
-from tracestore.servers import EmbeddedServer
+from tracestore.servers import EmbeddedServer, free_port, port_is_free
 
 BIN = [sys.executable, "-m", "tracestore.cli"]
 
@@ -203,3 +203,59 @@ def test_server_runs_in_foreground_until_ctrl_c() -> None:
             TraceStore.connect(url, run="fg", retries=0, connect_timeout_s=1)
     finally:
         _stop(proc)
+
+
+def _gone(pid: int, timeout_s: float = 20.0) -> bool:
+    """Wait until ``pid`` has ended (a zombie counts as ended); False if it outlives the wait."""
+    deadline = time.monotonic() + timeout_s
+    while default_server._pid_running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_killed_foreground_server_takes_its_server_process_with_it() -> None:
+    """`kill -9` of `tracestore server` ends its valkey-server too (issue 31 item 7): the port
+    is free again and the next `tracestore server --port` on it starts."""
+    port = free_port()
+    proc = subprocess.Popen([*BIN, "server", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    server_pid = 0
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url == f"redis://127.0.0.1:{port}", url
+        with TraceStore.connect(url, run="fg") as st:
+            server_pid = int(st.redis.info("server")["process_id"])
+        assert server_pid != proc.pid and default_server._pid_running(server_pid)
+        proc.kill()  # SIGKILL: no cleanup runs in the parent
+        proc.wait(timeout=20)
+        assert _gone(server_pid), f"valkey-server {server_pid} outlived its tracestore server"
+        assert port_is_free(port)
+    finally:
+        _stop(proc)
+        if server_pid and default_server._pid_running(server_pid):
+            os.kill(server_pid, signal.SIGKILL)  # ours: left behind by the failure above
+    again = subprocess.Popen([*BIN, "server", "--port", str(port)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert again.stdout is not None
+        assert again.stdout.readline().strip() == f"redis://127.0.0.1:{port}"
+    finally:
+        _stop(again)
+
+
+def test_a_port_held_by_a_server_left_running_is_named_with_its_pid() -> None:
+    """A server left on the port (here one started on its own, as an orphan of an older
+    version would be) is named in the one-line error with its pid and how to stop it."""
+    with EmbeddedServer() as left:
+        assert left.proc is not None
+        res = subprocess.run([*BIN, "server", "--port", str(left.port)], capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 1, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1, res.stderr
+        assert f"port {left.port}" in lines[0] and "already in use" in lines[0]
+        assert f"valkey-server pid {left.proc.pid}" in lines[0] and f"kill {left.proc.pid}" in lines[0]
+        assert left.client().ping()  # named, never touched

@@ -150,3 +150,33 @@ def test_long_state_dir_falls_back_to_a_password_protected_port(
             TraceStore.connect(f"redis://127.0.0.1:{port}", run="tcp", retries=0)
     finally:
         default_server.stop()
+
+
+def test_a_lost_default_server_is_replaced_with_one_notice(home: Path) -> None:
+    """The default server's restart is announced (issue 31 item 7): the process that starts a
+    new default server where one had been running says so on stderr, once; a first start,
+    the processes after it and a start after `tracestore server stop` say nothing."""
+    first = subprocess.run([sys.executable, "-c", CONNECT, "r"], capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0 and "default server" not in first.stderr, first.stderr
+    pid = int(first.stdout.split()[1])
+    os.kill(pid, signal.SIGKILL)  # a crash: server.json stays, the server and its data are gone
+    deadline = time.monotonic() + 10
+    while default_server.find() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CONNECT, f"r{i}"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for i in range(3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len({o.split()[1] for o, _ in outs}) == 1  # one new server for all of them
+    notices = [ln for _, err in outs for ln in err.splitlines() if "default server" in ln]
+    assert notices == [default_server.RESTART_NOTICE.format(pid=pid)], outs
+    assert "--appendonly" in notices[0] and "its data with it" in notices[0]
+    later = subprocess.run([sys.executable, "-c", CONNECT, "r"], capture_output=True, text=True, timeout=60)
+    assert later.returncode == 0 and later.stderr == "", later.stderr
+    r = CliRunner().invoke(main, ["server", "stop"])  # a deliberate stop is not a loss
+    assert r.exit_code == 0, r.output
+    after = subprocess.run([sys.executable, "-c", CONNECT, "r"], capture_output=True, text=True, timeout=60)
+    assert after.returncode == 0 and after.stderr == "", after.stderr

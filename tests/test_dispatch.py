@@ -16,8 +16,6 @@ import pytest
 import ray
 
 from tracestore import TraceStore
-from tracestore.router import retire
-from tracestore.scripts import gather
 from trainer.dispatch import WorkerPool, WorkersLost
 
 pytestmark = pytest.mark.ray
@@ -80,13 +78,13 @@ def test_without_a_failure_the_leases_come_back_to_settle(standalone_url: str) -
     out, settles = pool.run_unsettled({"w0": ["a"], "w2": ["b", "c"]})  # type: ignore[arg-type]
     assert out == {"w0": ["a"], "w2": ["b", "c"]}
     assert pool.store.gate.status().live == 3  # in flight until the caller settles them
-    pool.store.run(gather(settles))
+    pool.store.gather(*settles)
     assert pool.store.gate.status().live == 0
 
 
-def test_the_scope_outlives_the_last_worker_so_cleanup_can_retire(standalone_url: str) -> None:
+def test_the_router_ops_outlive_the_last_worker_so_cleanup_can_retire(standalone_url: str) -> None:
     """A role's cleanup retires its sessions' routes after the run raised WorkersLost: the
-    pool's scope must still be usable (evaluation's finally ran retire on an empty scope,
+    pool's router operations must still be usable (evaluation's finally ran retire on an empty scope,
     and its InvalidInput replaced the WorkersLost)."""
     run = f"d-{uuid.uuid4().hex[:8]}"
     pool = _pool(standalone_url, run, failing=set())
@@ -94,4 +92,4 @@ def test_the_scope_outlives_the_last_worker_so_cleanup_can_retire(standalone_url
     with pytest.raises(WorkersLost):
         for w in list(pool.workers):
             pool.lose(w)
-    assert pool.store.run(gather([retire(pool.scope, ["s1"])])) == [["s1"]]
+    assert pool.store.gather(pool.router_ops.retire(["s1"])) == (["s1"],)

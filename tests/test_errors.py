@@ -22,6 +22,7 @@ CODES = {
     "STALE_VERSION": ("4", "4"),
     "SESSION_RETIRED": ("s-1",),
     "UNKNOWN_LEASE": ("l-9",),
+    "LEASE_FENCED": ("l-9",),
     "GROUP_EXISTS": ("g-1", "completed"),
     "INVALID_INPUT": ("ttl_s", "must be positive"),
     "PREFIX_CHANGED": ("s-1", "ab" * 8, "0badf00d", "", "1"),

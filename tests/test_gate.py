@@ -19,12 +19,14 @@ from tracestore.errors import (
     GateSealed,
     InvalidId,
     InvalidInput,
+    LeaseFenced,
     NotDrained,
     SessionReleased,
     StaleVersion,
     UnknownLease,
 )
-from tracestore.gate import Lease, _reopen_as, _seal_as, admit, admit_many, drain, install, settle
+from tracestore.gate import Lease, admit, admit_many, drain, install, settle
+from tracestore.gate.cycle import _reopen_as, _seal_as
 from tracestore.scripts import Batch, Cmd
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -159,10 +161,10 @@ def test_admit_many_is_all_or_none_and_settle_many_settles_each(store: TraceStor
     assert dump_run(store) == before
     assert g.admit_many([], 30) == []
 
-    # settle_many: one unknown lease does not stop the others; its error comes after
+    # settle_many: a lease never admitted among them is fenced, the others settled
     ids = [x.id for x in leases[:-1]]
-    with pytest.raises(UnknownLease):
-        g.settle_many([*ids[:100], "0" * 32, *ids[100:]], "completed")
+    receipts = g.settle_many([*ids[:100], "0" * 32, *ids[100:]], "completed")
+    assert [r.admitted for r in receipts].count(False) == 1 and not receipts[100].admitted
     assert g.status().live == 6
     receipts = g.settle_many(ids[:3], "failed")  # again: the first receipts
     assert [r.outcome for r in receipts] == ["completed"] * 3 and all(r.replayed for r in receipts)
@@ -498,14 +500,44 @@ def test_retried_scripts_replay_their_first_reply(store: TraceStore) -> None:
 # -- bad input: typed errors and no state change --------------------------------------------------
 
 
+def test_settling_a_lease_never_admitted_fences_its_id(store: TraceStore) -> None:
+    """The recovery of an admit whose reply was lost and which never ran (README, "Lost
+    replies"): its settle succeeds and fences the id; an admit with it is refused, nothing
+    admitted, alone or in a batch (tests/test_lost_replies.py loses the reply for real)."""
+    g = store.gate
+    before = g.status()
+    receipt = g.settle("never-1", "aborted")
+    assert (receipt.lease_id, receipt.outcome, receipt.version) == ("never-1", "aborted", -1)
+    assert (receipt.admitted, receipt.late, receipt.poisoned, receipt.replayed) == (False, False, False, False)
+    again = g.settle("never-1", "completed")
+    assert again == receipt and again.replayed  # the first settlement is final, as for any lease
+    with pytest.raises(LeaseFenced) as ei:
+        g.admit("s-late", "w", 30, op_id="never-1")  # the lost admit, arriving late
+    assert ei.value.lease_id == "never-1" and "new lease" in str(ei.value)
+    # admit_many: a fenced lease anywhere in the batch refuses the whole batch
+    assert not g.settle("many-9#1", "unknown").admitted  # fenced: an unknown outcome poisons nothing
+    with pytest.raises(LeaseFenced) as ei:
+        g.admit_many([("a", "w"), ("b", "w"), ("c", "w")], 30, op_id="many-9")
+    assert ei.value.lease_id == "many-9#1"
+    after = g.status()
+    assert (after.live, after.poisoned, after.version) == (before.live, before.poisoned, before.version) == (0, 0, 0)
+    recs = g.lease_records(["many-9#0", "many-9#2"])
+    assert recs == [None, None]  # nothing of the batch was admitted
+    with pytest.raises(UnknownLease):  # never admitted: nothing to renew
+        g.renew("never-1")
+    # the fence is a receipt: it expires with the receipt retention (op_ttl_s), a lease's TTL
+    pttl = store.redis.pttl(store.keys.gate_lease("never-1"))
+    assert 0 < pttl <= store.context.op_ttl_ms
+    lease = g.admit("s-late", "w", 30)  # a new lease for the same session is admitted as usual
+    assert g.settle(lease, "completed").admitted and g.status().live == 0
+
+
 def test_bad_input_raises_typed_errors_and_changes_nothing(store: TraceStore) -> None:
     g = store.gate
     g.settle(g.admit("s0", "w", 30), "completed")
     live = g.admit("s1", "w", 30)
     before = dump_run(store)
     assert before
-    with pytest.raises(UnknownLease):
-        g.settle("0" * 32, "completed")
     with pytest.raises(UnknownLease):
         g.renew("0" * 32)
     with pytest.raises(InvalidInput, match="ttl_s"):

@@ -12,6 +12,7 @@ proxy per node); the other backends run the same engine.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,8 +22,9 @@ import pytest
 
 from tests._netcut import CutProxy, proxied_cluster
 from tests.test_ownership import data_purged, events, write_turn
-from tracestore import AsyncTraceStore, OutcomeUnknown, TraceStore
+from tracestore import AsyncTraceStore, LeaseFenced, OutcomeUnknown, TraceStore
 from tracestore.replay import Group
+from tracestore.servers import EmbeddedServer
 
 Cut = tuple[TraceStore, Callable[[str], CutProxy]]
 
@@ -233,3 +235,66 @@ def test_an_op_id_names_one_kind_of_call(store: TraceStore) -> None:
     for bad in ("", "a#b", "has space", "{tag}", "x" * 129, 7, b"id"):
         with pytest.raises(InvalidId):
             store.release(["k1"], "w", op_id=bad)  # type: ignore[arg-type]
+
+
+def _wait_for(what: str, ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_the_readme_admit_recovery_works_whether_the_admit_ran_or_not() -> None:
+    """README, "Lost replies": ``settle(err.lease_id, "aborted")`` after an admit's OutcomeUnknown,
+    on a server paused with SIGSTOP so no reply comes (issue 31 item 5).
+
+    It ran: the admit was on the server's socket when it froze and ran when it woke; the
+    settle settles that lease. It never ran: the admit never left the client (its new
+    connection's handshake timed out); the settle fences the id, and an admit with it
+    arriving afterwards is refused, nothing admitted. A server of its own: it is paused.
+    """
+    with EmbeddedServer() as srv:
+        # short timeouts only because these calls are meant to fail; no retries
+        st = TraceStore.connect(srv.url, run="lost-admit", socket_timeout_s=0.3, retries=0)
+        patient = TraceStore.connect(srv.url, run="lost-admit")
+        try:
+            g = st.gate
+            g.settle(g.admit("warm", "w", 30), "completed")  # scripts loaded, one pooled connection
+            # -- it ran: the request reached the frozen server and runs when it wakes
+            srv.pause()
+            try:
+                with pytest.raises(OutcomeUnknown) as ei:
+                    g.admit("s-ran", "worker-3", 120)
+            finally:
+                srv.resume()
+            ran = ei.value.lease_id
+            assert ran is not None
+            _wait_for("the frozen admit to run", lambda: patient.gate.status().live == 1)
+            receipt = g.settle(ran, "aborted")  # the README's recovery
+            assert (receipt.lease_id, receipt.outcome, receipt.admitted) == (ran, "aborted", True)
+            assert patient.gate.status().live == 0
+            # -- it never ran: the admit never left (its connection's handshake timed out)
+            st.redis.connection_pool.disconnect()
+            srv.pause()
+            try:
+                with pytest.raises(OutcomeUnknown) as ei:
+                    g.admit("s-never", "worker-3", 120)
+            finally:
+                srv.resume()
+            never = ei.value.lease_id
+            assert never is not None and never != ran
+            receipt = g.settle(never, "aborted")  # the README's recovery: no UnknownLease
+            assert (receipt.lease_id, receipt.outcome, receipt.admitted) == (never, "aborted", False)
+            assert g.settle(never, "completed") == receipt  # settled once, like any lease
+            # the admit arriving late (here: the same call again, same lease id) is refused
+            with pytest.raises(LeaseFenced) as fenced:
+                g.admit("s-never", "worker-3", 120, op_id=ei.value.op_id)
+            assert fenced.value.lease_id == never
+            status = patient.gate.status()
+            assert (status.live, status.poisoned) == (0, 0)
+            with patient.gate.weight_update(1, drain_timeout_s=1):  # nothing blocks an update
+                pass
+        finally:
+            st.close()
+            patient.close()

@@ -25,8 +25,8 @@ from tests._netcut import CutProxy, proxied_cluster
 from tests.conftest import _selected, connect_async
 from tests.test_gate import dump_run
 from tracestore import InvalidId, InvalidInput, SessionReleased, TraceStore
-from tracestore._io import SyncIO
 from tracestore.errors import OwnerLost
+from tracestore.io import SyncIO
 from tracestore.replies import text
 from tracestore.scripts import Eval, script
 from tracestore.store import AsyncTraceStore

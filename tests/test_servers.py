@@ -113,9 +113,9 @@ def test_a_free_port_taken_before_the_server_binds_it_is_retried(monkeypatch: py
     """The port race of every free-port scheme, made deterministic: the first port handed
     out is already taken, once by another server (which answers PING: it must not be
     mistaken for ours) and once by a plain listener (the server cannot bind and exits)."""
-    import tracestore.servers as servers
+    import tracestore.servers.embedded as embedded  # where EmbeddedServer.start finds its port
 
-    real_free_port = servers.free_port
+    real_free_port = embedded.free_port
     with EmbeddedServer() as other, socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -126,7 +126,7 @@ def test_a_free_port_taken_before_the_server_binds_it_is_retried(monkeypatch: py
                 handed.append(taken if not handed else real_free_port(host))
                 return handed[-1]
 
-            monkeypatch.setattr(servers, "free_port", free_port)
+            monkeypatch.setattr(embedded, "free_port", free_port)
             with EmbeddedServer() as srv:
                 assert handed[0] == taken and srv.port == handed[-1] != taken
                 assert srv.proc is not None

@@ -31,10 +31,12 @@ def test_async_and_sync_results_are_precisely_typed() -> None:
     revealed = [x.split('Revealed type is "', 1)[1].rstrip('"') for x in lines if "Revealed type" in x]
     assert revealed == [
         "tracestore.traces.types.PrefixMatch",
-        "tracestore.gate.GateStatus",
+        "tracestore.gate.types.GateStatus",
         "tracestore.gate.AsyncGate",
         "tracestore.replay.AsyncReplay",
         "tracestore.router.AsyncRouter",
+        "tuple[tracestore.traces.types.PrefixMatch, tracestore.gate.types.GateStatus]",
         "tracestore.traces.types.PrefixMatch",
-        "tracestore.gate.GateStatus",
+        "tracestore.gate.types.GateStatus",
+        "tuple[tracestore.traces.types.PrefixMatch, int]",
     ], proc.stdout

@@ -12,11 +12,12 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 
 from typing_extensions import assert_type, reveal_type
 
-from tracestore import AsyncTraceStore, TraceStore
+from tracestore import AsyncTraceStore, TraceStore, TracestoreError
 from tracestore.gate import AsyncGate, DrainResult, Gate, GateStatus, Lease, SettlementReceipt
 from tracestore.replay import AsyncReplay, Group, PutResult, Replay, Taken, TakenMany
-from tracestore.router import AsyncRouter, Route, Router, RouteTable, route_table
+from tracestore.router import AsyncRouter, Route, Router, RouterOps, RouteTable, route_table
 from tracestore.run import RunInfo
+from tracestore.scripts import Op
 from tracestore.session import AsyncTurnRecorder, Request, TurnRecorder
 from tracestore.traces import PrefixMatch, Trace, Turn
 
@@ -62,6 +63,20 @@ async def async_results(s: AsyncTraceStore) -> None:
     assert_type(await rec.prepare("sid", []), Request)
     assert_type(await rec.before_request("sid", []), list[int])
     # wrong calls stay errors (the ignores are reported as unused otherwise)
+    # the batching door: operations built by store.ops, run together by store.gather
+    reveal_type(await s.gather(s.ops.lookup("sid", "p"), s.ops.gate.status()))
+    assert_type(s.ops.lookup("sid", "p"), Op[PrefixMatch])
+    assert_type(
+        await s.gather(s.ops.release_owner("o", "done"), s.ops.router(["ep"]).retire(["sid"])),
+        tuple[list[str], list[str]],
+    )
+    assert_type(
+        await s.gather(s.ops.gate.settle(lease, "completed"), errors_in_place=True),
+        tuple[SettlementReceipt | TracestoreError],
+    )
+    assert_type(await s.gather(*[s.ops.owner_of("a"), s.ops.owner_of("b")]), tuple[str | None, ...])
+    assert_type(rec.ops.prepare("sid", []), Op[Request])
+    await s.gather(s.lookup("sid", "p"))  # type: ignore[call-overload]  # a coroutine is no operation
     await s.lookup("sid", 1)  # type: ignore[arg-type]
     await s.gate.admit("sid", "worker")  # type: ignore[call-arg]
     s.router(["ep"], retention_s="1d")  # type: ignore[arg-type]
@@ -89,6 +104,11 @@ def sync_results(s: TraceStore, rec: TurnRecorder) -> None:
     assert_type(s.router(["ep-a"]).table(), RouteTable)
     assert_type(s.run(route_table(s.context)), RouteTable)
     assert_type(rec.before_request("sid", []), list[int])
+    reveal_type(s.gather(s.ops.lookup("sid", "p"), s.ops.replay.count()))
+    assert_type(s.ops.router(["ep"]), RouterOps)
+    assert_type(s.gather(s.ops.replay.count(), s.ops.gate.status(), s.ops.ping()), tuple[int, GateStatus, bool])
+    assert_type(s.gather(s.ops.gate.status(), s.ops.owners(), errors_in_place=True)[0], GateStatus | TracestoreError)
+    s.ops.lookup("sid")  # type: ignore[call-arg]
     s.lookup("sid")  # type: ignore[call-arg]
     s.release(["sid"], 5)  # type: ignore[arg-type]
 

@@ -19,6 +19,7 @@ API as each role). A grant is per server: on a cluster, run it on every node.
 
 from __future__ import annotations
 
+from .errors import InvalidInput
 from .keys import Keys
 from .validate import validate_prefix, validate_run
 
@@ -74,8 +75,6 @@ def commands(role: str) -> tuple[str, ...]:
         return tuple(sorted({*SCRIPTS, *CONNECTION, *LUA, *CLIENT}))
     if role == "observer":
         return tuple(sorted({*SCRIPTS_RO, *CONNECTION, *LUA_RO, *CLIENT_RO}))
-    from .errors import InvalidInput
-
     raise InvalidInput("role", f"must be one of {', '.join(ROLES)}, got {role!r}")
 
 

@@ -20,7 +20,8 @@ sub-directory ``server/`` made private to the user (mode 0700) holding
 * ``server.log``, ``stderr.log``: the server's logs.
 
 A ``server.json`` whose server is gone (killed, machine rebooted) is stale:
-the next :func:`ensure` removes it and starts a new server. The server
+the next :func:`ensure` removes it, starts a new server and says so on
+stderr, once (:data:`RESTART_NOTICE`: the data of the previous one is gone). The server
 outlives the process that started it (it has its own session); ``tracestore
 server stop`` (:func:`stop`) ends it. It keeps no data across a stop
 (persistence off), like every embedded server.
@@ -33,6 +34,7 @@ import fcntl
 import os
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +45,8 @@ import orjson
 import redis
 
 from .errors import ServerError
+from .servers import EmbeddedServer
+from .urls import mask_url
 
 ENV_HOME = "TRACESTORE_HOME"
 #: A unix socket path must fit in ``sun_path`` (108 bytes on Linux, with its NUL).
@@ -90,8 +94,6 @@ class DefaultServer:
     @property
     def display_url(self) -> str:
         """The URL with its password (TCP fallback only) masked."""
-        from .connection import mask_url
-
         return mask_url(self.url)
 
 
@@ -189,7 +191,9 @@ def ensure(startup_timeout_s: float = 15.0) -> DefaultServer:
 
     Raises ServerError when the server cannot start, or when a recorded
     server process is alive but does not answer within ``startup_timeout_s``
-    (``tracestore server stop`` ends it).
+    (``tracestore server stop`` ends it). When a pid file says a server had
+    been running and it is gone, the process that starts the new one prints
+    :data:`RESTART_NOTICE` to stderr (once: the others find the new server).
     """
     d = server_dir()
     info = _read(d)
@@ -213,7 +217,30 @@ def ensure(startup_timeout_s: float = 15.0) -> DefaultServer:
                         "end it with `tracestore server stop`"
                     )
         _remove_state(d)
-        return _start(d, startup_timeout_s)
+        started = _start(d, startup_timeout_s)
+        if info is not None:  # one had been running and is gone: say so, once (this process started it)
+            announce_restart(info)
+        return started
+
+
+#: What a process that had to start a new default server where one had been running prints.
+RESTART_NOTICE = (
+    "tracestore: started a new default server; the previous one (pid {pid}) is gone, and its "
+    "data with it: to keep data across restarts, run `tracestore server --appendonly --dir DIR` "
+    "and set TRACESTORE_URL to the URL it prints"
+)
+
+
+def announce_restart(previous: DefaultServer) -> None:
+    """Tell the user on stderr, in one line, that the default server was replaced and its data lost.
+
+    Called by :func:`ensure` in the one process that starts the new server
+    (under the lock), when a pid file says a server had been running: a
+    crash, a ``kill``, a reboot with the state kept. A ``tracestore server
+    stop`` removes the pid file, so a deliberate stop is not announced.
+    """
+    sys.stderr.write(RESTART_NOTICE.format(pid=previous.pid) + "\n")
+    sys.stderr.flush()
 
 
 def _looks_like_server(pid: int) -> bool:
@@ -226,8 +253,6 @@ def _looks_like_server(pid: int) -> bool:
 
 
 def _start(d: Path, startup_timeout_s: float) -> DefaultServer:
-    from .servers import EmbeddedServer
-
     over_unix = len(str(d / "server.sock")) <= MAX_SOCKET_PATH
     srv = EmbeddedServer(
         dir=d,

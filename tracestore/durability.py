@@ -24,7 +24,7 @@ outcome after a failure of the primary is unknown. docs/durability.md has
 the table of what each level survives and what it costs.
 
 This module is the pure part (levels, options, the wait commands and how
-their replies are read); the I/O layers (:mod:`tracestore._io`) send them.
+their replies are read); the I/O layers (:mod:`tracestore.io`) send them.
 """
 
 from __future__ import annotations

@@ -237,8 +237,26 @@ class SessionRetired(TracestoreError):
         super().__init__(f"session {sid!r} was retired (410 Gone)")
 
 
+class LeaseFenced(TracestoreError):
+    """An admit with a lease id that was settled before it was admitted; nothing was admitted.
+
+    ``settle`` of a lease id the server never admitted (the recovery of an
+    admit whose reply was lost and which never ran) fences that id for the
+    receipt retention (``op_ttl_s``): the admit, arriving late, or called again
+    with that ``op_id``, is refused instead of admitting a lease nobody
+    serves. Admit again without ``op_id`` for a new lease.
+    """
+
+    def __init__(self, lease_id: str) -> None:
+        self.lease_id = lease_id
+        super().__init__(
+            f"lease {lease_id!r} was settled before it was admitted (the recovery of a lost "
+            "admit fenced it): nothing admitted; admit again without op_id for a new lease"
+        )
+
+
 class UnknownLease(InvalidInput):
-    """A gate lease id that was never admitted, or whose settled record expired."""
+    """A gate lease id that was never admitted, or whose settled record expired (``renew``)."""
 
     def __init__(self, lease_id: str) -> None:
         self.lease_id = lease_id
@@ -456,6 +474,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise SessionRetired(str(f[0]))
     if code == "UNKNOWN_LEASE":
         raise UnknownLease(str(f[0]))
+    if code == "LEASE_FENCED":
+        raise LeaseFenced(str(f[0]))
     if code == "GROUP_EXISTS":
         raise GroupExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
     if code == "CORRUPT":
@@ -486,6 +506,7 @@ __all__ = [
     "StaleVersion",
     "SessionRetired",
     "UnknownLease",
+    "LeaseFenced",
     "GroupExists",
     "RunNotEmpty",
     "RunInUse",

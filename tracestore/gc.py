@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .context import Context
+from .ownership import session_states
 from .purge import purge_sessions
 from .replies import Reply, field_map, text
-from .run import server_ms, session_states
+from .run import server_ms
 from .scripts import Batch, Cmd, Eval, Op, ScanAll, chunks, script
 from .validate import duration_ms
 

@@ -23,13 +23,32 @@ from .context import Context, OpId, mutating
 from .errors import InvalidInput
 from .purge import purge_sessions
 from .replies import Reply, pairs, stored, text
-from .run import session_states
-from .scripts import Batch, Cmd, Eval, Op, ScanAll, gather, script
+from .scripts import Batch, Cmd, Eval, Op, ScanAll, gather, script, variadic_evals
 from .validate import duration_ms, validate_id, validate_ids
 
 
 def _dedup(items: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(items))
+
+
+def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str] | None]]:
+    """Owner and state of each session (None when unknown).
+
+    Raises InvalidId before I/O. One round trip per 4,000 sessions (pipelined).
+    """
+    sids = validate_ids("session id", sids)
+    k = ctx.keys
+    evals = variadic_evals("session_states", (k.released,), k.session_keys(sids), (), sids)
+    replies = yield Batch(tuple(evals))
+    r = Reply([x for part in replies for x in part], "session_states")
+    out: dict[str, tuple[str, str] | None] = {}
+    for sid in sids:
+        with stored(ctx.keys.session(sid), "owner/state"):
+            owner, state = r.text(), r.text()
+            if state not in ("live", "released", ""):
+                raise ValueError(f"unknown state {state!r:.40}")
+        out[sid] = (owner, state) if state else None
+    return out
 
 
 @mutating

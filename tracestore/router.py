@@ -26,7 +26,7 @@ from .context import Context, mutating
 from .errors import InvalidInput
 from .replies import Reply, text
 from .scripts import Batch, Eval, Op, gather, script
-from .twin import AsyncPart, SyncPart, op
+from .twin import AsyncPart, OpBuilder, SyncPart, op
 from .validate import duration_ms, validate_id, validate_ids
 
 #: Default lifetime of a retirement tombstone.
@@ -230,6 +230,10 @@ class AsyncRouter(RouterMethods, AsyncPart[RouteScope]):
     """asyncio counterpart of :class:`Router` (``AsyncTraceStore.router([...])``)."""
 
 
+class RouterOps(RouterMethods, OpBuilder[RouteScope]):
+    """The router's operations built and not run (``store.ops.router([...])``): ``.retire(sids)``."""
+
+
 __all__ = [
     "DEFAULT_RETENTION_S",
     "AsyncRouter",
@@ -237,6 +241,7 @@ __all__ = [
     "RouteScope",
     "RouteTable",
     "Router",
+    "RouterOps",
     "route_scope",
     "route_table",
     "validate_entrypoints",

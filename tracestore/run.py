@@ -1,4 +1,4 @@
-"""Run-level operations: create the run's meta record, ping, server facts, run discovery."""
+"""Run-level operations: create the run's meta record, ping, the server clock and facts, the run's counters."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import Any
 
 from .context import SCHEMA_VERSION, Context
 from .errors import CorruptData
-from .replies import Reply, stored, text
-from .scripts import Batch, Cmd, Eval, Op, ServerTime, script, variadic_evals
-from .validate import validate_ids
+from .keys import Keys
+from .replies import Reply, text
+from .runs import run_ids
+from .scripts import Batch, Cmd, Eval, Op, ServerTime, script
 
 
 @dataclass(frozen=True)
@@ -57,35 +58,12 @@ def server_ms(ctx: Context) -> Op[int]:
     return int(now)
 
 
-def session_states(ctx: Context, sids: list[str]) -> Op[dict[str, tuple[str, str] | None]]:
-    """Owner and state of each session (None when unknown).
-
-    Raises InvalidId before I/O. One round trip per 4,000 sessions (pipelined).
-    """
-    sids = validate_ids("session id", sids)
-    k = ctx.keys
-    evals = variadic_evals("session_states", (k.released,), k.session_keys(sids), (), sids)
-    replies = yield Batch(tuple(evals))
-    r = Reply([x for part in replies for x in part], "session_states")
-    out: dict[str, tuple[str, str] | None] = {}
-    for sid in sids:
-        with stored(ctx.keys.session(sid), "owner/state"):
-            owner, state = r.text(), r.text()
-            if state not in ("live", "released", ""):
-                raise ValueError(f"unknown state {state!r:.40}")
-        out[sid] = (owner, state) if state else None
-    return out
-
-
 def server_info(ctx: Context, prefix: str = "ts") -> Op[ServerInfo]:
     """Engine, version, mode and the runs found under ``prefix`` (SCAN on every primary)."""
     info = yield Cmd(("INFO", "server"), key=ctx.keys.meta)
     fields = info if isinstance(info, dict) else _parse_info(text(info))
     engine = "valkey" if "valkey_version" in fields or fields.get("server_name") == "valkey" else "redis"
     version = str(fields.get("valkey_version") or fields.get("redis_version") or "?")
-    from .keys import Keys
-    from .runs import run_ids  # runs builds on ownership, which builds on this module
-
     runs = yield from run_ids(Context(Keys(prefix, ctx.keys.run), ctx.cluster, ctx.config))
     nodes = 1
     if ctx.cluster:

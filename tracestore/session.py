@@ -49,7 +49,7 @@ from .scripts import Op, gather
 from .scripts import Request as ScriptRequest
 from .store import AsyncTraceStore, StoreMethods, TraceStore
 from .traces import PrefixMatch, TokenIds, Turn
-from .twin import AsyncRunner, SyncRunner, op
+from .twin import AsyncRunner, OpBuilder, SyncRunner, op
 from .validate import validate_id
 
 St = TypeVar("St", bound=StoreMethods)
@@ -153,6 +153,12 @@ class RecorderMethods(Generic[St]):
     def forget(self, sid: str) -> None:
         """Drop the remembered request of ``sid`` (after an aborted or failed request)."""
         self._pending.pop(sid, None)
+
+    @property
+    def ops(self) -> RecorderOps:
+        """The recorder's operations built and not run, to batch with the store's:
+        ``store.gather(store.ops.gate.admit(...), recorder.ops.prepare(...))``. No I/O."""
+        return RecorderOps(self._scope)
 
     def _prompt(self, sid: str, messages: Sequence[Message]) -> str:
         validate_id("session id", sid)
@@ -423,6 +429,10 @@ class _RecorderOps:
     after_response_many = op(after_response_many)
 
 
+class RecorderOps(_RecorderOps, OpBuilder[RecorderMethods[Any]]):
+    """A recorder's operations built and not run (``recorder.ops``); run them with the store's ``gather``."""
+
+
 class TurnRecorder(_RecorderOps, RecorderMethods[TraceStore], SyncRunner[RecorderMethods[Any]]):
     """XTuner-style ``on_request`` / ``on_response`` over a :class:`~tracestore.TraceStore`.
 
@@ -452,6 +462,7 @@ __all__ = [
     "AsyncTurnRecorder",
     "ExpertHolder",
     "RecorderMethods",
+    "RecorderOps",
     "Request",
     "RecorderStats",
     "Response",

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+import functools
+from collections.abc import Iterable
+from typing import Any, Literal, TypeVar, overload
 
 from . import checkpoint as ckpt_ops
 from . import gc as gc_ops
@@ -24,18 +26,26 @@ from . import purge as purge_ops
 from . import run as run_ops
 from . import runs as runs_ops
 from . import traces as trace_ops
-from ._io import AsyncIO, SyncIO
 from .connection import ConnectionOptions, async_client, sync_client
 from .context import Context, StoreConfig
 from .durability import OPTION_NAMES as DURABILITY_OPTIONS
 from .durability import Durability
-from .errors import DurabilityUnconfirmed, NotEnoughReplicas, TracestoreError
-from .gate import AsyncGate, Gate
+from .errors import ConfigError, DurabilityUnconfirmed, NotEnoughReplicas, TracestoreError
+from .gate import AsyncGate, Gate, GateOps
+from .io import AsyncIO, SyncIO
 from .keys import Keys
-from .replay import AsyncReplay, Replay
-from .router import AsyncRouter, Router, route_scope
-from .scripts import Request, registry
-from .twin import AsyncRunner, SyncRunner, op, part, part_factory
+from .replay import AsyncReplay, Replay, ReplayMethods
+from .router import AsyncRouter, Router, RouterOps, route_scope
+from .scripts import Op, Request, gather, registry
+from .twin import AsyncRunner, OpBuilder, SyncRunner, op, part, part_factory
+
+R1 = TypeVar("R1")
+R2 = TypeVar("R2")
+R3 = TypeVar("R3")
+R4 = TypeVar("R4")
+R = TypeVar("R")
+#: An operation's result in a gather with ``errors_in_place=True``: its value or its error.
+E = TracestoreError
 
 
 def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig, Durability]:
@@ -43,8 +53,6 @@ def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig, D
     store_fields = set(StoreConfig.__dataclass_fields__)
     unknown = set(opts) - conn_fields - store_fields - set(DURABILITY_OPTIONS)
     if unknown:
-        from .errors import ConfigError
-
         raise ConfigError(
             f"unknown option(s) {sorted(unknown)}; connection options: {sorted(conn_fields)}, "
             f"store options: {sorted(store_fields)}, durability options: {list(DURABILITY_OPTIONS)}"
@@ -55,6 +63,10 @@ def _split_opts(opts: dict[str, Any]) -> tuple[ConnectionOptions, StoreConfig, D
         StoreConfig(**{k: v for k, v in opts.items() if k in store_fields}),
         durability,
     )
+
+
+class ReplayOps(ReplayMethods, OpBuilder[Context]):
+    """The replay buffer's operations built and not run (``store.ops.replay``): ``.put(group, owner)``."""
 
 
 class StoreMethods:
@@ -91,7 +103,6 @@ class StoreMethods:
     # -- run ------------------------------------------------------------------------
     init_run = op(run_ops.init_run)
     ping = op(run_ops.ping)
-    session_states = op(run_ops.session_states)
     server_info = op(run_ops.server_info)
     run_ids = op(runs_ops.run_ids)
     list_runs = op(runs_ops.list_runs)
@@ -117,6 +128,7 @@ class StoreMethods:
     open_session = op(own_ops.open_session)
     open_sessions = op(own_ops.open_sessions)
     owner_of = op(own_ops.owner_of)
+    session_states = op(own_ops.session_states)
     transfer = op(own_ops.transfer)
     release = op(own_ops.release)
     release_owner = op(own_ops.release_owner)
@@ -128,10 +140,11 @@ class StoreMethods:
     gc = op(gc_ops.gc)
     # (end control plane)
 
-    # -- gate and router (gate.py, router.py) ---------------------------------------
+    # -- gate and router (gate/, router.py) ----------------------------------------
     gate = part(
         Gate,
         AsyncGate,
+        GateOps,
         """The run's request gate (:class:`~tracestore.gate.Gate`, or
         :class:`~tracestore.gate.AsyncGate` on an async store): admit, settle, weight_update...""",
     )
@@ -139,6 +152,7 @@ class StoreMethods:
         route_scope,
         Router,
         AsyncRouter,
+        RouterOps,
         """``router(entrypoints, *, retention_s=86400.0)``: session affinity over ``entrypoints``.
 
         A :class:`~tracestore.router.Router` (an :class:`~tracestore.router.AsyncRouter`
@@ -152,12 +166,51 @@ class StoreMethods:
     replay = part(
         Replay,
         AsyncReplay,
+        ReplayOps,
         """The run's replay buffer (:class:`~tracestore.replay.Replay`, or
         :class:`~tracestore.replay.AsyncReplay` on an async store): put, take, claim_retry, expire...""",
     )
     checkpoint = op(ckpt_ops.checkpoint)
     restore = op(ckpt_ops.restore)
     # (end replay)
+
+
+class StoreOps(StoreMethods, OpBuilder[Context]):
+    """Every operation of a store, built and not run: ``store.ops`` (see :meth:`TraceStore.gather`).
+
+    ``store.ops.lookup(sid, prompt)`` is the operation ``store.lookup(sid,
+    prompt)`` runs, with the same arguments; so are ``store.ops.gate.X``,
+    ``store.ops.replay.X`` and ``store.ops.router(entrypoints).X``. Run
+    several at once, sharing round trips, with ``store.gather(...)``, or one
+    with ``store.run(...)``; the same operation runs on the sync and the
+    async store. Arguments are checked when the operation runs (before any
+    I/O), not when it is built.
+    """
+
+
+def _gathered(operations: Iterable[Op[Any]], errors_in_place: bool) -> Op[list[Any]]:
+    if errors_in_place:
+        return (yield from gather(operations, errors_in_place=True))
+    return (yield from gather(operations))
+
+
+_GATHER_DOC = """Run ``operations`` (from :attr:`ops`, or any operation) at once, sharing round trips.
+
+        ``store.gather(store.ops.release_owner("train:3", "trained"),
+        store.ops.router(eps).retire(sids))`` returns their results as a
+        tuple, in order (typed per position up to four operations). Each
+        round trip carries the next request of every unfinished operation
+        (one round trip per node on a cluster), so N one-round-trip calls
+        cost one round trip. Not atomic together: each operation keeps its
+        own guarantees. Errors: one raised before any request (validation)
+        fails the whole call before any I/O; otherwise every operation runs
+        to its end and the first error (in the order given) is raised, or,
+        with ``errors_in_place=True``, each failed operation's
+        TracestoreError stands in its place in the result. A round trip lost
+        as a whole (StorageError) raises even then, as the OutcomeUnknown of
+        the first mutating operation it carried. See
+        :func:`tracestore.scripts.gather`.
+        """
 
 
 class TraceStore(StoreMethods, SyncRunner[Context]):
@@ -217,6 +270,47 @@ class TraceStore(StoreMethods, SyncRunner[Context]):
             store.close()
             raise
         return store
+
+    @functools.cached_property
+    def ops(self) -> StoreOps:
+        """Every operation of this store, built and not run (see :class:`StoreOps`); no I/O."""
+        return StoreOps(self._scope)
+
+    @overload
+    def gather(self, o1: Op[R1], /, *, errors_in_place: Literal[False] = False) -> tuple[R1]: ...
+    @overload
+    def gather(
+        self, o1: Op[R1], o2: Op[R2], /, *, errors_in_place: Literal[False] = False
+    ) -> tuple[R1, R2]: ...
+    @overload
+    def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], /, *, errors_in_place: Literal[False] = False
+    ) -> tuple[R1, R2, R3]: ...
+    @overload
+    def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], o4: Op[R4], /, *, errors_in_place: Literal[False] = False
+    ) -> tuple[R1, R2, R3, R4]: ...
+    @overload
+    def gather(self, *operations: Op[R], errors_in_place: Literal[False] = False) -> tuple[R, ...]: ...
+    @overload
+    def gather(self, o1: Op[R1], /, *, errors_in_place: Literal[True]) -> tuple[R1 | E]: ...
+    @overload
+    def gather(self, o1: Op[R1], o2: Op[R2], /, *, errors_in_place: Literal[True]) -> tuple[R1 | E, R2 | E]: ...
+    @overload
+    def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], /, *, errors_in_place: Literal[True]
+    ) -> tuple[R1 | E, R2 | E, R3 | E]: ...
+    @overload
+    def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], o4: Op[R4], /, *, errors_in_place: Literal[True]
+    ) -> tuple[R1 | E, R2 | E, R3 | E, R4 | E]: ...
+    @overload
+    def gather(self, *operations: Op[R], errors_in_place: Literal[True]) -> tuple[R | E, ...]: ...
+
+    def gather(self, *operations: Op[Any], errors_in_place: bool = False) -> tuple[Any, ...]:
+        return tuple(self.run(_gathered(operations, errors_in_place)))
+
+    gather.__doc__ = _GATHER_DOC
 
     def execute(self, request: Request) -> Any:
         """Execute one request of an operation and return its decoded reply.
@@ -296,6 +390,47 @@ class AsyncTraceStore(StoreMethods, AsyncRunner[Context]):
             await store.close()
             raise
         return store
+
+    @functools.cached_property
+    def ops(self) -> StoreOps:
+        """Every operation of this store, built and not run (see :class:`StoreOps`); no I/O."""
+        return StoreOps(self._scope)
+
+    @overload
+    async def gather(self, o1: Op[R1], /, *, errors_in_place: Literal[False] = False) -> tuple[R1]: ...
+    @overload
+    async def gather(
+        self, o1: Op[R1], o2: Op[R2], /, *, errors_in_place: Literal[False] = False
+    ) -> tuple[R1, R2]: ...
+    @overload
+    async def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], /, *, errors_in_place: Literal[False] = False
+    ) -> tuple[R1, R2, R3]: ...
+    @overload
+    async def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], o4: Op[R4], /, *, errors_in_place: Literal[False] = False
+    ) -> tuple[R1, R2, R3, R4]: ...
+    @overload
+    async def gather(self, *operations: Op[R], errors_in_place: Literal[False] = False) -> tuple[R, ...]: ...
+    @overload
+    async def gather(self, o1: Op[R1], /, *, errors_in_place: Literal[True]) -> tuple[R1 | E]: ...
+    @overload
+    async def gather(self, o1: Op[R1], o2: Op[R2], /, *, errors_in_place: Literal[True]) -> tuple[R1 | E, R2 | E]: ...
+    @overload
+    async def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], /, *, errors_in_place: Literal[True]
+    ) -> tuple[R1 | E, R2 | E, R3 | E]: ...
+    @overload
+    async def gather(
+        self, o1: Op[R1], o2: Op[R2], o3: Op[R3], o4: Op[R4], /, *, errors_in_place: Literal[True]
+    ) -> tuple[R1 | E, R2 | E, R3 | E, R4 | E]: ...
+    @overload
+    async def gather(self, *operations: Op[R], errors_in_place: Literal[True]) -> tuple[R | E, ...]: ...
+
+    async def gather(self, *operations: Op[Any], errors_in_place: bool = False) -> tuple[Any, ...]:
+        return tuple(await self.run(_gathered(operations, errors_in_place)))
+
+    gather.__doc__ = _GATHER_DOC
 
     async def execute(self, request: Request) -> Any:
         """Async counterpart of :meth:`TraceStore.execute`."""

@@ -24,12 +24,22 @@ A class body lists its methods once with the descriptors of this module:
 
 The sync class and the async class then only differ by their base
 (``class Gate(GateMethods, SyncPart[Context])``), and mypy sees precise
-types on both: ``await astore.lookup(...)`` is a ``PrefixMatch``.
+types on both: ``await astore.lookup(...)`` is a ``PrefixMatch``. A third
+base, :class:`OpBuilder`, gives the same list as methods that build the
+operation without running it (``store.ops.lookup(...) -> Op[PrefixMatch]``),
+to batch several with ``store.gather``.
+
+A bound method carries a real ``__signature__`` (:func:`signature_of`): the
+operation's parameters without the scope, and the caller's return type
+(``PrefixMatch``; ``Coroutine[Any, Any, PrefixMatch]`` on an async runner),
+so ``help()``, ``inspect.signature`` and IDEs show what the caller passes
+and gets.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from contextlib import (
     AbstractAsyncContextManager,
@@ -38,7 +48,19 @@ from contextlib import (
     contextmanager,
 )
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    Literal,
+    ParamSpec,
+    TypeVar,
+    get_args,
+    get_origin,
+    get_type_hints,
+    overload,
+)
 
 from .scripts import Op, Request
 
@@ -52,6 +74,7 @@ T = TypeVar("T")
 S = TypeVar("S")
 A = TypeVar("A")
 X = TypeVar("X")
+B = TypeVar("B")
 
 
 @dataclass(frozen=True)
@@ -187,6 +210,21 @@ class AsyncRunner(Generic[C]):
                 raise err
 
 
+class OpBuilder(Generic[C]):
+    """Builds the operations of a runner without running them: ``store.ops``.
+
+    A class that lists its methods with :class:`op` (``StoreMethods``,
+    ``GateMethods``...) and this base gets, for each method ``x``, a
+    ``x(*args) -> Op[R]``: the operation ``x`` would run, to batch with
+    others (``store.gather(store.ops.release_owner(...), store.ops.gate.settle(...))``)
+    or to run later with ``store.run``. Nothing is validated or sent until
+    the operation is run.
+    """
+
+    def __init__(self, scope: C) -> None:
+        self._scope = scope
+
+
 class SyncPart(SyncRunner[C]):
     """A part of a sync store (gate, replay buffer, router): executes through the store."""
 
@@ -211,12 +249,79 @@ class AsyncPart(AsyncRunner[C]):
         return await self._store.execute(request)
 
 
-def _named(method: Callable[..., Any], f: Callable[..., Any], name: str) -> Any:
+def _named(method: Callable[..., Any], f: Callable[..., Any], name: str, signature: inspect.Signature) -> Any:
     method.__name__ = name
     method.__qualname__ = name
     method.__doc__ = f.__doc__
-    method.__wrapped__ = f  # type: ignore[attr-defined]
+    method.__signature__ = signature  # type: ignore[attr-defined]
     return method
+
+
+#: How a bound operation returns its result: run (``R``), awaited (a coroutine of ``R``),
+#: or built and not run (``Op[R]``, from ``store.ops``).
+_Kind = Literal["sync", "async", "ops"]
+
+
+def _hints(f: Callable[..., Any]) -> dict[str, Any]:
+    """``f``'s annotations evaluated (they are strings under ``from __future__ import annotations``).
+
+    An annotation that cannot be evaluated (a name imported only for type
+    checking) leaves all of them as the strings they are.
+    """
+    try:
+        return get_type_hints(f)
+    except Exception:  # noqa: BLE001 - any failure to evaluate: keep the strings
+        return dict(getattr(f, "__annotations__", {}))
+
+
+def _result(annotation: Any, *, scoped: bool) -> Any:
+    """``R`` of ``Op[R]``, or ``T`` of a scoped ``Scoped[T]``; the annotation itself if neither."""
+    if isinstance(annotation, str):  # unevaluated: "Op[PrefixMatch]" -> "PrefixMatch"
+        head = "Scoped[" if scoped else "Op["
+        return annotation[len(head) : -1] if annotation.startswith(head) and annotation.endswith("]") else annotation
+    args = get_args(annotation)
+    if get_origin(annotation) is not Generator or len(args) != 3:
+        return annotation
+    if not scoped:
+        return args[2]
+    for arm in get_args(args[0]):
+        if get_origin(arm) is Body:
+            return get_args(arm)[0]
+    return annotation
+
+
+@functools.cache
+def signature_of(f: Callable[..., Any], kind: _Kind, scoped: bool = False) -> inspect.Signature:
+    """The public signature of operation ``f`` bound to a runner: no scope, the caller's return type.
+
+    ``f(scope, *args) -> Op[R]`` becomes ``(*args) -> R`` on a sync runner,
+    ``-> Coroutine[Any, Any, R]`` on an async one and ``-> Op[R]`` from an
+    :class:`OpBuilder`; a scoped ``f`` (``Scoped[T]``) becomes a context
+    manager of ``T`` (an async one on an async runner). Annotations are
+    evaluated where they can be.
+    """
+    sig = inspect.signature(f)
+    hints = _hints(f)
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in list(sig.parameters.values())[1:]]
+    declared = hints.get("return", sig.return_annotation)
+    result = _result(declared, scoped=scoped)
+    returns: Any
+    if kind == "ops":
+        returns = declared
+    elif isinstance(result, str):
+        wrap = {
+            ("sync", False): "{}",
+            ("async", False): "Coroutine[Any, Any, {}]",
+            ("sync", True): "AbstractContextManager[{}]",
+            ("async", True): "AbstractAsyncContextManager[{}]",
+        }[(kind, scoped)]
+        returns = wrap.format(result)
+    elif scoped:
+        returns = (AbstractAsyncContextManager if kind == "async" else AbstractContextManager)[result]
+    else:
+        coroutine: Any = Coroutine  # subscripted with a value known at run time only
+        returns = coroutine[Any, Any, result] if kind == "async" else result
+    return sig.replace(parameters=params, return_annotation=returns)
 
 
 class _Binding:
@@ -250,27 +355,37 @@ class op(_Binding, Generic[C, P, R]):  # noqa: N801 - used like a decorator/func
     def __get__(
         self, obj: AsyncRunner[C], owner: type[Any]
     ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+    @overload
+    def __get__(self, obj: OpBuilder[C], owner: type[Any]) -> Callable[P, Op[R]]: ...
 
     def __get__(self, obj: Any, owner: type[Any]) -> Any:
         if obj is None:
             return self
         f = self.f
         method: Callable[..., Any]
+        kind: _Kind
         if isinstance(obj, AsyncRunner):
             arun, ascope = obj.run, obj._scope
 
             async def amethod(*args: Any, **kwargs: Any) -> Any:
                 return await arun(f(ascope, *args, **kwargs))
 
-            method = amethod
+            method, kind = amethod, "async"
+        elif isinstance(obj, OpBuilder):
+            bscope = obj._scope
+
+            def build(*args: Any, **kwargs: Any) -> Any:
+                return f(bscope, *args, **kwargs)
+
+            method, kind = build, "ops"
         else:
             run, scope = obj.run, obj._scope
 
             def smethod(*args: Any, **kwargs: Any) -> Any:
                 return run(f(scope, *args, **kwargs))
 
-            method = smethod
-        obj.__dict__[self.name] = _named(method, f, self.name)
+            method, kind = smethod, "sync"
+        obj.__dict__[self.name] = _named(method, f, self.name, signature_of(f, kind))
         return method
 
 
@@ -294,30 +409,46 @@ class scoped(_Binding, Generic[C, P, T]):  # noqa: N801
     def __get__(
         self, obj: AsyncRunner[C], owner: type[Any]
     ) -> Callable[P, AbstractAsyncContextManager[T]]: ...
+    @overload
+    def __get__(self, obj: OpBuilder[C], owner: type[Any]) -> Callable[P, Scoped[T]]: ...
 
     def __get__(self, obj: Any, owner: type[Any]) -> Any:
         if obj is None:
             return self
         f = self.f
+        if isinstance(obj, OpBuilder):  # the scoped operation itself (a ``with`` runs it, not gather)
+
+            def build(*args: Any, **kwargs: Any) -> Any:
+                return f(obj._scope, *args, **kwargs)
+
+            return _named(build, f, self.name, signature_of(f, "ops", scoped=True))
 
         def method(*args: Any, **kwargs: Any) -> Any:
             return obj._scoped(f(obj._scope, *args, **kwargs))
 
-        return _named(method, f, self.name)
+        kind: _Kind = "async" if isinstance(obj, AsyncRunner) else "sync"
+        return _named(method, f, self.name, signature_of(f, kind, scoped=True))
 
 
-class part(Generic[S, A]):  # noqa: N801
+class part(Generic[S, A, B]):  # noqa: N801
     """A part of a store made once per store: ``sync(store, scope)`` or ``async_(store, scope)``.
 
-    ``store.gate`` is ``part(Gate, AsyncGate)``: a :class:`Gate` on a sync
-    store, an :class:`AsyncGate` on an async one.
+    ``store.gate`` is ``part(Gate, AsyncGate, GateOps, doc)``: a :class:`Gate`
+    on a sync store, an :class:`AsyncGate` on an async one, and on the
+    store's :class:`OpBuilder` (``store.ops.gate``) the part's builder
+    ``ops(scope)``.
     """
 
     def __init__(
-        self, sync: Callable[[Any, Any], S], async_: Callable[[Any, Any], A], doc: str
+        self,
+        sync: Callable[[Any, Any], S],
+        async_: Callable[[Any, Any], A],
+        ops: Callable[[Any], B],
+        doc: str,
     ) -> None:
         self.sync = sync
         self.async_ = async_
+        self.ops = ops
         self.name = ""
         self.__doc__ = doc
 
@@ -330,22 +461,29 @@ class part(Generic[S, A]):  # noqa: N801
     def __get__(self, obj: SyncRunner[Any], owner: type[Any]) -> S: ...
     @overload
     def __get__(self, obj: AsyncRunner[Any], owner: type[Any]) -> A: ...
+    @overload
+    def __get__(self, obj: OpBuilder[Any], owner: type[Any]) -> B: ...
 
     def __get__(self, obj: Any, owner: type[Any]) -> Any:
         if obj is None:
             return self
-        make = self.async_ if isinstance(obj, AsyncRunner) else self.sync
-        value = make(obj, obj._scope)
+        value: Any
+        if isinstance(obj, OpBuilder):
+            value = self.ops(obj._scope)
+        else:
+            make = self.async_ if isinstance(obj, AsyncRunner) else self.sync
+            value = make(obj, obj._scope)
         obj.__dict__[self.name] = value
         return value
 
 
-class part_factory(Generic[C, P, X, S, A]):  # noqa: N801
+class part_factory(Generic[C, P, X, S, A, B]):  # noqa: N801
     """A method making a part of a store from arguments: ``store.router(entrypoints)``.
 
     ``scope(store scope, *args)`` validates the arguments (before any I/O)
     and returns the part's scope; the part is ``sync(store, scope)`` or
-    ``async_(store, scope)``.
+    ``async_(store, scope)``, and ``ops(scope)`` on the store's
+    :class:`OpBuilder` (``store.ops.router(entrypoints)``).
     """
 
     def __init__(
@@ -353,12 +491,18 @@ class part_factory(Generic[C, P, X, S, A]):  # noqa: N801
         scope: Callable[Concatenate[C, P], X],
         sync: Callable[[SyncRunner[C], X], S],
         async_: Callable[[AsyncRunner[C], X], A],
+        ops: Callable[[X], B],
         doc: str,
     ) -> None:
         self.scope = scope
         self.sync = sync
         self.async_ = async_
+        self.ops = ops
+        self.name = scope.__name__
         self.__doc__ = doc
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> Self: ...
@@ -366,18 +510,35 @@ class part_factory(Generic[C, P, X, S, A]):  # noqa: N801
     def __get__(self, obj: SyncRunner[C], owner: type[Any]) -> Callable[P, S]: ...
     @overload
     def __get__(self, obj: AsyncRunner[C], owner: type[Any]) -> Callable[P, A]: ...
+    @overload
+    def __get__(self, obj: OpBuilder[C], owner: type[Any]) -> Callable[P, B]: ...
 
     def __get__(self, obj: Any, owner: type[Any]) -> Any:
         if obj is None:
             return self
-        make = self.async_ if isinstance(obj, AsyncRunner) else self.sync
         scope = self.scope
+        made: Any
+        if isinstance(obj, OpBuilder):
+            ops = self.ops
 
-        @functools.wraps(scope)
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return make(obj, scope(obj._scope, *args, **kwargs))
+            def method(*args: Any, **kwargs: Any) -> Any:
+                return ops(scope(obj._scope, *args, **kwargs))
 
+            made = ops
+        else:
+            make = self.async_ if isinstance(obj, AsyncRunner) else self.sync
+
+            def method(*args: Any, **kwargs: Any) -> Any:
+                return make(obj, scope(obj._scope, *args, **kwargs))
+
+            made = make
+        sig = inspect.signature(scope)
+        hints = _hints(scope)
+        params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in list(sig.parameters.values())[1:]]
+        returns = made if isinstance(made, type) else sig.empty
+        method.__name__ = method.__qualname__ = self.name
         method.__doc__ = self.__doc__
+        method.__signature__ = sig.replace(parameters=params, return_annotation=returns)  # type: ignore[attr-defined]
         return method
 
 
@@ -385,6 +546,7 @@ __all__ = [
     "AsyncPart",
     "AsyncRunner",
     "Body",
+    "OpBuilder",
     "Scoped",
     "SyncPart",
     "SyncRunner",
@@ -392,4 +554,5 @@ __all__ = [
     "part",
     "part_factory",
     "scoped",
+    "signature_of",
 ]

@@ -19,7 +19,7 @@ import torch
 from tracestore import TraceStore
 
 from .config import TrainConfig
-from .report import StepRecord
+from .steps import StepRecord
 
 MODEL = "model.pt"
 STORE = "store.ckpt"

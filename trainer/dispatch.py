@@ -19,10 +19,10 @@ import ray
 from ray.exceptions import RayActorError
 
 from tracestore import TraceStore
-from tracestore.context import Context
-from tracestore.gate import Lease, settle_many
-from tracestore.router import Router, RouteScope, route_scope
-from tracestore.scripts import Op, gather
+from tracestore.gate import Lease
+from tracestore.router import Router, RouterOps
+from tracestore.scripts import Op
+from tracestore.store import StoreOps
 
 from .actors import Workers
 from .sample import Sample
@@ -30,12 +30,15 @@ from .sample import Sample
 log = logging.getLogger(__name__)
 
 
-def settle_calls(ctx: Context, unsettled: Sequence[tuple[Lease, str]]) -> list[Op[Any]]:
-    """``settle_many`` calls for ``(lease, outcome)`` pairs, one per outcome (to gather with others)."""
+def settle_calls(ops: StoreOps, unsettled: Sequence[tuple[Lease, str]]) -> list[Op[Any]]:
+    """``settle_many`` calls for ``(lease, outcome)`` pairs, one per outcome (to gather with others).
+
+    ``ops`` is the store's builder (``store.ops``).
+    """
     by: dict[str, list[Lease]] = {}
     for lease, status in unsettled:
         by.setdefault(status, []).append(lease)
-    return [settle_many(ctx, ls, status) for status, ls in by.items()]
+    return [ops.gate.settle_many(ls, status) for status, ls in by.items()]
 
 
 def _note(exc: BaseException, text: str) -> None:
@@ -76,14 +79,14 @@ class WorkerPool:
         self.router: Router = store.router(sorted(workers))
 
     @property
-    def scope(self) -> RouteScope:
-        """The router's scope, to run its operations (``retire``, ``acquire_many``) in a ``gather``.
+    def router_ops(self) -> RouterOps:
+        """The router's operations, built to run in a ``store.gather`` (``retire``, ``acquire_many``).
 
-        With every worker lost, that of the lost ones: ``retire`` (what a role's cleanup runs
-        then) needs only the run, and an empty scope would raise InvalidInput over the
-        WorkersLost being raised.
+        With every worker lost, over the lost ones: ``retire`` (what a role's cleanup runs
+        then) needs only the run, and an empty entrypoint list would raise InvalidInput
+        over the WorkersLost being raised.
         """
-        return route_scope(self.store.context, sorted(self.workers) or sorted(set(self.lost)))
+        return self.store.ops.router(sorted(self.workers) or sorted(set(self.lost)))
 
     def call(self, method: str, *args: Any, only: Iterable[str] | None = None) -> dict[str, Any]:
         """``method(*args)`` on every live worker (or those of ``only``) at once; results by worker.
@@ -143,12 +146,12 @@ class WorkerPool:
             for other in failed[1:]:
                 _note(first, f"another rollout worker failed too: {type(other).__name__}: {other}")
             try:  # the others' handed-back leases would otherwise expire into poison: settle them now
-                self.store.run(gather(settle_calls(self.store.context, unsettled)))
+                self.store.gather(*settle_calls(self.store.ops, unsettled))
             except Exception as exc:
                 _note(first, f"settling the other workers' {len(unsettled)} leases failed too: "
                       f"{type(exc).__name__}: {exc}")
             raise first
-        return {w: list(out) for w, (out, _pairs) in got.items()}, settle_calls(self.store.context, unsettled)
+        return {w: list(out) for w, (out, _pairs) in got.items()}, settle_calls(self.store.ops, unsettled)
 
     def run(self, by_worker: dict[str, list[Sample]], temperature: float = 1.0) -> dict[str, list[Sample]]:
         """Continue each worker's samples there (all workers at once); their results by worker.

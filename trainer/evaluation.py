@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 
 from tracestore import TraceStore
-from tracestore.ownership import release_owner
-from tracestore.router import retire
-from tracestore.scripts import Op, gather
+from tracestore.scripts import Op
 
 from .clock import Stopwatch
 from .config import TrainConfig
@@ -76,7 +74,6 @@ class Evaluator:
                 rewards = [s.reward for ss in out.values() for s in ss]
             return float(np.mean(rewards))
         finally:
-            ctx = self.store.context
-            calls = [*settles, release_owner(ctx, owner, "eval-done"), retire(self.pool.scope, sids)]
+            ops = self.store.ops
             with self.store_time():  # settle, release and retire share the release's first round trip
-                self.store.run(gather(calls))
+                self.store.gather(*settles, ops.release_owner(owner, "eval-done"), self.pool.router_ops.retire(sids))

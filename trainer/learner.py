@@ -24,9 +24,6 @@ import ray
 import torch
 
 from tracestore import GatePoisoned, Group, NotDrained, TraceStore
-from tracestore.ownership import release_owner
-from tracestore.router import retire
-from tracestore.scripts import gather
 
 from .actors import Handle, Workers, node_id
 from .batch import Batch, BatchBuilder
@@ -39,7 +36,7 @@ from .grpo import collate, train_step
 from .housekeeping import reclaim_lost_worker
 from .http_agents import GATEWAY_HOLDER
 from .policy import new_policy, replay_logprobs, set_determinism, state_to_numpy
-from .report import StepRecord
+from .steps import StepRecord
 from .tokenizer import TOKENIZER as TOK
 from .warmup import warm_start
 
@@ -178,13 +175,13 @@ class Learner:
     def _release(self, owner: str, sids: list[str]) -> int:
         """Release the step's sessions (their holders drop the experts) and retire their routes.
 
-        Both in one :func:`~tracestore.scripts.gather`: the retirement shares the
+        Both in one ``store.gather``: the retirement shares the
         release's first round trip (three in all instead of four).
         """
-        ctx = self.store.context
+        ops = self.store.ops
         with self.store_time():
-            released, _retired = self.store.run(
-                gather([release_owner(ctx, owner, "trained"), retire(self.pool.scope, sids)])
+            released, _retired = self.store.gather(
+                ops.release_owner(owner, "trained"), self.pool.router_ops.retire(sids)
             )
         return len(released)
 

@@ -45,8 +45,9 @@ from .dispatch import WorkerPool, WorkersLost
 from .housekeeping import drain_run, reclaim_dead_owners, store_counts
 from .learner import Learner
 from .producer import Producer
-from .report import EndState, Phases, Report, Start, StepRecord, build_report
+from .report import EndState, Phases, Report, Start, build_report
 from .rollout import RolloutWorker, WorkerStats, holder_name
+from .steps import StepRecord
 
 if TYPE_CHECKING:
     from .gateway_actor import GatewayActorStats

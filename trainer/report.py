@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .steps import StepRecord as StepRecord  # the records type of a step (checkpoints use it too)
+
 if TYPE_CHECKING:
     from tracestore import GateStatus
 
@@ -24,40 +26,6 @@ if TYPE_CHECKING:
     from .learner import LearnerStats
     from .producer import ProducerStats
     from .rollout import WorkerStats
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One training step: batch reward and staleness, loss, bookkeeping, optional evaluation."""
-
-    step: int
-    reward: float
-    staleness_mean: float
-    staleness_max: int
-    groups: int
-    samples: int
-    released: int
-    taken: int
-    loss: float
-    approx_kl: float
-    #: Max |replayed - rollout| logprob over samples made by the current weights (None: none).
-    replay_max_abs_diff: float | None
-    version: int
-    synced: bool
-    wait_s: float
-    eval_reward: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form (checkpoints, report.json); ``eval_reward`` only on evaluation steps."""
-        d = dataclasses.asdict(self)
-        if self.eval_reward is None:
-            del d["eval_reward"]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> StepRecord:
-        """Inverse of :meth:`to_json`."""
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 @dataclass(frozen=True)

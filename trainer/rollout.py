@@ -27,10 +27,9 @@ import numpy as np
 import torch
 
 from tracestore import GateSealed, Lease, OwnerLost, TraceStore, TracestoreError, TurnRecorder
-from tracestore.gate import admit_many
 from tracestore.ray import HolderStats, RefHolder
-from tracestore.scripts import Op, gather
-from tracestore.session import Request, Response, prepare_many
+from tracestore.scripts import Op
+from tracestore.session import Request, Response
 
 from .actors import node_id, serve_host
 from .agent import NoReply, Outcome, Reply, TurnRequest, drive_many, play
@@ -132,14 +131,13 @@ class LocalModel:
         self, reqs: Sequence[TurnRequest]
     ) -> tuple[list[Lease] | None, list[Request | TracestoreError]]:
         """One pipeline: settle the last round, admit and look up this one. None when sealed."""
-        ctx = self.store.context
-        calls: list[Op[Any]] = [
-            admit_many(ctx, [(r.sid, self.name) for r in reqs], self.cfg.lease_ttl_s),
-            prepare_many(self.recorder, [(r.sid, r.messages) for r in reqs]),
-            *self._settle_calls(),
-        ]
         rec_s, t0 = self.recorder.stats.store_s, time.perf_counter()
-        admitted, prepared, *settled = self.store.run(gather(calls, errors_in_place=True))
+        admitted, prepared, *settled = self.store.gather(
+            self.store.ops.gate.admit_many([(r.sid, self.name) for r in reqs], self.cfg.lease_ttl_s),
+            self.recorder.ops.prepare_many([(r.sid, r.messages) for r in reqs]),
+            *self._settle_calls(),
+            errors_in_place=True,
+        )
         # the lookups' time is the recorder's (it timed them): count the rest once, here
         self.store_time.add(time.perf_counter() - t0 - (self.recorder.stats.store_s - rec_s))
         for err in (x for x in settled if isinstance(x, Exception)):
@@ -156,7 +154,7 @@ class LocalModel:
 
     def _settle_calls(self) -> list[Op[Any]]:
         """The settlements of the leases served since the last ones (a pipeline per outcome)."""
-        return settle_calls(self.store.context, self.take_unsettled())
+        return settle_calls(self.store.ops, self.take_unsettled())
 
     def take_unsettled(self) -> list[tuple[Lease, str]]:
         """The leases served since the last settlement, with their outcome; the caller settles them."""
@@ -168,7 +166,7 @@ class LocalModel:
         calls = self._settle_calls()
         if calls:
             with self.store_time():
-                self.store.run(gather(calls))
+                self.store.gather(*calls)
 
     def _generate(
         self, req: TurnRequest, prep: Request | Exception, lease: Lease, temperature: float

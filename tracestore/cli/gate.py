@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from .._table import format_table, human_duration, human_time
+from ..formatting import format_table, human_duration, human_time
 from ..gate import GateStatus
 from ..router import route_table
 from ..store import TraceStore

@@ -15,7 +15,7 @@ import sys
 import click
 import orjson
 
-from .._table import format_table
+from ..formatting import format_table
 from ..gc import EVENT_RETENTION_S, GROUP_IDLE_LIMIT_S, TOMBSTONE_RETENTION_S
 from ..run import server_ms
 from . import connect, echo_json, guarded, main, run_option, url_option

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .._table import format_table
+from ..formatting import format_table
 from . import connect, echo_json, guarded, main, run_option, url_option
 
 

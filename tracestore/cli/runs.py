@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .._table import format_table, human_bytes, human_time
+from ..formatting import format_table, human_bytes, human_time
 from ..store import TraceStore
 from . import RunNotChosen, connect, echo_json, json_option, main, url_option
 

@@ -14,7 +14,7 @@ import click
 import orjson
 
 from .. import default_server
-from .._table import format_table, human_bytes, human_duration
+from ..formatting import format_table, human_bytes, human_duration
 from ..servers import EmbeddedServer, LocalCluster, embedded_cli, node_status, redis_server_binary
 from ..store import TraceStore
 from . import echo_json, fail, json_option, main, url_option
@@ -63,7 +63,8 @@ def server(ctx: click.Context, host: str, port: int | None, password: str | None
         if binary is None:
             fail("redis-server is not installed (apt-get install redis-server)")
     srv = EmbeddedServer(
-        host=host, port=port, aof=aof, dir=data_dir, binary=binary, password=password
+        host=host, port=port, aof=aof, dir=data_dir, binary=binary, password=password,
+        die_with_parent=True,  # never orphaned: it ends with this process, SIGKILL included
     ).start()
     click.echo(srv.url, nl=True)
     if host not in LOOPBACK and not password:

@@ -15,8 +15,8 @@ import click
 import orjson
 
 from .. import codec, replies
-from .._table import format_table
 from ..errors import InvalidInput
+from ..formatting import format_table
 from ..traces.index import SessionIndex
 from ..traces.reads import read_path
 from ..traces.types import Node

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
-from .._table import format_table
+from ..formatting import format_table
 from . import fail, main, url_option
 
 if TYPE_CHECKING:

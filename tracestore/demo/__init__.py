@@ -16,8 +16,8 @@ import uuid
 from collections.abc import Callable
 from types import ModuleType
 
-from .._table import format_table
 from ..errors import InvalidInput
+from ..formatting import format_table
 from ..store import TraceStore
 
 

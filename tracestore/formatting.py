@@ -1,4 +1,4 @@
-"""Plain-text tables for the CLI and the demo (no dependency)."""
+"""Plain-text formatting for the CLI and the demo: tables, durations, times, bytes (no dependency)."""
 
 from __future__ import annotations
 
