@@ -6,8 +6,10 @@
 -- are released, one event per session), then remove n_i groups of task i in
 -- policy order (fifo: by seq; staleness: oldest min_version first, then seq)
 -- and move their sessions from the buffer to the taker. All or nothing across
--- the tasks: unless every task has its n_i ready groups nothing changes, not
--- even the expiry. With at_most, each task gives up to n_i (never SHORT).
+-- the tasks: unless every task has its n_i ready groups no group is taken;
+-- the expiry is not part of that: stale groups are expired whether or not the
+-- take then finds enough (a stale group never stays counted as completed).
+-- With at_most, each task gives up to n_i (never SHORT).
 -- Session keys: in-script or declared (lua/_lib/rb.lua); with declared keys a
 -- call that lacks a session key returns NEED and writes nothing.
 -- KEYS: 11+
@@ -37,8 +39,9 @@
 -- ARGV[10+2T] = session key prefix "ts:{R}:s:" ("" = declared keys only)
 -- ARGV[11+2T] = s, then s sids (those of the declared session keys)
 -- returns: {0, 'NEED', sid...}                declared session keys missing; nothing written
---          {0, 'SHORT', T, ready_1..ready_T}   a task has fewer than n_i ready (ready_i: how
---                                              many task i has); nothing written
+--          {0, 'SHORT', k, kept gid..., r, released sid..., T, ready_1..ready_T}
+--              a task has fewer than n_i ready (ready_i: how many task i has): nothing taken,
+--              the stale groups expired (kept: moved to `expired`; released: their sessions)
 --          {0, 'EXPIRE_FIRST', stale}          too many stale groups for one call; nothing written
 --          {0, 'OK', k, kept gid..., r, released sid..., then per task: m, m x (gid, record,
 --              sids, payload)}
@@ -67,6 +70,24 @@ if early then return early end
 -- with declared keys a NEED names a window of spare candidates beyond n, so
 -- a retry survives other takers removing the head; in-script keys need none
 local spare = rb.spre == ''
+
+-- Expire every task's loaded stale groups (t.stale_groups); append k, kept gid..., r,
+-- released sid... to out. The caller flushes the releases and the counters.
+local function expire_stale(out)
+  rb.now = now_ms()
+  local kept = {}
+  local opts = {keep = '', per_member = ARGV[8], cutoff = tonumber(cutoff)}
+  for _, t in ipairs(tasks) do
+    rb.qe, rb.ve = t.qe, t.ve
+    for _, g in ipairs(t.stale_groups) do
+      if rb_expire_group(rb, g, t.qc, t.vc, opts) then kept[#kept + 1] = g.gid end
+    end
+  end
+  out[#out + 1] = #kept
+  for _, g in ipairs(kept) do out[#out + 1] = g end
+  out[#out + 1] = #rb.rel_s
+  for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
+end
 
 -- plan (reads only)
 local nstale = 0
@@ -99,7 +120,31 @@ for _, t in ipairs(tasks) do
   end
 end
 if short then
-  local out = {0, 'SHORT', ntasks}
+  -- take nothing, but expire what is stale all the same
+  local out, nstale = {0, 'SHORT'}, 0
+  for _, t in ipairs(tasks) do
+    nstale = nstale + #t.stale
+    t.cand = {}
+  end
+  if nstale > 0 then
+    if spare then
+      local picked = {}
+      for _, t in ipairs(tasks) do
+        for _, g in ipairs(t.stale) do picked[#picked + 1] = g end
+      end
+      local need = rb_need(rb, picked, #picked)
+      if need then return need end
+    end
+    for _, t in ipairs(tasks) do
+      local corrupt
+      t.stale_groups, corrupt = rb_load_groups(rb, t.stale)
+      if corrupt then return corrupt end
+    end
+    expire_stale(out)
+  else
+    out[3], out[4] = 0, 0  -- nothing expired: nothing written, no op record
+  end
+  out[#out + 1] = ntasks
   for _, t in ipairs(tasks) do
     if cutoff == '' then
       out[#out + 1] = redis.call('ZCARD', t.vc)
@@ -107,7 +152,10 @@ if short then
       out[#out + 1] = redis.call('ZCOUNT', t.vc, cutoff, '+inf')
     end
   end
-  return out
+  if nstale == 0 then return out end
+  sessions_release_flush(rb.rel)
+  stats_flush(KEYS[11], rb.st)
+  return op_record(opkey, tonumber(ARGV[5]), out)
 end
 if spare then
   local picked, extra = {}, {}
@@ -136,19 +184,8 @@ for _, t in ipairs(tasks) do
 end
 
 -- commit
-rb.now = now_ms()
-local kept = {}
-local opts = {keep = '', per_member = ARGV[8], cutoff = tonumber(cutoff)}
-for _, t in ipairs(tasks) do
-  rb.qe, rb.ve = t.qe, t.ve
-  for _, g in ipairs(t.stale_groups) do
-    if rb_expire_group(rb, g, t.qc, t.vc, opts) then kept[#kept + 1] = g.gid end
-  end
-end
-local out = {0, 'OK', #kept}
-for _, g in ipairs(kept) do out[#out + 1] = g end
-out[#out + 1] = #rb.rel_s
-for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
+local out = {0, 'OK'}
+expire_stale(out)
 for _, t in ipairs(tasks) do
   out[#out + 1] = #t.loaded.gids
   rb_hand_over(rb, t.loaded, {q = t.qc, v = t.vc, status = 'completed', task = t.name}, out)

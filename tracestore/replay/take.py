@@ -34,15 +34,18 @@ def take_many(
     """Take ``wants[task]`` completed groups of each task for ``owner``, in one atomic script.
 
     All or nothing across the tasks: unless every task has its ``n`` ready
-    groups, nothing is taken or changed (the result is empty and ``ready``
-    says how many each task had). ``at_most``: take up to ``n`` of each
-    instead (never short). With ``max_staleness``, each task's stale groups
+    groups, no group is taken (the result is empty and ``ready`` says how
+    many each task had). ``at_most``: take up to ``n`` of each instead
+    (never short). With ``max_staleness``, each task's stale groups
     (``current_version - min_version > max_staleness``) are expired first,
-    in the same script: retryable ones move to ``expired`` and keep their
-    sessions (with ``per_member``, only their fresh members; agentic groups
-    whole), the others are released (one event per session, data purged);
-    the one exception to atomicity is a backlog of more than 2,048 stale
-    groups, expired by separate calls first. Groups leave in ``policy``
+    in the same script, whether or not the take then finds enough ready
+    groups (a short take expires them too, so a stale group never stays
+    counted as completed): retryable ones move to ``expired`` and keep
+    their sessions (with ``per_member``, only their fresh members; agentic
+    groups whole), the others are released (one event per session, data
+    purged); ``expired`` and ``released`` of the result list them. The one
+    exception to atomicity is a backlog of more than 2,048 stale groups,
+    expired by separate calls first. Groups leave in ``policy``
     order (``fifo``: put order; ``staleness``: oldest ``min_version`` first,
     then put order) and their sessions move to ``owner``. A task with n=0,
     or an empty ``wants``, takes nothing (no I/O when nothing is asked).
@@ -117,10 +120,14 @@ def take_many(
             expired += rep.kept
             released += rep.released_sids
             continue
-        if tag == "SHORT":
+        if tag == "SHORT":  # nothing taken; the stale groups were expired all the same
+            expired += r.counted()
+            rel = r.counted()
             ready = dict.fromkeys(asked, 0)
             for t, n in zip(tasks, [r.int() for _ in range(r.int())], strict=True):
                 ready[t] = n
+            yield from purge_sessions(ctx, rel)
+            released += rel
             return TakenMany({t: () for t in asked}, tuple(expired), tuple(released), ready)
         if tag != "OK":
             raise ScriptError("rb_take", f"unexpected reply {r.items[:3]!r}")
@@ -150,10 +157,10 @@ def take(
 ) -> Op[Taken]:
     """Take ``n`` completed groups of ``task`` for ``owner``: :func:`take_many` of one task.
 
-    All or nothing: with fewer than ``n`` ready groups nothing is taken or
-    changed, not even the expiry (the result is empty and falsy, ``ready``
-    says how many were ready; it is a :class:`Taken`, not a list, so test it
-    with ``if not taken``). ``at_most``: up to ``n``. ``n=0`` is a no-op
+    All or nothing: with fewer than ``n`` ready groups nothing is taken
+    (the result is empty and falsy, ``ready`` says how many were ready; it
+    is a :class:`Taken`, not a list, so test it with ``if not taken``), but
+    the stale groups are expired all the same (``expired``, ``released``). ``at_most``: up to ``n``. ``n=0`` is a no-op
     without I/O. Otherwise as :func:`take_many` (expiry first, policy order,
     sessions to ``owner``); ``n`` is at most 2,000 (:data:`MAX_TAKE`).
     Raises InvalidId/InvalidInput before I/O, OwnerLost, CorruptData,
