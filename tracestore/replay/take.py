@@ -10,10 +10,17 @@ from ..errors import InvalidInput, ScriptError
 from ..purge import purge_sessions
 from ..replies import Reply
 from ..scripts import Op
-from ..validate import one_of, validate_id
+from ..validate import validate_id
 from ._common import _cutoff, _decode_groups, _flag, _n, _with_keys
 from .expire import _expire_cells
+from .layout import task_keys
+from .policies import policy as take_policy
 from .types import MAX_ROUNDS, MAX_STALE_IN_TAKE, MAX_TAKE, REPLAY_OWNER, Group, Taken, TakenMany
+
+#: The cells of each task that ``rb_take`` reads (its header's ``-- CELLS:`` line).
+_TAKE_CELLS = ("completed", "expired")
+#: The cells of the task that ``rb_claim`` reads (its header's ``-- CELLS:`` line).
+_CLAIM_CELLS = ("aborted", "expired")
 
 # -- take -------------------------------------------------------------------------------------------
 
@@ -46,8 +53,11 @@ def take_many(
     purged); ``expired`` and ``released`` of the result list them. The one
     exception to atomicity is a backlog of more than 2,048 stale groups,
     expired by separate calls first. Groups leave in ``policy``
-    order (``fifo``: put order; ``staleness``: oldest ``min_version`` first,
-    then put order) and their sessions move to ``owner``. A task with n=0,
+    order (:data:`~tracestore.replay.policies.POLICIES`: ``fifo``, put
+    order; ``staleness``, oldest ``min_version`` first, then put order;
+    ``priority``, ``payload["priority"]`` highest first, then put order,
+    the groups without one after those with one) and their sessions move
+    to ``owner``. A task with n=0,
     or an empty ``wants``, takes nothing (no I/O when nothing is asked).
 
     Raises InvalidId/InvalidInput before I/O (n outside 0..2000 or more
@@ -66,7 +76,7 @@ def take_many(
             "n", f"{sum(asked.values())} groups in one take; at most {MAX_TAKE} per call"
         )
     validate_id("owner tag", owner)
-    one_of("policy", policy, ("fifo", "staleness"))
+    take_policy(policy)
     cutoff = _cutoff(current_version, max_staleness)
     _flag("at_most", at_most)
     _flag("per_member", per_member)
@@ -89,12 +99,7 @@ def take_many(
         k.stats,
     )
     for t in tasks:
-        fixed += (
-            k.rb_queue(t, "completed"),
-            k.rb_versions(t, "completed"),
-            k.rb_queue(t, "expired"),
-            k.rb_versions(t, "expired"),
-        )
+        fixed += task_keys(k, t, _TAKE_CELLS)
     args: tuple[Any, ...] = (
         cutoff,
         policy,
@@ -209,10 +214,6 @@ def claim_retry(
         return []
     op = ctx.op(op_id, "claim")
     fixed = (
-        k.rb_queue(task, "aborted"),
-        k.rb_versions(task, "aborted"),
-        k.rb_queue(task, "expired"),
-        k.rb_versions(task, "expired"),
         k.owner(REPLAY_OWNER),
         k.owner(owner),
         k.rb_groups,
@@ -222,6 +223,7 @@ def claim_retry(
         op.key,
         k.owners_lost,
         k.stats,
+        *task_keys(k, task, _CLAIM_CELLS),
     )
     args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms)
     r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op.id)), "rb_claim")
