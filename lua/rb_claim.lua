@@ -5,21 +5,20 @@
 -- groups leave the buffer, atomically. A group expired per member comes back
 -- with its fresh members as sids and the released ones in its `reroll`.
 -- Session keys: in-script or declared, as in lua/_lib/rb.lua.
--- KEYS: 13+
--- KEYS[1] = ts:{R}:rb:q:<task>:aborted     zset gid -> seq
--- KEYS[2] = ts:{R}:rb:v:<task>:aborted     zset gid -> min_version + seq/2^32
--- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
--- KEYS[4] = ts:{R}:rb:v:<task>:expired     zset gid -> min_version + seq/2^32
--- KEYS[5] = ts:{R}:o:<replay>              set: sessions of the buffer
--- KEYS[6] = ts:{R}:o:<owner>               set: sessions of the producer
--- KEYS[7] = ts:{R}:rb:groups               hash gid -> record (json)
--- KEYS[8] = ts:{R}:rb:sids                 hash gid -> sids (json)
--- KEYS[9] = ts:{R}:rb:payloads             hash gid -> payload (json)
--- KEYS[10] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
--- KEYS[11] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
--- KEYS[12] = ts:{R}:owners:lost            zset owner -> lost ms
--- KEYS[13] = ts:{R}:stats                  hash of the run's counters
--- KEYS[14..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
+-- KEYS: 15+
+-- KEYS[1] = ts:{R}:o:<replay>              set: sessions of the buffer
+-- KEYS[2] = ts:{R}:o:<owner>               set: sessions of the producer
+-- KEYS[3] = ts:{R}:rb:groups               hash gid -> record (json)
+-- KEYS[4] = ts:{R}:rb:sids                 hash gid -> sids (json)
+-- KEYS[5] = ts:{R}:rb:payloads             hash gid -> payload (json)
+-- KEYS[6] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
+-- KEYS[7] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
+-- KEYS[8] = ts:{R}:owners:lost             zset owner -> lost ms
+-- KEYS[9] = ts:{R}:stats                   hash of the run's counters
+-- CELLS: aborted expired
+-- KEYS[10..15] = the cells aborted and expired of the task, each the keys of its indexes
+--     (lua/_lib/rb.lua rb_cells; tracestore/replay/layout.py task_keys)
+-- KEYS[16..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = task
 -- ARGV[2] = n (int >= 1): most groups claimed
 -- ARGV[3] = producer owner tag
@@ -35,19 +34,21 @@
 -- include: stats
 -- include: sessions
 -- include: rb
-local qa, va, qe, ve = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local rb = {oreplay = KEYS[5], oto = KEYS[6], groups = KEYS[7], sidskey = KEYS[8], payloads = KEYS[9],
-  bkey = KEYS[10], to = ARGV[3], replay = ARGV[4]}
-local opkey = KEYS[11]
+local rb = {oreplay = KEYS[1], oto = KEYS[2], groups = KEYS[3], sidskey = KEYS[4], payloads = KEYS[5],
+  bkey = KEYS[6], to = ARGV[3], replay = ARGV[4]}
+local opkey = KEYS[7]
 local task, n = ARGV[1], tonumber(ARGV[2])
-local early = rb_open(rb, opkey, KEYS[12], 13, 6)
+local cells, k = rb_cells(9, task, {'aborted', 'expired'})
+if not cells then return k end
+local ca, ce = cells.aborted, cells.expired
+local early = rb_open(rb, opkey, KEYS[8], k, 6)
 if early then return early end
 local window = n
 if rb.spre == '' then window = 2 * n + 8 end
 
 -- merge the two FIFO queues by seq: O(log n + window)
-local a = redis.call('ZRANGE', qa, 0, window - 1, 'WITHSCORES')
-local e = redis.call('ZRANGE', qe, 0, window - 1, 'WITHSCORES')
+local a = redis.call('ZRANGE', ca.q, 0, window - 1, 'WITHSCORES')
+local e = redis.call('ZRANGE', ce.q, 0, window - 1, 'WITHSCORES')
 local cand, from = {}, {}
 local i, j = 1, 1
 while #cand < window and (i <= #a or j <= #e) do
@@ -70,7 +71,7 @@ if le.corrupt then return le.corrupt end
 
 -- commit; the reply lists the aborted groups, then the expired ones (the client orders them by seq)
 local out = {0, 'OK', npicked}
-rb_hand_over(rb, la, {q = qa, v = va, status = 'aborted', task = task}, out)
-rb_hand_over(rb, le, {q = qe, v = ve, status = 'expired', task = task}, out)
-if npicked > 0 then redis.call('HINCRBY', KEYS[13], 'groups_claimed', npicked) end
+rb_hand_over(rb, la, ca, 'aborted', task, out)
+rb_hand_over(rb, le, ce, 'expired', task, out)
+if npicked > 0 then redis.call('HINCRBY', KEYS[9], 'groups_claimed', npicked) end
 return op_record(opkey, tonumber(ARGV[5]), out)

@@ -8,21 +8,20 @@
 -- in its `reroll`. A released group's sessions are released (reason
 -- 'expired', one event each) and the group is deleted.
 -- Session keys: in-script or declared, as in lua/_lib/rb.lua.
--- KEYS: 13+
--- KEYS[1] = ts:{R}:rb:q:<task>:<status>    zset gid -> seq (status completed or aborted)
--- KEYS[2] = ts:{R}:rb:v:<task>:<status>    zset gid -> min_version + seq/2^32
--- KEYS[3] = ts:{R}:rb:q:<task>:expired     zset gid -> seq
--- KEYS[4] = ts:{R}:rb:v:<task>:expired     zset gid -> min_version + seq/2^32
--- KEYS[5] = ts:{R}:o:<replay>              set: sessions of the buffer
--- KEYS[6] = ts:{R}:released                zset tombstones
--- KEYS[7] = ts:{R}:events                  stream of release events
--- KEYS[8] = ts:{R}:rb:groups               hash gid -> record (json)
--- KEYS[9] = ts:{R}:rb:sids                 hash gid -> sids (json)
--- KEYS[10] = ts:{R}:rb:payloads            hash gid -> payload (json)
--- KEYS[11] = ts:{R}:rb:bytes               hash "<status> <task>" -> bytes
--- KEYS[12] = ts:{R}:op:<op_id>             cached reply (retry idempotency)
--- KEYS[13] = ts:{R}:stats                  hash of the run's counters
--- KEYS[14..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
+-- KEYS: 15+
+-- KEYS[1] = ts:{R}:o:<replay>              set: sessions of the buffer
+-- KEYS[2] = ts:{R}:released                zset tombstones
+-- KEYS[3] = ts:{R}:events                  stream of release events
+-- KEYS[4] = ts:{R}:rb:groups               hash gid -> record (json)
+-- KEYS[5] = ts:{R}:rb:sids                 hash gid -> sids (json)
+-- KEYS[6] = ts:{R}:rb:payloads             hash gid -> payload (json)
+-- KEYS[7] = ts:{R}:rb:bytes                hash "<status> <task>" -> bytes
+-- KEYS[8] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
+-- KEYS[9] = ts:{R}:stats                   hash of the run's counters
+-- CELLS: <status> expired
+-- KEYS[10..15] = the cells of the task: the status expired from (ARGV[8]) and expired,
+--     each the keys of its indexes (lua/_lib/rb.lua rb_cells; tracestore/replay/layout.py task_keys)
+-- KEYS[16..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = task
 -- ARGV[2] = cutoff: a group is stale when min_version < cutoff (int)
 -- ARGV[3] = retryable: "" (each group's own flag), "1" (keep all), "0" (release all)
@@ -30,8 +29,9 @@
 -- ARGV[5] = buffer owner tag ("replay")
 -- ARGV[6] = op reply TTL (ms)
 -- ARGV[7] = per-member expiry (0|1)
--- ARGV[8] = session key prefix "ts:{R}:s:" ("" = declared keys only)
--- ARGV[9] = s, then s sids (those of the declared session keys)
+-- ARGV[8] = status expired from: completed | aborted (the cell KEYS[10..12])
+-- ARGV[9] = session key prefix "ts:{R}:s:" ("" = declared keys only)
+-- ARGV[10] = s, then s sids (those of the declared session keys)
 -- returns: {0, 'NEED', sid...}   declared session keys missing; nothing written
 --          {0, 'OK', more (0|1), k, kept gid..., r, released gid..., s, released sid...}
 -- errors: INVALID_INPUT (field, message), CORRUPT (key, gid, detail): nothing written
@@ -40,15 +40,18 @@
 -- include: stats
 -- include: sessions
 -- include: rb
-local q, v = KEYS[1], KEYS[2]
-local rb = {qe = KEYS[3], ve = KEYS[4], oreplay = KEYS[5], released = KEYS[6], events = KEYS[7],
-  groups = KEYS[8], sidskey = KEYS[9], payloads = KEYS[10], bkey = KEYS[11], replay = ARGV[5], rel_s = {}, st = {}}
-local opkey = KEYS[12]
+local rb = {oreplay = KEYS[1], released = KEYS[2], events = KEYS[3], groups = KEYS[4],
+  sidskey = KEYS[5], payloads = KEYS[6], bkey = KEYS[7], replay = ARGV[5], rel_s = {}, st = {}}
+local opkey = KEYS[8]
 local cutoff, limit = ARGV[2], tonumber(ARGV[4])
-local early = rb_open(rb, opkey, nil, 13, 8)
+local cells, k = rb_cells(9, ARGV[1], {ARGV[8], 'expired'})
+if not cells then return k end
+local c = cells[ARGV[8]]
+rb.ecell = cells.expired
+local early = rb_open(rb, opkey, nil, k, 9)
 if early then return early end
 
-local stale = rb_stale(v, cutoff, limit)
+local stale = rb_stale(c.v, cutoff, limit)
 -- nothing stale: nothing to write, not even the op record (a retry finds the same or acts now)
 if #stale == 0 then return {0, 'OK', 0, 0, 0, 0} end
 local need = rb_need(rb, stale, #stale)
@@ -60,16 +63,16 @@ rb.now = now_ms()
 local opts = {keep = ARGV[3], per_member = ARGV[7], cutoff = tonumber(cutoff)}
 local kept, rel_g = {}, {}
 for _, g in ipairs(groups) do
-  if rb_expire_group(rb, g, q, v, opts) then
+  if rb_expire_group(rb, g, c, opts) then
     kept[#kept + 1] = g.gid
   else
     rel_g[#rel_g + 1] = g.gid
   end
 end
 sessions_release_flush(rb.rel)
-stats_flush(KEYS[13], rb.st)
+stats_flush(KEYS[9], rb.st)
 local more = 0
-if #stale == limit and rb_count_stale(v, cutoff) > 0 then more = 1 end
+if #stale == limit and rb_count_stale(c.v, cutoff) > 0 then more = 1 end
 local out = {0, 'OK', more, #kept}
 for _, g in ipairs(kept) do out[#out + 1] = g end
 out[#out + 1] = #rel_g

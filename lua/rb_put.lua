@@ -10,24 +10,23 @@
 -- stored yet. Idempotent under retry. Group layout: lua/_lib/rb.lua.
 -- Counted in ts:{R}:stats: groups_put for a stored group (and groups_expired
 -- when it is stored as `expired` at put), the released sessions.
--- KEYS: 16+
+-- KEYS: 18+
 -- KEYS[1] = ts:{R}:rb:groups             hash gid -> record (json)
 -- KEYS[2] = ts:{R}:rb:sids               hash gid -> sids (json)
 -- KEYS[3] = ts:{R}:rb:payloads           hash gid -> payload (json)
--- KEYS[4] = ts:{R}:rb:q:<task>:<status>  zset gid -> seq (FIFO)
--- KEYS[5] = ts:{R}:rb:v:<task>:<status>  zset gid -> min_version + seq/2^32
--- KEYS[6] = ts:{R}:rb:q:<task>:expired   zset gid -> seq (a group expired at put)
--- KEYS[7] = ts:{R}:rb:v:<task>:expired   zset gid -> min_version + seq/2^32
--- KEYS[8] = ts:{R}:rb:seq                counter of put groups
--- KEYS[9] = ts:{R}:rb:tasks              set of task names
--- KEYS[10] = ts:{R}:rb:bytes             hash "<status> <task>" -> bytes
--- KEYS[11] = ts:{R}:o:<owner>            set: sessions of the putter
--- KEYS[12] = ts:{R}:o:<replay>           set: sessions of the buffer
--- KEYS[13] = ts:{R}:released             zset tombstones
--- KEYS[14] = ts:{R}:events               stream of release events
--- KEYS[15] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
--- KEYS[16] = ts:{R}:stats                hash of the run's counters
--- KEYS[17..16+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
+-- KEYS[4] = ts:{R}:rb:seq                counter of put groups
+-- KEYS[5] = ts:{R}:rb:tasks              set of task names
+-- KEYS[6] = ts:{R}:rb:bytes              hash "<status> <task>" -> bytes
+-- KEYS[7] = ts:{R}:o:<owner>             set: sessions of the putter
+-- KEYS[8] = ts:{R}:o:<replay>            set: sessions of the buffer
+-- KEYS[9] = ts:{R}:released              zset tombstones
+-- KEYS[10] = ts:{R}:events               stream of release events
+-- KEYS[11] = ts:{R}:op:<op_id>           cached reply (retry idempotency)
+-- KEYS[12] = ts:{R}:stats                hash of the run's counters
+-- CELLS: <status> expired
+-- KEYS[13..18] = the group's cells: its status (ARGV[3]) and expired (a group expired at put),
+--     each the keys of its indexes (lua/_lib/rb.lua rb_cells; tracestore/replay/layout.py task_keys)
+-- KEYS[19..18+n] = ts:{R}:s:<sid_i>      session hashes, same order as the sids
 -- ARGV[1] = gid
 -- ARGV[2] = task
 -- ARGV[3] = status: completed | aborted | expired | failed | filtered
@@ -42,7 +41,8 @@
 -- ARGV[12] = member versions (json array of ints, one per sid: oldest token version of each)
 -- ARGV[13] = cutoff: the group is stale when min_version < cutoff ("" = no expiry at put)
 -- ARGV[14] = per-member expiry (0|1)
--- ARGV[15..14+n] = sid_i
+-- ARGV[15] = priority index score: -payload.priority ("" = the payload has no priority)
+-- ARGV[16..15+n] = sid_i
 -- returns: {0, stored (0|1), seq (0 when not stored), status stored ("" when not), released sid...}
 -- errors: GROUP_EXISTS (gid, status), NOT_OWNER (sid, owner, actual), SESSION_RELEASED (sid, detail),
 --         INVALID_INPUT (field, message)
@@ -52,12 +52,14 @@
 -- include: sessions
 -- include: rb
 local groups, sidskey, payloads = KEYS[1], KEYS[2], KEYS[3]
-local q, v, qe, ve = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local seqkey, tasks, bkey = KEYS[8], KEYS[9], KEYS[10]
-local oown, oreplay, released, events, opkey = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
-local statskey = KEYS[16]
-local K0, A0 = 16, 14
+local seqkey, tasks, bkey = KEYS[4], KEYS[5], KEYS[6]
+local oown, oreplay, released, events, opkey = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local statskey = KEYS[12]
+local A0 = 15
 local gid, task, status = ARGV[1], ARGV[2], ARGV[3]
+local cells, K0 = rb_cells(12, task, {status, 'expired'})
+if not cells then return K0 end
+local cell = cells[status]
 local minv, retryable = tonumber(ARGV[5]), ARGV[6]
 local owner, replay, ttl = ARGV[8], ARGV[9], tonumber(ARGV[10])
 local agentic, cutoff, per_member = ARGV[11], ARGV[13], ARGV[14]
@@ -107,7 +109,7 @@ if seq >= RB_TWO32 then
 end
 redis.call('SET', seqkey, seq)
 if stale then
-  status, q, v = 'expired', qe, ve
+  status, cell = 'expired', cells.expired
 end
 -- members kept (moved to the buffer) and released (per-member expiry at put)
 local mv = cjson.decode(ARGV[12])
@@ -140,8 +142,7 @@ local rec = rb_rec({task = task, status = status, min_version = minv, seq = seq,
 redis.call('HSET', groups, gid, rec)
 redis.call('HSET', sidskey, gid, sids_json)
 redis.call('HSET', payloads, gid, ARGV[7])
-redis.call('ZADD', q, seq, gid)
-redis.call('ZADD', v, minv + seq / RB_TWO32, gid)
+rb_index_put(cell, gid, seq, minv, ARGV[15])
 redis.call('SADD', tasks, task)
 redis.call('HINCRBY', bkey, status .. ' ' .. task, #rec + #sids_json + #ARGV[7])
 stats_add(st, 'groups_put', 1)

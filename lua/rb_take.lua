@@ -4,10 +4,13 @@
 -- (min_version < cutoff; retryable ones move to `expired` and keep their
 -- sessions, or only their fresh members with per-member expiry; the others
 -- are released, one event per session), then remove n_i groups of task i in
--- policy order (fifo: by seq; staleness: oldest min_version first, then seq)
--- and move their sessions from the buffer to the taker. All or nothing across
--- the tasks: unless every task has its n_i ready groups nothing changes, not
--- even the expiry. With at_most, each task gives up to n_i (never SHORT).
+-- policy order (ARGV[2], a picker RB_PICK[policy] of lua/_lib/rb.lua: fifo,
+-- staleness, priority; tracestore/replay/policies.py) and move their sessions
+-- from the buffer to the taker. All or nothing across
+-- the tasks: unless every task has its n_i ready groups no group is taken;
+-- the expiry is not part of that: stale groups are expired whether or not the
+-- take then finds enough (a stale group never stays counted as completed).
+-- With at_most, each task gives up to n_i (never SHORT).
 -- Session keys: in-script or declared (lua/_lib/rb.lua); with declared keys a
 -- call that lacks a session key returns NEED and writes nothing.
 -- KEYS: 11+
@@ -22,11 +25,12 @@
 -- KEYS[9] = ts:{R}:op:<op_id>              cached reply (retry idempotency)
 -- KEYS[10] = ts:{R}:owners:lost            zset owner -> lost ms
 -- KEYS[11] = ts:{R}:stats                  hash of the run's counters
--- KEYS[12+4(i-1)..15+4(i-1)] = for task i of T: ts:{R}:rb:q:<task>:completed,
---     ts:{R}:rb:v:<task>:completed, ts:{R}:rb:q:<task>:expired, ts:{R}:rb:v:<task>:expired
--- KEYS[12+4T..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
+-- CELLS: completed expired
+-- KEYS[12..] = for each task i of T (ARGV order): its cells completed and expired, each the
+--     keys of its indexes (lua/_lib/rb.lua rb_cells; tracestore/replay/layout.py task_keys)
+-- KEYS[after the cells..] = declared session keys ts:{R}:s:<sid>, in the order of their sids in ARGV
 -- ARGV[1] = cutoff: a group is stale when min_version < cutoff ("" = no bound)
--- ARGV[2] = policy: fifo | staleness
+-- ARGV[2] = policy: a name of RB_PICK (fifo | staleness | priority)
 -- ARGV[3] = taker owner tag
 -- ARGV[4] = buffer owner tag ("replay")
 -- ARGV[5] = op reply TTL (ms)
@@ -37,8 +41,9 @@
 -- ARGV[10+2T] = session key prefix "ts:{R}:s:" ("" = declared keys only)
 -- ARGV[11+2T] = s, then s sids (those of the declared session keys)
 -- returns: {0, 'NEED', sid...}                declared session keys missing; nothing written
---          {0, 'SHORT', T, ready_1..ready_T}   a task has fewer than n_i ready (ready_i: how
---                                              many task i has); nothing written
+--          {0, 'SHORT', k, kept gid..., r, released sid..., T, ready_1..ready_T}
+--              a task has fewer than n_i ready (ready_i: how many task i has): nothing taken,
+--              the stale groups expired (kept: moved to `expired`; released: their sessions)
 --          {0, 'EXPIRE_FIRST', stale}          too many stale groups for one call; nothing written
 --          {0, 'OK', k, kept gid..., r, released sid..., then per task: m, m x (gid, record,
 --              sids, payload)}
@@ -56,58 +61,94 @@ local opkey = KEYS[9]
 local cutoff, policy = ARGV[1], ARGV[2]
 local max_stale, at_most = tonumber(ARGV[6]), ARGV[7] == '1'
 local ntasks = tonumber(ARGV[9])
-local tasks = {}
+local pick = RB_PICK[policy]
+if not pick then return {1, 'INVALID_INPUT', 'policy', 'no take policy ' .. policy .. ' in lua/_lib/rb.lua'} end
+local tasks, k = {}, 11
 for i = 1, ntasks do
-  local k = 11 + 4 * (i - 1)
-  tasks[i] = {name = ARGV[8 + 2 * i], n = tonumber(ARGV[9 + 2 * i]),
-    qc = KEYS[k + 1], vc = KEYS[k + 2], qe = KEYS[k + 3], ve = KEYS[k + 4]}
+  local name = ARGV[8 + 2 * i]
+  local cells
+  cells, k = rb_cells(k, name, {'completed', 'expired'})
+  if not cells then return k end
+  tasks[i] = {name = name, n = tonumber(ARGV[9 + 2 * i]), c = cells.completed, e = cells.expired}
 end
-local early = rb_open(rb, opkey, KEYS[10], 11 + 4 * ntasks, 10 + 2 * ntasks)
+local early = rb_open(rb, opkey, KEYS[10], k, 10 + 2 * ntasks)
 if early then return early end
 -- with declared keys a NEED names a window of spare candidates beyond n, so
 -- a retry survives other takers removing the head; in-script keys need none
 local spare = rb.spre == ''
 
+-- Expire every task's loaded stale groups (t.stale_groups); append k, kept gid..., r,
+-- released sid... to out. The caller flushes the releases and the counters.
+local function expire_stale(out)
+  rb.now = now_ms()
+  local kept = {}
+  local opts = {keep = '', per_member = ARGV[8], cutoff = tonumber(cutoff)}
+  for _, t in ipairs(tasks) do
+    rb.ecell = t.e
+    for _, g in ipairs(t.stale_groups) do
+      if rb_expire_group(rb, g, t.c, opts) then kept[#kept + 1] = g.gid end
+    end
+  end
+  out[#out + 1] = #kept
+  for _, g in ipairs(kept) do out[#out + 1] = g end
+  out[#out + 1] = #rb.rel_s
+  for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
+end
+
 -- plan (reads only)
 local nstale = 0
-for _, t in ipairs(tasks) do nstale = nstale + rb_count_stale(t.vc, cutoff) end
+for _, t in ipairs(tasks) do nstale = nstale + rb_count_stale(t.c.v, cutoff) end
 if nstale > max_stale then return {0, 'EXPIRE_FIRST', nstale} end
 local short = false
 for _, t in ipairs(tasks) do
   local window = t.n
   if spare then window = 2 * t.n + 8 end
-  t.stale = rb_stale(t.vc, cutoff, 0)
-  if policy == 'staleness' then
-    if cutoff == '' then
-      t.cand = redis.call('ZRANGE', t.vc, 0, window - 1)
-    else
-      t.cand = redis.call('ZRANGEBYSCORE', t.vc, cutoff, '+inf', 'LIMIT', 0, window)
-    end
-  elseif #t.stale == 0 then
-    t.cand = redis.call('ZRANGE', t.qc, 0, window - 1)
-  else
-    local is_stale = {}
-    for _, g in ipairs(t.stale) do is_stale[g] = true end
-    t.cand = {}
-    for _, g in ipairs(redis.call('ZRANGE', t.qc, 0, window + #t.stale - 1)) do
-      if not is_stale[g] and #t.cand < window then t.cand[#t.cand + 1] = g end
-    end
-  end
+  t.stale = rb_stale(t.c.v, cutoff, 0)
+  local skip = {set = {}, n = #t.stale}
+  for _, g in ipairs(t.stale) do skip.set[g] = true end
+  t.cand = pick(t.c, window, cutoff, skip)
   t.pick = t.n
   if #t.cand < t.n then
     if at_most then t.pick = #t.cand else short = true end
   end
 end
 if short then
-  local out = {0, 'SHORT', ntasks}
+  -- take nothing, but expire what is stale all the same
+  local out, nstale = {0, 'SHORT'}, 0
+  for _, t in ipairs(tasks) do
+    nstale = nstale + #t.stale
+    t.cand = {}
+  end
+  if nstale > 0 then
+    if spare then
+      local picked = {}
+      for _, t in ipairs(tasks) do
+        for _, g in ipairs(t.stale) do picked[#picked + 1] = g end
+      end
+      local need = rb_need(rb, picked, #picked)
+      if need then return need end
+    end
+    for _, t in ipairs(tasks) do
+      local corrupt
+      t.stale_groups, corrupt = rb_load_groups(rb, t.stale)
+      if corrupt then return corrupt end
+    end
+    expire_stale(out)
+  else
+    out[3], out[4] = 0, 0  -- nothing expired: nothing written, no op record
+  end
+  out[#out + 1] = ntasks
   for _, t in ipairs(tasks) do
     if cutoff == '' then
-      out[#out + 1] = redis.call('ZCARD', t.vc)
+      out[#out + 1] = redis.call('ZCARD', t.c.v)
     else
-      out[#out + 1] = redis.call('ZCOUNT', t.vc, cutoff, '+inf')
+      out[#out + 1] = redis.call('ZCOUNT', t.c.v, cutoff, '+inf')
     end
   end
-  return out
+  if nstale == 0 then return out end
+  sessions_release_flush(rb.rel)
+  stats_flush(KEYS[11], rb.st)
+  return op_record(opkey, tonumber(ARGV[5]), out)
 end
 if spare then
   local picked, extra = {}, {}
@@ -136,22 +177,11 @@ for _, t in ipairs(tasks) do
 end
 
 -- commit
-rb.now = now_ms()
-local kept = {}
-local opts = {keep = '', per_member = ARGV[8], cutoff = tonumber(cutoff)}
-for _, t in ipairs(tasks) do
-  rb.qe, rb.ve = t.qe, t.ve
-  for _, g in ipairs(t.stale_groups) do
-    if rb_expire_group(rb, g, t.qc, t.vc, opts) then kept[#kept + 1] = g.gid end
-  end
-end
-local out = {0, 'OK', #kept}
-for _, g in ipairs(kept) do out[#out + 1] = g end
-out[#out + 1] = #rb.rel_s
-for _, s in ipairs(rb.rel_s) do out[#out + 1] = s end
+local out = {0, 'OK'}
+expire_stale(out)
 for _, t in ipairs(tasks) do
   out[#out + 1] = #t.loaded.gids
-  rb_hand_over(rb, t.loaded, {q = t.qc, v = t.vc, status = 'completed', task = t.name}, out)
+  rb_hand_over(rb, t.loaded, t.c, 'completed', t.name, out)
   stats_add(rb.st, 'groups_taken', #t.loaded.gids)
 end
 sessions_release_flush(rb.rel)

@@ -1,4 +1,5 @@
-"""Ray's multi-node test cluster for the trainer's tests and benchmarks (issue 16).
+"""Ray's multi-node test cluster for the trainer's tests and benchmarks (issue 16), and a head
+started with the ``ray start`` CLI (:class:`CliHead`, issue 29).
 
 :class:`Nodes` starts a head and three nodes on this machine, each with its
 own raylet and object store: two rollout nodes (custom resource
@@ -10,8 +11,15 @@ then leaves a request in flight deterministically.
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil  # a dependency of ray
@@ -124,3 +132,81 @@ def freeze_in_flight(
                     p.send_signal(signal.SIGCONT)
             time.sleep(0.01)
     raise AssertionError(f"{worker} never held a lease on a session of its own tag")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class CliHead:
+    """A Ray head started as a user starts one: ``ray start --head --block`` in a process of its own.
+
+    On free ports (GCS, dashboard agent, metrics) with its own
+    temp dir, in the environment ``env`` (``HOME`` decides which
+    ``~/.ray/auth_token`` it finds: with one, Ray 2.60 turns on token
+    authentication). :meth:`stop` ends it by its own means, never with
+    ``ray stop`` (which would stop every Ray of the machine's users): SIGTERM
+    to the ``ray start`` process, which stops the processes it started; then
+    SIGKILL to any process left in its session or naming its temp dir.
+    """
+
+    def __init__(self, env: dict[str, str], num_cpus: int = 2, timeout_s: float = 120.0) -> None:
+        self.port = free_port()
+        # short: Ray's unix sockets live under it (a socket path has at most 107 bytes)
+        self.temp_dir = tempfile.mkdtemp(prefix="tsray-", dir="/tmp")
+        self.log = Path(self.temp_dir) / "head.log"
+        args = [
+            shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray",  # the venv's CLI
+            "start", "--head", "--block", "--port", str(self.port), "--temp-dir", self.temp_dir,
+            "--num-cpus", str(num_cpus), "--include-dashboard", "false", "--disable-usage-stats",
+            "--object-store-memory", str(100 * 1024**2),
+            "--dashboard-agent-listen-port", str(free_port()),
+            "--metrics-export-port", str(free_port()),
+        ]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while b"Ray runtime started" not in self.log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                text = self.log.read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"ray start --head did not start (exit {self.proc.returncode}): {text}")
+            time.sleep(0.2)
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` of the head's GCS, as a user passes it to ``--ray-address``."""
+        return f"127.0.0.1:{self.port}"
+
+    def _leftovers(self) -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                mine = os.getsid(p.pid) == self.proc.pid or self.temp_dir in " ".join(p.info["cmdline"] or ())
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+            if mine and p.pid != os.getpid():
+                out.append(p)
+        return out
+
+    def stop(self) -> None:
+        """Stop the head and everything it started; remove its temp dir."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        left = self._leftovers()
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=30)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -35,7 +35,7 @@ CONNECTION = ("ping", "info", "client|setname", "client|setinfo", "cluster|slots
 LUA = (
     "del", "exists", "get", "hdel", "hexists", "hget", "hgetall", "hincrby", "hkeys", "hlen",
     "hmget", "hscan", "hset", "hsetnx", "hvals", "incr", "llen", "pexpire", "pttl", "rpush", "sadd", "scard",
-    "set", "smismember", "srem", "time", "xadd", "zadd", "zcard", "zcount", "zincrby", "zrange",
+    "set", "smismember", "srem", "time", "xadd", "zadd", "zcard", "zcount", "zincrby", "zmscore", "zrange",
     "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
 )
 #: Commands called by the ``no-writes`` scripts (observer).

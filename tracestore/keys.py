@@ -255,6 +255,14 @@ class Keys:
         """``ts:{R}:rb:v:<task>:<status>`` zset gid -> min_version (staleness order)."""
         return f"{self._c}:rb:v:{validate_id('task', task)}:{validate_id('status', status)}"
 
+    def rb_priorities(self, task: str, status: str) -> str:
+        """``ts:{R}:rb:p:<task>:<status>`` zset ``<seq, 10 digits>:<gid>`` -> -priority (priority order).
+
+        Only groups whose payload has a ``priority`` are members; ascending
+        order is highest priority first, then put order (the member's seq).
+        """
+        return f"{self._c}:rb:p:{validate_id('task', task)}:{validate_id('status', status)}"
+
     @property
     def rb_seq(self) -> str:
         """``ts:{R}:rb:seq`` counter giving each put group its FIFO sequence number."""

@@ -4,7 +4,9 @@ Kept in one place so that the roles never know where they run:
 
 * :func:`start_ray`: a private local Ray (the default), or an existing
   cluster joined by address (``--ray-address``, ``$RAY_ADDRESS``), with no
-  resource arguments (the cluster's nodes declare their own);
+  resource arguments (the cluster's nodes declare their own), with Ray's
+  token authentication when a token is found, as Ray's own ``auto`` does
+  (:func:`enable_token_auth`);
 * :func:`plan`: the run's :class:`Plan`, which node each rollout worker is
   pinned to (``spread``: round-robin over the nodes that offer the workers'
   resources) or that Ray places them (``pack``), and the options that place
@@ -48,8 +50,11 @@ def start_ray(address: str | None = None) -> bool:
     always starts a new instance: a stale cluster record on the machine never
     makes the run join it). Any other address joins that cluster
     (``auto``, ``HOST:PORT`` of its GCS, ``ray://HOST:PORT`` for Ray Client)
-    without resource arguments. Raises ConfigError when the cluster cannot be
-    joined (the reason in one line).
+    without resource arguments. A HOST:PORT address joins with token
+    authentication when a token is found (:func:`enable_token_auth`), as
+    ``auto`` does. Raises ConfigError when the cluster cannot be joined (the
+    reason in one line, and for a refused connection what to set when the
+    cluster wants a token).
     """
     if ray.is_initialized():
         return False
@@ -58,12 +63,103 @@ def start_ray(address: str | None = None) -> bool:
         ray.init(address="local", num_cpus=2, include_dashboard=False, **quiet)
         return True
     _check_address(address)
+    token = enable_token_auth() if address != "auto" and not address.startswith("ray://") else None
     try:
         ray.init(address=address, **quiet)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
+    except _JOIN_ERRORS as exc:
         reason = " ".join(str(exc).split())
-        raise ConfigError(f"cannot join the Ray cluster at {address!r}: {reason}") from None
+        hint = _token_hint(token) if isinstance(exc, _REFUSED) else ""
+        raise ConfigError(f"cannot join the Ray cluster at {address!r}: {reason}{hint}") from None
     return True
+
+
+#: A join refused (Ray's error for a missing or refused token exists since Ray 2.52), and
+#: every error of ``ray.init`` that ends the run with one line.
+_REFUSED: tuple[type[BaseException], ...] = (ConnectionError,) + tuple(
+    e for e in (getattr(ray.exceptions, "AuthenticationError", None),) if isinstance(e, type)
+)
+_JOIN_ERRORS: tuple[type[BaseException], ...] = (*_REFUSED, RuntimeError, ValueError)
+
+
+#: Where Ray looks for its authentication token, in its order (Ray 2.52+, docs.ray.io
+#: "Ray token authentication"): the variable's value, the file it names, the default file.
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def _default_token_path() -> str:
+    return os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+
+
+def find_token() -> str | None:
+    """Where this process's Ray authentication token is, as Ray looks for it; None when none is.
+
+    ``$RAY_AUTH_TOKEN`` (its value), else the file ``$RAY_AUTH_TOKEN_PATH``
+    names, else ``~/.ray/auth_token`` (what ``ray start --head`` and
+    ``ray get-auth-token --generate`` write). Reads no token's value.
+    """
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return f"${TOKEN_ENV}"
+    named = os.environ.get(TOKEN_PATH_ENV)
+    for path in ([named] if named else [_default_token_path()]):
+        try:
+            if os.path.getsize(path) > 0:
+                return path
+        except OSError:
+            pass
+    return None
+
+
+def enable_token_auth() -> str | None:
+    """Turn on Ray's token authentication for a join by address when a token is found.
+
+    Ray 2.60 does it by itself only for ``auto``: a driver given an explicit
+    address connects with authentication ``disabled`` unless
+    ``RAY_AUTH_MODE=token`` is set, and a cluster started by ``ray start
+    --head`` where a token exists wants one, so the join fails with a bare
+    "Failed to connect". Here, as ``auto`` does: an explicit
+    ``RAY_AUTH_MODE`` is respected; else, with a token (:func:`find_token`)
+    the mode becomes ``token`` for this process and the processes it starts
+    (a cluster without authentication accepts such a driver too). Returns
+    where the token is (None: the join goes without one).
+    """
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode is not None:
+        return find_token() if mode.lower() == "token" else None
+    where = find_token()
+    if where is None:
+        return None
+    try:  # Ray's own step for `auto` (it also refreshes the config Ray has read already)
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # another Ray: its documented switch
+        os.environ[AUTH_MODE_ENV] = "token"
+        return where
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its notice that token auth is on is not the run's news
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        log.setLevel(level)
+    return where
+
+
+def _token_hint(token: str | None) -> str:
+    """What to set when a join by address was refused, with or without a token."""
+    if token is None:
+        return (
+            f" (a cluster with token authentication, as `ray start --head` starts one where a token "
+            f"exists, needs its token here: copy the head's ~/.ray/auth_token to "
+            f"{_default_token_path()}, or set {TOKEN_ENV} to the output of `ray get-auth-token` "
+            "on the head)"
+        )
+    return (
+        f" (the join used token authentication with the token of {token}; if it is not the "
+        f"cluster's, set {TOKEN_ENV} to the output of `ray get-auth-token` on the head)"
+    )
 
 
 def _check_address(address: str, timeout_s: float = 5.0) -> None:

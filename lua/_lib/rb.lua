@@ -12,6 +12,19 @@
 -- A take hands the three strings out undecoded (Lua pays for every value it
 -- creates; it decodes only the sids, to move their sessions).
 --
+-- Every stored group is also a member of the indexes of its *cell* (its task
+-- and status), one zset each (RB_INDEXES, the order KEYS carries them, as
+-- INDEXES in tracestore/replay/layout.py):
+--   q  ts:{R}:rb:q:<task>:<status>  gid -> seq (put order)
+--   v  ts:{R}:rb:v:<task>:<status>  gid -> min_version + seq/2^32 (staleness order, expiry range)
+--   p  ts:{R}:rb:p:<task>:<status>  '<seq, 10 digits>:<gid>' -> -priority, for the groups
+--      whose payload has a priority (ascending: highest first, then put order)
+-- A script reads the cells of a task with rb_cells (after its fixed keys,
+-- before the declared session keys; its header lists them on a '-- CELLS:'
+-- line) and keeps every index of a cell with rb_index_put, rb_index_move and
+-- rb_index_drop, so that no script knows an index by position. The take
+-- policies are the pickers RB_PICK[name] below (tracestore/replay/policies.py).
+--
 -- The session hashes ts:{R}:s:<sid> of the groups a take, claim or expire
 -- picks are chosen inside the script. Two ways to reach them, chosen by the
 -- caller:
@@ -40,7 +53,7 @@
 --   smap, spre  sid -> declared session key (rb_open); the key prefix ('' = declared only)
 --   oreplay     KEYS: ts:{R}:o:<replay>     replay   ARGV: the buffer's owner tag
 --   to, oto     the taker's owner tag and its owner set (rb_hand_over)
---   qe, ve, released, events, now, rel_s   (rb_expire_group)
+--   ecell, released, events, now, rel_s   (rb_expire_group: ecell = the task's expired cell)
 --   st          the script's counters (lua/_lib/stats.lua): the script flushes
 --               them into ts:{R}:stats at its end, after sessions_release_flush
 --               (rb_expire_group counts groups_expired and, through
@@ -57,6 +70,9 @@ local RB_TWO32 = 4294967296
 local RB_CHUNK = 4000
 -- Reply fields per group of a take or claim: gid, rec, sids, payload.
 local RB_FIELDS = 4
+
+-- The indexes of a cell, in KEYS order (tracestore/replay/layout.py INDEXES).
+local RB_INDEXES = {'q', 'v', 'p'}
 
 -- A Lua list as a JSON array (cjson encodes an empty table as an object).
 local function rb_json_list(t)
@@ -103,6 +119,64 @@ local function rb_open(rb, opkey, lost_key, k0, a)
   return nil
 end
 
+-- The cells of task `task` in KEYS[k0+1..]: for each status of `statuses`,
+-- one key per index of RB_INDEXES (tracestore/replay/layout.py task_keys).
+-- Returns the cells by status (cell.q, cell.v, cell.p) and the position of
+-- the last key read; or nil and an INVALID_INPUT reply when a key is not the
+-- index of that task and status its position says (the client's layout and
+-- the script's disagree: nothing is written).
+local function rb_cells(k0, task, statuses)
+  local cells, k = {}, k0
+  for _, status in ipairs(statuses) do
+    local cell, want = {}, ':' .. task .. ':' .. status
+    for _, index in ipairs(RB_INDEXES) do
+      k = k + 1
+      local key = KEYS[k] or ''
+      local tag_end = string.find(key, '}', 1, true) or 0
+      local mark = ':rb:' .. index .. want
+      if string.sub(key, tag_end + 1, tag_end + #mark) ~= mark or tag_end + #mark ~= #key then
+        return nil, {1, 'INVALID_INPUT', 'keys', 'KEYS[' .. k .. '] is not the ' .. index ..
+          ' index of cell ' .. task .. ' ' .. status .. ': the replay KEYS layout of the client and the script disagree'}
+      end
+      cell[index] = key
+    end
+    cells[status] = cell
+  end
+  return cells, k
+end
+
+-- The member of group gid (put sequence number seq) in a priority index.
+local function rb_pmember(seq, gid)
+  return string.format('%010d', seq) .. ':' .. gid
+end
+
+local function rb_pgid(member)
+  return string.sub(member, 12)
+end
+
+-- Add group gid to the indexes of cell c: seq, min_version minv, priority
+-- score pscore ('' when its payload has no priority).
+local function rb_index_put(c, gid, seq, minv, pscore)
+  redis.call('ZADD', c.q, seq, gid)
+  redis.call('ZADD', c.v, minv + seq / RB_TWO32, gid)
+  if pscore ~= '' then redis.call('ZADD', c.p, pscore, rb_pmember(seq, gid)) end
+end
+
+-- Move group gid (put sequence number seq) from cell a to cell b, keeping its scores.
+local function rb_index_move(a, b, gid, seq)
+  local vs = redis.call('ZSCORE', a.v, gid)
+  local pm = rb_pmember(seq, gid)
+  local ps = redis.call('ZSCORE', a.p, pm)
+  redis.call('ZREM', a.q, gid)
+  redis.call('ZREM', a.v, gid)
+  redis.call('ZADD', b.q, seq, gid)
+  redis.call('ZADD', b.v, vs, gid)
+  if ps then
+    redis.call('ZREM', a.p, pm)
+    redis.call('ZADD', b.p, ps, pm)
+  end
+end
+
 local function rb_skey(rb, sid)
   local k = rb.smap[sid]
   if k == nil and rb.spre ~= '' then k = rb.spre .. sid end
@@ -123,6 +197,73 @@ local function rb_call_chunked(cmd, key, items)
       for _, x in ipairs(part) do out[#out + 1] = x end
     end
   end
+  return out
+end
+
+-- Remove groups `gids` from the indexes of cell c (a cell without prioritised
+-- groups costs one EXISTS more than q and v; else their seqs come from q).
+local function rb_index_drop(c, gids)
+  if #gids == 0 then return end
+  if redis.call('EXISTS', c.p) == 1 then
+    local members = {}
+    for b = 1, #gids, RB_CHUNK do
+      local e = math.min(b + RB_CHUNK - 1, #gids)
+      local seqs = redis.call('ZMSCORE', c.q, unpack(gids, b, e))
+      for i = b, e do
+        local seq = seqs[i - b + 1]
+        if seq then members[#members + 1] = rb_pmember(tonumber(seq), gids[i]) end
+      end
+    end
+    rb_call_chunked('ZREM', c.p, members)
+  end
+  rb_call_chunked('ZREM', c.q, gids)
+  rb_call_chunked('ZREM', c.v, gids)
+end
+
+-- Take policies (tracestore/replay/policies.py POLICIES): RB_PICK[name](c,
+-- want, cutoff, skip) returns up to `want` gids of cell c (a task's completed
+-- cell), best first, none stale (min_version < cutoff; cutoff '' = no bound)
+-- and none in skip (skip.set: gid -> true, skip.n: how many; the stale
+-- groups, which the take expires first; a picker may add to it). Reads only.
+local RB_PICK = {}
+
+-- The first `want` members of zset `key` whose gid (conv(member), or the
+-- member) is not in skip, in order: at most want + skip.n read. Also returns
+-- whether that read the zset to its end, and the members read.
+local function rb_head(key, want, skip, conv)
+  local got, out = redis.call('ZRANGE', key, 0, want + skip.n - 1), {}
+  for _, m in ipairs(got) do
+    local gid = m
+    if conv then gid = conv(m) end
+    if #out < want and not skip.set[gid] then out[#out + 1] = gid end
+  end
+  return out, #got < want + skip.n, got
+end
+
+-- fifo: put order.
+function RB_PICK.fifo(c, want, _cutoff, skip)
+  return (rb_head(c.q, want, skip))
+end
+
+-- staleness: oldest min_version first, then put order (the version index from the cutoff on).
+function RB_PICK.staleness(c, want, cutoff, _skip)
+  if cutoff == '' then return redis.call('ZRANGE', c.v, 0, want - 1) end
+  return redis.call('ZRANGEBYSCORE', c.v, cutoff, '+inf', 'LIMIT', 0, want)
+end
+
+-- priority: payload.priority highest first, then put order; the groups without a
+-- priority follow every group with one, in put order.
+function RB_PICK.priority(c, want, _cutoff, skip)
+  local out, all, read = rb_head(c.p, want, skip, rb_pgid)
+  if #out == want or not all then return out end
+  for _, m in ipairs(read) do  -- every prioritised group was read: skip them in the queue
+    local gid = rb_pgid(m)
+    if not skip.set[gid] then
+      skip.set[gid] = true
+      skip.n = skip.n + 1
+    end
+  end
+  for _, gid in ipairs((rb_head(c.q, want - #out, skip))) do out[#out + 1] = gid end
   return out
 end
 
@@ -302,12 +443,11 @@ local function rb_stale_members(mv, cutoff)
   return stale
 end
 
--- Expire one group loaded `full` out of its queue q / version index v
--- (status completed or aborted).
+-- Expire one group loaded by rb_load_groups out of cell c (status completed or aborted).
 --   opts.keep: '' = the group's retryable flag, '1' keep, '0' release
 --   opts.per_member: '1' = re-roll only stale members (skipped for agentic groups)
 --   opts.cutoff: the staleness cutoff (number)
--- Kept: the group moves to `expired` (rb.qe / rb.ve) with its order, its
+-- Kept: the group moves to `expired` (cell rb.ecell) with its order, its
 -- sessions stay with the buffer; with per-member expiry its stale members'
 -- sessions are released (one event each, reason 'expired'), the fresh ones
 -- keep their order, and the group lists the released sids in `reroll`.
@@ -315,10 +455,7 @@ end
 -- Appends the released sids to rb.rel_s; counts groups_expired in rb.st. The
 -- releases are queued in rb.rel: the script runs sessions_release_flush(rb.rel)
 -- and stats_flush once, before it returns. Returns true if kept.
-local function rb_expire_group(rb, g, q, v, opts)
-  local vs = redis.call('ZSCORE', v, g.gid)
-  redis.call('ZREM', q, g.gid)
-  redis.call('ZREM', v, g.gid)
+local function rb_expire_group(rb, g, c, opts)
   rb_bytes_add(rb.bkey, g.status, g.task, -g.bytes)
   local keep
   if opts.keep == '' then keep = (g.retryable == '1') else keep = (opts.keep == '1') end
@@ -326,6 +463,7 @@ local function rb_expire_group(rb, g, q, v, opts)
     events = rb.events, reason = 'expired', now = rb.now, st = rb.st}
   stats_add(rb.st, 'groups_expired', 1)
   if not keep then
+    rb_index_drop(c, {g.gid})
     sessions_release(rb.rel, g.skey, g.sids, rb.rel_s)
     redis.call('HDEL', rb.groups, g.gid)
     redis.call('HDEL', rb.sidskey, g.gid)
@@ -353,19 +491,17 @@ local function rb_expire_group(rb, g, q, v, opts)
   local rec, sids_json = rb_rec(g), rb_json_list(sids)
   redis.call('HSET', rb.groups, g.gid, rec)
   redis.call('HSET', rb.sidskey, g.gid, sids_json)
-  redis.call('ZADD', rb.qe, g.seq, g.gid)
-  redis.call('ZADD', rb.ve, vs, g.gid)
+  rb_index_move(c, rb.ecell, g.gid, g.seq)
   rb_bytes_add(rb.bkey, 'expired', g.task, #rec + #sids_json + #g.payload)
   return true
 end
 
 -- Hand groups loaded by rb_load to rb.to: their sessions move from the buffer
--- to the taker, the groups leave their queue cell.q / version index cell.v
--- (status cell.status of task cell.task) and the three hashes; appends RB_FIELDS reply fields
--- per group (gid, rec, sids, payload) to `out`, in the order loaded.
+-- to the taker, the groups leave the indexes of their cell c (status
+-- `status` of task `task`) and the three hashes; appends RB_FIELDS reply
+-- fields per group (gid, rec, sids, payload) to `out`, in the order loaded.
 -- One command per key (and chunk), plus one HSET per session.
-local function rb_hand_over(rb, L, cell, out)
-  local q, v, status, task = cell.q, cell.v, cell.status, cell.task
+local function rb_hand_over(rb, L, c, status, task, out)
   if #L.gids == 0 then return end
   local moved = {}
   for i, skey in ipairs(L.skeys) do
@@ -378,8 +514,7 @@ local function rb_hand_over(rb, L, cell, out)
     rb_call_chunked('SREM', rb.oreplay, moved)
     rb_call_chunked('SADD', rb.oto, moved)
   end
-  rb_call_chunked('ZREM', q, L.gids)
-  rb_call_chunked('ZREM', v, L.gids)
+  rb_index_drop(c, L.gids)
   rb_call_chunked('HDEL', rb.groups, L.gids)
   rb_call_chunked('HDEL', rb.sidskey, L.gids)
   rb_call_chunked('HDEL', rb.payloads, L.gids)

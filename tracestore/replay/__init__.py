@@ -15,6 +15,10 @@ live on the run's control-plane slot:
 * ``ts:{R}:rb:v:<task>:<status>`` zset gid -> ``min_version + seq / 2**32``:
   one index gives both the staleness order (oldest version, then FIFO) and
   the expiry range (``ZRANGEBYSCORE -inf (cutoff``, O(log n + k));
+* ``ts:{R}:rb:p:<task>:<status>`` zset ``<seq, 10 digits>:<gid>`` ->
+  ``-payload["priority"]`` for the groups that have one (priority order);
+  the three indexes of a (task, status) *cell* and the KEYS layout every
+  script receives them in: :mod:`~tracestore.replay.layout`;
 * ``ts:{R}:rb:bytes`` (bytes of records per task and status),
   ``ts:{R}:rb:seq``, ``ts:{R}:rb:tasks``.
 
@@ -41,8 +45,12 @@ Valkey permit), or, with ``StoreConfig.replay_declared_keys``, every key
 travels in KEYS and a first call answers ``NEED`` with the sids (two round
 trips).
 
+Take order: a policy by name (:mod:`~tracestore.replay.policies`: ``fifo``,
+``staleness``, ``priority``), each one Lua picker and one registry entry.
+
 The package is split by job: :mod:`~tracestore.replay.types` (limits and
-value types), :mod:`~tracestore.replay.put`, :mod:`~tracestore.replay.take`
+value types), :mod:`~tracestore.replay.layout` (cells and their KEYS),
+:mod:`~tracestore.replay.policies`, :mod:`~tracestore.replay.put`, :mod:`~tracestore.replay.take`
 (take, take_many, claim_retry), :mod:`~tracestore.replay.expire`,
 :mod:`~tracestore.replay.reads` (ready, count, stats, groups) and
 :mod:`~tracestore.replay._common` (argument checks before any I/O, decoding
@@ -55,6 +63,8 @@ from ..context import Context
 from ..twin import AsyncPart, SyncPart, op
 from ._common import read_groups
 from .expire import expire
+from .layout import PRIORITY_FIELD
+from .policies import POLICIES, TakePolicy
 from .put import put, put_many, put_request, put_result
 from .reads import count, groups, ready, ready_many, stats
 from .take import claim_retry, take, take_many
@@ -88,6 +98,8 @@ __all__ = [
     "MAX_STALE_IN_TAKE",
     "MAX_TAKE",
     "MAX_VERSION",
+    "POLICIES",
+    "PRIORITY_FIELD",
     "PutResult",
     "REPLAY_OWNER",
     "Replay",
@@ -96,6 +108,7 @@ __all__ = [
     "STORED_STATUSES",
     "StatusStats",
     "Taken",
+    "TakePolicy",
     "TakenMany",
     "claim_retry",
     "count",

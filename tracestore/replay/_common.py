@@ -14,6 +14,7 @@ from ..errors import CorruptData, InvalidInput, ScriptError
 from ..replies import Reply, text
 from ..scripts import Batch, Cmd, Eval, Op, script
 from ..validate import int_in, one_of, validate_id, validate_ids
+from .layout import priority_of
 from .types import (
     _GROUP_FIELDS,
     MAX_ROUNDS,
@@ -79,6 +80,8 @@ class _Checked:
     sids: list[str]
     payload: bytes
     min_version: int | None
+    #: ``payload["priority"]`` (the ``priority`` take policy), None when the payload has none.
+    priority: float | None = None
 
 
 def _check_group(ctx: Context, group: object, owner: str) -> _Checked:
@@ -99,9 +102,10 @@ def _check_group(ctx: Context, group: object, owner: str) -> _Checked:
     )
     _flag("retryable", group.retryable)
     _flag("agentic", group.agentic)
+    priority = priority_of(group.payload)  # first: an int too large for JSON is a bad priority
     payload = _payload(ctx, group.payload)
     validate_id("owner tag", owner)
-    return _Checked(gid, task, status, sids, payload, minv)
+    return _Checked(gid, task, status, sids, payload, minv, priority)
 
 
 # -- decoding ---------------------------------------------------------------------------------------

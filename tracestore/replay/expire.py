@@ -11,6 +11,7 @@ from ..purge import purge_sessions
 from ..replies import Reply
 from ..scripts import Batch, Op
 from ._common import _cutoff, _flag, _keyed_eval, _status, _with_keys
+from .layout import task_keys
 from .reads import _tasks
 from .types import EXPIRABLE_STATUSES, EXPIRE_BATCH, REPLAY_OWNER, ExpireReport
 
@@ -45,10 +46,6 @@ def _expire_cells(
             tag = hashlib.blake2b(f"{task} {status}".encode(), digest_size=8).hexdigest()
             part = op.sub(tag, rounds)
             fixed = (
-                k.rb_queue(task, status),
-                k.rb_versions(task, status),
-                k.rb_queue(task, "expired"),
-                k.rb_versions(task, "expired"),
                 k.owner(REPLAY_OWNER),
                 k.released,
                 k.events,
@@ -58,8 +55,9 @@ def _expire_cells(
                 k.rb_bytes,
                 part.key,
                 k.stats,
+                *task_keys(k, task, (status, "expired")),
             )
-            args = (task, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms, int(per_member))
+            args = (task, cutoff, keep, EXPIRE_BATCH, REPLAY_OWNER, ctx.op_ttl_ms, int(per_member), status)
             calls.append((fixed, args, part.id))
         if ctx.config.replay_declared_keys:
             replies = []

@@ -15,6 +15,7 @@ from ..replies import Reply
 from ..scripts import Batch, Cmd, Eval, Op, gather, script
 from ..validate import int_in
 from ._common import _check_group, _Checked, _cutoff, _flag
+from .layout import priority_score, task_keys
 from .types import MAX_VERSION, REPLAY_OWNER, Group, PutResult
 
 # -- put ---------------------------------------------------------------------------------------------
@@ -132,10 +133,6 @@ def _put_eval(
         k.rb_groups,
         k.rb_sids,
         k.rb_payloads,
-        k.rb_queue(c.task, c.status),
-        k.rb_versions(c.task, c.status),
-        k.rb_queue(c.task, "expired"),
-        k.rb_versions(c.task, "expired"),
         k.rb_seq,
         k.rb_tasks,
         k.rb_bytes,
@@ -145,6 +142,7 @@ def _put_eval(
         k.events,
         op.key if op_key is None else op_key,
         k.stats,
+        *task_keys(k, c.task, (c.status, "expired")),
         *(k.session(s) for s in c.sids),
     )
     args = (
@@ -162,6 +160,7 @@ def _put_eval(
         orjson.dumps(list(mv)),
         cutoff,
         int(_flag("per_member", per_member)),
+        priority_score(c.priority),
         *c.sids,
     )
     return Eval(script("rb_put"), keys, args, op_id=op.id)
@@ -205,8 +204,13 @@ def put(
     ``per_member`` (not for ``agentic`` groups) only its stale members are
     released and listed in ``reroll``.
 
+    A payload with a ``priority`` (a finite number: the ``priority`` take
+    policy, highest first) also puts the group in its cell's priority index.
+
     Raises, with nothing written: InvalidId/InvalidInput (before I/O:
-    unknown status, payload not a dict or over the size limit, duplicate or
+    unknown status, payload not a dict or over the size limit,
+    ``payload["priority"]`` not a finite number (field
+    ``payload.priority``), duplicate or
     no sids, min_version out of 0..2**21-1; after reading the traces: a
     min_version newer than they are), GroupExists (gid already stored),
     NotOwner (a session is not live or not owned by ``owner``),

@@ -10,10 +10,17 @@ from ..errors import InvalidInput, ScriptError
 from ..purge import purge_sessions
 from ..replies import Reply
 from ..scripts import Op
-from ..validate import one_of, validate_id
+from ..validate import validate_id
 from ._common import _cutoff, _decode_groups, _flag, _n, _with_keys
 from .expire import _expire_cells
+from .layout import task_keys
+from .policies import policy as take_policy
 from .types import MAX_ROUNDS, MAX_STALE_IN_TAKE, MAX_TAKE, REPLAY_OWNER, Group, Taken, TakenMany
+
+#: The cells of each task that ``rb_take`` reads (its header's ``-- CELLS:`` line).
+_TAKE_CELLS = ("completed", "expired")
+#: The cells of the task that ``rb_claim`` reads (its header's ``-- CELLS:`` line).
+_CLAIM_CELLS = ("aborted", "expired")
 
 # -- take -------------------------------------------------------------------------------------------
 
@@ -34,17 +41,23 @@ def take_many(
     """Take ``wants[task]`` completed groups of each task for ``owner``, in one atomic script.
 
     All or nothing across the tasks: unless every task has its ``n`` ready
-    groups, nothing is taken or changed (the result is empty and ``ready``
-    says how many each task had). ``at_most``: take up to ``n`` of each
-    instead (never short). With ``max_staleness``, each task's stale groups
+    groups, no group is taken (the result is empty and ``ready`` says how
+    many each task had). ``at_most``: take up to ``n`` of each instead
+    (never short). With ``max_staleness``, each task's stale groups
     (``current_version - min_version > max_staleness``) are expired first,
-    in the same script: retryable ones move to ``expired`` and keep their
-    sessions (with ``per_member``, only their fresh members; agentic groups
-    whole), the others are released (one event per session, data purged);
-    the one exception to atomicity is a backlog of more than 2,048 stale
-    groups, expired by separate calls first. Groups leave in ``policy``
-    order (``fifo``: put order; ``staleness``: oldest ``min_version`` first,
-    then put order) and their sessions move to ``owner``. A task with n=0,
+    in the same script, whether or not the take then finds enough ready
+    groups (a short take expires them too, so a stale group never stays
+    counted as completed): retryable ones move to ``expired`` and keep
+    their sessions (with ``per_member``, only their fresh members; agentic
+    groups whole), the others are released (one event per session, data
+    purged); ``expired`` and ``released`` of the result list them. The one
+    exception to atomicity is a backlog of more than 2,048 stale groups,
+    expired by separate calls first. Groups leave in ``policy``
+    order (:data:`~tracestore.replay.policies.POLICIES`: ``fifo``, put
+    order; ``staleness``, oldest ``min_version`` first, then put order;
+    ``priority``, ``payload["priority"]`` highest first, then put order,
+    the groups without one after those with one) and their sessions move
+    to ``owner``. A task with n=0,
     or an empty ``wants``, takes nothing (no I/O when nothing is asked).
 
     Raises InvalidId/InvalidInput before I/O (n outside 0..2000 or more
@@ -63,7 +76,7 @@ def take_many(
             "n", f"{sum(asked.values())} groups in one take; at most {MAX_TAKE} per call"
         )
     validate_id("owner tag", owner)
-    one_of("policy", policy, ("fifo", "staleness"))
+    take_policy(policy)
     cutoff = _cutoff(current_version, max_staleness)
     _flag("at_most", at_most)
     _flag("per_member", per_member)
@@ -86,12 +99,7 @@ def take_many(
         k.stats,
     )
     for t in tasks:
-        fixed += (
-            k.rb_queue(t, "completed"),
-            k.rb_versions(t, "completed"),
-            k.rb_queue(t, "expired"),
-            k.rb_versions(t, "expired"),
-        )
+        fixed += task_keys(k, t, _TAKE_CELLS)
     args: tuple[Any, ...] = (
         cutoff,
         policy,
@@ -117,10 +125,14 @@ def take_many(
             expired += rep.kept
             released += rep.released_sids
             continue
-        if tag == "SHORT":
+        if tag == "SHORT":  # nothing taken; the stale groups were expired all the same
+            expired += r.counted()
+            rel = r.counted()
             ready = dict.fromkeys(asked, 0)
             for t, n in zip(tasks, [r.int() for _ in range(r.int())], strict=True):
                 ready[t] = n
+            yield from purge_sessions(ctx, rel)
+            released += rel
             return TakenMany({t: () for t in asked}, tuple(expired), tuple(released), ready)
         if tag != "OK":
             raise ScriptError("rb_take", f"unexpected reply {r.items[:3]!r}")
@@ -150,10 +162,10 @@ def take(
 ) -> Op[Taken]:
     """Take ``n`` completed groups of ``task`` for ``owner``: :func:`take_many` of one task.
 
-    All or nothing: with fewer than ``n`` ready groups nothing is taken or
-    changed, not even the expiry (the result is empty and falsy, ``ready``
-    says how many were ready; it is a :class:`Taken`, not a list, so test it
-    with ``if not taken``). ``at_most``: up to ``n``. ``n=0`` is a no-op
+    All or nothing: with fewer than ``n`` ready groups nothing is taken
+    (the result is empty and falsy, ``ready`` says how many were ready; it
+    is a :class:`Taken`, not a list, so test it with ``if not taken``), but
+    the stale groups are expired all the same (``expired``, ``released``). ``at_most``: up to ``n``. ``n=0`` is a no-op
     without I/O. Otherwise as :func:`take_many` (expiry first, policy order,
     sessions to ``owner``); ``n`` is at most 2,000 (:data:`MAX_TAKE`).
     Raises InvalidId/InvalidInput before I/O, OwnerLost, CorruptData,
@@ -202,10 +214,6 @@ def claim_retry(
         return []
     op = ctx.op(op_id, "claim")
     fixed = (
-        k.rb_queue(task, "aborted"),
-        k.rb_versions(task, "aborted"),
-        k.rb_queue(task, "expired"),
-        k.rb_versions(task, "expired"),
         k.owner(REPLAY_OWNER),
         k.owner(owner),
         k.rb_groups,
@@ -215,6 +223,7 @@ def claim_retry(
         op.key,
         k.owners_lost,
         k.stats,
+        *task_keys(k, task, _CLAIM_CELLS),
     )
     args = (task, n, owner, REPLAY_OWNER, ctx.op_ttl_ms)
     r = Reply((yield from _with_keys(ctx, "rb_claim", fixed, args, op.id)), "rb_claim")

@@ -112,7 +112,8 @@ class Taken:
     ``expired``: gids of stale retryable groups moved to status
     ``expired``; ``released``: sids released by the expiry (one event each).
     ``ready``: on a short all-or-nothing take, how many groups were ready
-    (nothing was taken or changed); None otherwise.
+    (nothing was taken; the stale groups were expired all the same and are
+    in ``expired`` / ``released``); None otherwise.
     """
 
     groups: tuple[Group, ...]
@@ -139,8 +140,8 @@ class TakenMany:
 
     ``tasks``: task -> the groups taken from it, in policy order (every task
     asked for is a key). ``ready``: on a short all-or-nothing take, how many
-    groups each task had ready (nothing was taken or changed); None
-    otherwise. ``taken[task]`` is ``taken.tasks[task]``; iterating yields
+    groups each task had ready (nothing was taken; the stale groups were
+    expired all the same); None otherwise. ``taken[task]`` is ``taken.tasks[task]``; iterating yields
     every group (tasks in the order asked); ``len`` counts them; a take that
     took nothing is falsy.
     """
