@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import unicodedata
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ TEXTS = [
     "Hello, world!",
     "The quick brown fox jumps over the lazy dog.",
     "función común días 日本語 🎉 café naïve",
+    "cafe\u0301 decomposed",  # Qwen's tokenizer normalises to NFC first
     "def f(x):\n    return {'a': [1, 2]}\n\n\n  tabs\t\tend   ",
     "1234567890 3.14159 $100,000",
     "I'm    you'RE  they'll\r\n\r\nx",
@@ -135,7 +137,8 @@ def test_vocabulary_encodes_as_its_package_does(family_dirs: FamilyDirs, name: s
         if f.vocab == "glm":  # Qwen's ranks below GLM's first special id
             assert max(want) < 151329, text
         assert tok.encode(text, add_special_tokens=False) == want, text
-        assert tok.decode(want, skip_special_tokens=False) == text
+        nfc = unicodedata.normalize("NFC", text) if f.vocab in ("qwen", "glm") else text
+        assert tok.decode(want, skip_special_tokens=False) == nfc
     if f.bos_id is not None and f.vocab in ("llama3", "tekken"):  # what add_special_tokens=True prepends
         assert tok.encode("Hello", add_special_tokens=True)[0] == f.bos_id
     if f.vocab.startswith("deepseek"):  # the package's BPE and pre-tokeniser, unchanged

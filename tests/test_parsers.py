@@ -306,14 +306,10 @@ def test_the_parsers_import_without_transformers() -> None:
 
 # -- hermes: the behaviour of tokenizer.parse_hermes --------------------------------------------------
 
-_PIECES = st.sampled_from(
+_BODIES = st.sampled_from(
     [
-        "<tool_call>",
-        "</tool_call>",
-        "\n",
-        " ",
-        "text",
         '{"name": "add", "arguments": {"a": 1}}',
+        '\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n',
         '{"name": "add", "arguments": "{\\"a\\": 2}"}',
         '{"name": "add", "parameters": {"b": 3}}',
         '{"name": "nope", "arguments": {}}',
@@ -322,13 +318,16 @@ _PIECES = st.sampled_from(
         '{"name": "add"',
         "[1, 2]",
         '{"arguments": {}}',
+        "",
     ]
 )
+_TEXT = st.text(alphabet=" \nab<>/{}", max_size=8)
+_BLOCK = st.builds(lambda b, close: "<tool_call>" + b + ("</tool_call>" if close else ""), _BODIES, st.booleans())
 
 
-@settings(max_examples=400, deadline=None, derandomize=True)
-@given(st.lists(_PIECES, max_size=12))
-def test_hermes_behaves_as_parse_hermes(pieces: list[str]) -> None:
-    text = "".join(pieces)
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(_TEXT, st.lists(st.tuples(_BLOCK, _TEXT), max_size=4))
+def test_hermes_behaves_as_parse_hermes(prefix: str, blocks: list[tuple[str, str]]) -> None:
+    text = prefix + "".join(b + sep for b, sep in blocks)
     content, calls = tool_parser("hermes").parse(text, TOOLS)
     assert (content, [(c.name, c.arguments) for c in calls]) == parse_hermes(text, TOOLS)
