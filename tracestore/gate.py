@@ -59,6 +59,8 @@ DEFAULT_RETRY_AFTER_MS = 500
 MAX_BLOCK_S = 5.0
 #: How many poisoned lease ids a status or drain result carries.
 MAX_IDS = 100
+#: Entries the gate's log ``ts:{R}:gate:log`` keeps (seal, install, reopen; :mod:`tracestore.gate_log`).
+LOG_ENTRIES = 1000
 
 
 # -- results -------------------------------------------------------------------------------
@@ -441,8 +443,8 @@ def _seal_eval(
     k = ctx.keys
     return Eval(
         script("gate_seal"),
-        (k.gate, k.gate_leases, k.gate_poison, key),
-        (what, retry_after_ms, MAX_IDS, token, ctx.op_ttl_ms, "" if below is None else below),
+        (k.gate, k.gate_leases, k.gate_poison, key, k.gate_log),
+        (what, retry_after_ms, MAX_IDS, token, ctx.op_ttl_ms, "" if below is None else below, LOG_ENTRIES),
         op_id=op.id,
     )
 
@@ -571,8 +573,8 @@ def _install(ctx: Context, version: int, op: OpId) -> Op[int]:
     k = ctx.keys
     reply = yield Eval(
         script("gate_install"),
-        (k.gate, k.gate_leases, k.gate_poison, op.key),
-        (version, ctx.op_ttl_ms),
+        (k.gate, k.gate_leases, k.gate_poison, op.key, k.gate_log),
+        (version, ctx.op_ttl_ms, LOG_ENTRIES),
         op_id=op.id,
     )
     r = Reply(reply, "gate_install")
