@@ -10,12 +10,20 @@ from __future__ import annotations
 import click
 
 from ..errors import ConfigError
+from ..validate import is_run_id
 from . import EXIT_USAGE, connect, fail, main, url_option
+
+
+def _run_id(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """``--run``: a run id, else a usage error (exit 2)."""
+    if value is not None and not is_run_id(value):
+        raise click.BadParameter(f"invalid run id {value!r}: use [A-Za-z0-9._-], 1..64 characters")
+    return value
 
 
 @main.command("ui")
 @url_option
-@click.option("--run", envvar="TRACESTORE_RUN", show_envvar=True, default=None,
+@click.option("--run", envvar="TRACESTORE_RUN", show_envvar=True, default=None, callback=_run_id,
               help="Show only this run (default: every run on the server).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
