@@ -246,6 +246,8 @@ def test_the_json_endpoints_carry_the_same_data(ui: CliServer, recorded: TraceSt
                 "runs": f"{ui.url}/api/runs", "run": api, "session": f"{api}/sessions/{sid}",
                 "owner": f"{api}/owners/rollout%3A0", "replay": f"{api}/replay/calc/completed",
                 **{f"path{i}": f"{api}/sessions/{sid}/path/{idx.nums[node_id(k)]}" for i, k in enumerate(LEAF_KEYS)},
+                # a window that starts and ends inside nodes
+                "window": f"{api}/sessions/{sid}/path/{idx.nums[node_id(LEAF_KEYS[0])]}?offset=4&count=4",
                 "missing": f"{api}/sessions/nope", "bad": f"{api}/sessions/{sid}/path/999",
                 "badpage": f"{api}/sessions/{sid}?page=x", "badrun": f"{ui.url}/api/runs/no%20such",
                 "health": f"{ui.url}/health",
@@ -254,7 +256,7 @@ def test_the_json_endpoints_carry_the_same_data(ui: CliServer, recorded: TraceSt
             return out
 
     got = asyncio.run(main())
-    assert all(got[k][0] == 200 for k in ("runs", "run", "session", "owner", "replay", "path0", "path1", "health"))
+    assert all(got[k][0] == 200 for k in ("runs", "run", "session", "owner", "replay", "path0", "path1", "window", "health"))
     assert [r["run"] for r in got["runs"][1]["runs"]] == [store.run_id]
     run = got["run"][1]
     assert run["counters"]["sessions_opened"] == store.stats().sessions_opened
@@ -267,6 +269,13 @@ def test_the_json_endpoints_carry_the_same_data(ui: CliServer, recorded: TraceSt
         toks = got[f"path{i}"][1]["tokens"]
         assert [t["id"] for t in toks] == trace.input_ids and [t["logprob"] for t in toks] == trace.logprobs
         assert [t["version"] for t in toks] == trace.versions and [t["label"] for t in toks] == trace.labels
+    whole = store.export_training_trace(SID, LEAF_KEYS[0])
+    win = got["window"][1]
+    assert [t["i"] for t in win["tokens"]] == [4, 5, 6, 7]
+    assert [t["id"] for t in win["tokens"]] == whole.input_ids[4:8]
+    assert [t["logprob"] for t in win["tokens"]] == whole.logprobs[4:8]
+    assert win["tokens_total"] == len(whole.input_ids) and win["path_nodes"] == len(whole.nodes)
+    assert [n["num"] for n in win["nodes"]] == sorted({t["node"] for t in win["tokens"]})
     assert [s["sid"] for s in got["owner"][1]["sessions"]] == [SID]
     assert got["replay"][1]["groups"][0]["sids"] == ["g-a", "g-b"]
     assert got["missing"][0] == 404 and got["missing"][1]["error"]["type"] == "NotFound"

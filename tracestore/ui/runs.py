@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -67,9 +68,20 @@ BUCKET_S = 10
 BUCKETS = 30
 
 
+@lru_cache(maxsize=1024)
+def _keys(prefix: str, run: str) -> Keys:
+    """One key builder per run (it caches the 16,384 turn counter shard names it builds)."""
+    return Keys(prefix, run)
+
+
 def run_context(ctx: Context, run: str) -> Context:
-    """A context of run ``run`` on the same server as ``ctx`` (fresh caches and fence: a viewer shows, never refuses)."""
-    return Context(Keys(ctx.keys.prefix, run), ctx.cluster, ctx.config)
+    """A context of run ``run`` on the same server as ``ctx``.
+
+    Fresh caches and fence each time: a viewer shows a run whose gate
+    version went back (a failover, a restored checkpoint) instead of
+    refusing it with StateRolledBack. Raises InvalidId for a bad run id.
+    """
+    return Context(_keys(ctx.keys.prefix, run), ctx.cluster, ctx.config)
 
 
 def _i(x: Any) -> int | None:
@@ -176,7 +188,7 @@ def overview(
     names = sorted(runs)
     shown = names[(page - 1) * per_page : page * per_page]
     now = int((yield ServerTime(ctx.keys.meta)))
-    groups = [_row_cmds(Keys(ctx.keys.prefix, r), now) for r in shown]
+    groups = [_row_cmds(_keys(ctx.keys.prefix, r), now) for r in shown]
     replies = (yield Batch(tuple(c for g in groups for c in g))) if groups else []
     rows, pos = [], 0
     for run, cmds in zip(shown, groups, strict=True):

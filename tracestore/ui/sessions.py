@@ -13,9 +13,10 @@ with the commands of the ``observer`` role.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import codec
@@ -38,6 +39,8 @@ BRANCHES_SHOWN = 100
 LEAVES_SHOWN = 200
 #: Buckets of a path's staleness histogram (the last one: that many versions behind or more).
 STALENESS_BUCKETS = 8
+#: Path layouts kept per index snapshot.
+PATHS_KEPT = 32
 #: Attempts at reading payloads consistent with the index while writers change it.
 READ_ATTEMPTS = 4
 
@@ -56,6 +59,48 @@ def fork_of(node: Node) -> str | None:
 
 
 @dataclass(frozen=True)
+class PathShape:
+    """The path from the root to one node, laid out once per index snapshot (O(depth)).
+
+    ``starts[i]``: position of the first token of ``nodes[i]`` on the path;
+    ``trained``: trained tokens per weight version (the staleness histogram
+    against any gate version).
+    """
+
+    nodes: tuple[Node, ...]
+    starts: tuple[int, ...]
+    tokens: int
+    turns: tuple[TurnBar, ...]
+    trained: dict[int, int]
+    #: Node id -> its depth (position on the path).
+    depth: dict[str, int]
+
+    @classmethod
+    def of(cls, path: list[Node]) -> PathShape:
+        """The layout of ``path`` (root first)."""
+        starts: list[int] = []
+        pos = 0
+        trained: dict[int, int] = {}
+        for n in path:
+            starts.append(pos)
+            pos += n.ntok
+            if n.flags & (codec.GENERATED | codec.EXPLICIT_LABELS):
+                trained[n.version] = trained.get(n.version, 0) + n.ntok
+        return cls(tuple(path), tuple(starts), pos, _turns(path), trained, {n.id: d for d, n in enumerate(path)})
+
+    def window(self, offset: int, count: int) -> list[tuple[Node, int]]:
+        """The nodes holding tokens ``offset .. offset + count - 1``, each with its first token's position."""
+        i = max(0, bisect_right(self.starts, offset) - 1)
+        out = []
+        while i < len(self.nodes) and self.starts[i] < offset + count:
+            n, start = self.nodes[i], self.starts[i]
+            if start + n.ntok > offset:
+                out.append((n, start))
+            i += 1
+        return out
+
+
+@dataclass(frozen=True)
 class Shape:
     """A session tree's layout, derived once per index snapshot (O(nodes)).
 
@@ -71,6 +116,21 @@ class Shape:
     branches: tuple[Node, ...]
     tokens: int
     generated: int
+    #: Paths laid out so far (node number -> layout), at most :data:`PATHS_KEPT`.
+    paths: dict[int, PathShape] = field(default_factory=dict, compare=False, repr=False)
+
+    def path_of(self, ix: SessionIndex, num: int) -> PathShape | None:
+        """The layout of the path to node ``num`` of ``ix`` (this shape's index), None when no such node."""
+        got = self.paths.get(num)
+        if got is None:
+            node = self.by_num.get(num)
+            if node is None:
+                return None
+            got = PathShape.of(ix.path(node))
+            if len(self.paths) >= PATHS_KEPT:
+                self.paths.pop(next(iter(self.paths)))
+            self.paths[num] = got
+        return got
 
     @classmethod
     def of(cls, ix: SessionIndex) -> Shape:
@@ -306,8 +366,9 @@ def path_view(
     key = (k.prefix, k.run, sid)
     snap = cache.get(key)
     for _ in range(READ_ATTEMPTS):
-        window = _window(snap, num, offset, count) if snap is not None else []
-        nums = [snap.nums[n.id] for n, _ in window] if snap else []
+        layout = cache.shape(key, snap).path_of(snap, num) if snap is not None else None
+        window = layout.window(offset, count) if layout is not None else []
+        nums = [snap.nums[n.id] for n, _ in window] if snap is not None else []
         idx_reply, version, now, texts = yield Batch((
             _read_index(ctx, sid, snap, nums),
             Cmd(("HGET", k.gate, "version"), key=k.gate),
@@ -328,55 +389,29 @@ def path_view(
         snap = None
     else:
         raise CorruptData(k.tok(sid), "payloads kept changing under the index; reload the page", str(num))
-    node = _node(ix, num, sid)
-    path = ix.path(node)
+    if layout is None:
+        raise NotFound("node", f"session {sid!r} has no node {num} (it has {len(ix.nodes)})")
     gate_v = _int(version) or 0
     tokens: list[TokenRow] = []
     for (n, start), data in zip(window, payloads, strict=True):
         p = codec.unpack(data if isinstance(data, bytes) else str(data).encode(), n.ntok, n.flags)
         nnum = ix.nums[n.id]
-        for j in range(n.ntok):
-            i = start + j
-            if offset <= i < offset + count:
-                tid, label = p.token_ids[j], p.labels[j]
-                tokens.append(TokenRow(i, tid, decode(tid) if decode else None, label != codec.IGNORE_LABEL,
-                                       label, p.logprobs[j], n.version, gate_v - n.version, n.expert_key, nnum))
+        for j in range(max(0, offset - start), min(n.ntok, offset + count - start)):
+            tid, label = p.token_ids[j], p.labels[j]
+            tokens.append(TokenRow(start + j, tid, decode(tid) if decode else None, label != codec.IGNORE_LABEL,
+                                   label, p.logprobs[j], n.version, gate_v - n.version, n.expert_key, nnum))
     hist = [0] * STALENESS_BUCKETS
-    trained = 0
-    for n in path:
-        if n.flags & (codec.GENERATED | codec.EXPLICIT_LABELS):
-            trained += n.ntok
-            hist[min(STALENESS_BUCKETS - 1, max(0, gate_v - n.version))] += n.ntok
+    for v, ntok in layout.trained.items():
+        hist[min(STALENESS_BUCKETS - 1, max(0, gate_v - v))] += ntok
     sh = cache.shape(key, ix)
-    depth = {n.id: d for d, n in enumerate(path)}
-    rows = tuple(_row(ix, depth[n.id], n, sh, t, PATH_TEXT_CHARS)
+    rows = tuple(_row(ix, layout.depth[n.id], n, sh, t, PATH_TEXT_CHARS)
                  for (n, _), t in zip(window, texts if nums else [], strict=True))
     return PathView(
-        run=k.run, sid=sid, num=num, server_ms=_ms(now), gate_version=gate_v, nodes=rows, path_nodes=len(path),
-        tokens_total=sum(n.ntok for n in path), trained_total=trained, offset=offset, count=count,
-        tokens=tuple(tokens), turns=_turns(path), staleness=tuple(hist), tokenizer=tokenizer,
+        run=k.run, sid=sid, num=num, server_ms=_ms(now), gate_version=gate_v, nodes=rows,
+        path_nodes=len(layout.nodes), tokens_total=layout.tokens, trained_total=sum(layout.trained.values()),
+        offset=offset, count=count, tokens=tuple(tokens), turns=layout.turns, staleness=tuple(hist),
+        tokenizer=tokenizer,
     )
 
 
-def _node(ix: SessionIndex, num: int, sid: str) -> Node:
-    for i, n in ix.nums.items():
-        if n == num:
-            return ix.nodes[i]
-    raise NotFound("node", f"session {sid!r} has no node {num} (it has {len(ix.nodes)})")
-
-
-def _window(ix: SessionIndex, num: int, offset: int, count: int) -> list[tuple[Node, int]]:
-    """The nodes of the path to ``num`` holding tokens ``offset .. offset + count - 1``, each with its first token's position."""
-    try:
-        node = _node(ix, num, "")
-    except NotFound:
-        return []
-    out, pos = [], 0
-    for n in ix.path(node):
-        if pos < offset + count and pos + n.ntok > offset:
-            out.append((n, pos))
-        pos += n.ntok
-    return out
-
-
-__all__ = ["IndexCache", "Shape", "fork_of", "labels_of", "path_view", "session_view"]
+__all__ = ["IndexCache", "PathShape", "Shape", "fork_of", "labels_of", "path_view", "session_view"]
