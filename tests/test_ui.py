@@ -33,7 +33,11 @@ from tracestore.gate_log import cycles, gate_events
 from tracestore.replay import Group
 from tracestore.traces.index import SessionIndex, node_id
 from tracestore.traces.reads import read_path
+from tracestore.traces.types import Node
 from tracestore.trainer.tokenizer import TOKENIZER
+from tracestore.ui.html_session import session_page
+from tracestore.ui.sessions import Shape, fork_of
+from tracestore.ui.views import BranchRow, NodeRow, SessionView
 
 SID = "chat/1?x#y"  # a session id with characters a URL must escape
 P1 = "<user>add 2 and 3</user>"
@@ -343,3 +347,30 @@ def test_usage_errors_exit_2_with_one_line(url: str, run_id: str) -> None:
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], (args, out.stderr)
 
+
+
+@dataclass(frozen=True)
+class _ForkedNode(Node):
+    """A node as issue 30 records it (``Node.fork``), to check that the viewer shows the reason where it is set."""
+
+    fork: str | None = None
+
+
+def test_a_recorded_fork_reason_is_shown_in_the_tree_and_the_branches() -> None:
+    root = _ForkedNode("a" * 16, None, 10, 2, 0, 0, None)
+    left = _ForkedNode("b" * 16, root.id, 20, 1, 1, 0, None)
+    right = _ForkedNode("c" * 16, root.id, 21, 1, 1, 0, None, fork="client_edit")
+    ix = SessionIndex("e", 3, {n.id: n for n in (root, left, right)}, {root.id: 1, left.id: 2, right.id: 3})
+    sh = Shape.of(ix)
+    assert [fork_of(n) for _, n in sh.order] == [None, None, "client_edit"]
+    assert fork_of(Node("d" * 16, None, 1, 1, 0, 0, None)) is None  # today's nodes have no fork field
+    rows = tuple(NodeRow(ix.nums[n.id], n.id, ix.nums.get(n.parent or ""), d, n.end, n.ntok, "prompt", 0, None, None,
+                         fork_of(n), len(sh.children.get(n.id, ())), None) for d, n in sh.order)
+    (b,) = sh.branches
+    view = SessionView("r", "s", 0, "o", "live", 0, 0, None, None, None, False, 3, 3, 4, 2, (2, 3), 2,
+                       (BranchRow(1, b.end, (2, 3), tuple(fork_of(ix.nodes[c]) for c in sh.children[b.id])),),
+                       1, 1, 1, rows)
+    dom = Dom(session_page(view))
+    assert {int(e.attrs["data-num"]): e.attrs["data-fork"] for e in dom.having("node", "tr")} == {1: "", 2: "", 3: "client_edit"}
+    (branch,) = dom.having("branch", "tr")
+    assert "client_edit" in branch.text
