@@ -296,8 +296,8 @@ def _grant(store: TraceStore, args: list[str]) -> None:
 
 
 def test_the_observer_user_can_use_the_viewer(recorded: TraceStore, url: str, backend: str) -> None:
-    if backend not in ("valkey", "cluster", "redis7"):
-        pytest.skip("ACL users are set on the embedded servers only")
+    if backend not in ("valkey", "cluster"):  # (Redis 7.0 refuses the grant's client|setinfo, as in test_security)
+        pytest.skip("runs on standalone and cluster (the ACL rules are the engine's)")
     store = recorded
     user, password = f"obs-{uuid.uuid4().hex[:6]}", "s3cret"
     _grant(store, acl.grant(store.run_id, "observer", user=user, password=password))
