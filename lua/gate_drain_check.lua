@@ -4,9 +4,11 @@
 -- atomic step (so the token a drainer then blocks on can only come from a
 -- later settle: no stale wake-up, no lost one) and says how long the caller
 -- may block before the earliest deadline needs expiring. When none is live
--- it leaves a token for any other drainer blocked on the list.
+-- it leaves a token for any other drainer blocked on the list. The first
+-- check that finds a sealed gate with no live lease records when it drained
+-- (drained_ms, kept until the gate reopens; the gate's log reports it).
 -- KEYS: 4
--- KEYS[1] = ts:{R}:gate            hash: state, version
+-- KEYS[1] = ts:{R}:gate            hash: state, version, drained_ms (set once per seal)
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms
 -- KEYS[3] = ts:{R}:gate:poison     hash: lease id -> reason json
 -- KEYS[4] = ts:{R}:gate:signal     list: drain wake-up token
@@ -29,6 +31,7 @@ else
   gate_signal_if_empty(leases, signal)
 end
 local g = redis.call('HMGET', gate, 'state', 'version')
+if live == 0 and g[1] == 'sealed' then redis.call('HSETNX', gate, 'drained_ms', now) end
 local out = {0, g[1] or 'open', tonumber(g[2] or '0'), live, wait, #swept}
 for i = 1, #swept do out[#out + 1] = swept[i] end
 out[#out + 1] = redis.call('HLEN', poison)

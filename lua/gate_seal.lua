@@ -13,23 +13,29 @@
 -- neither blocks admissions nor leaves a key behind.
 -- Idempotent under client retry: the reply is recorded under the op key (a
 -- retried reopen does not reopen a seal made since).
--- KEYS: 4
--- KEYS[1] = ts:{R}:gate            hash: state, version, sealed_ms, retry_ms, sealed_by
+-- A seal that closes an open gate and a reopen that opens a sealed one each
+-- append one entry to the gate's log (capped at ARGV[7] entries), which is
+-- the history of weight-update cycles (docs/gate.md, The gate's log); a seal
+-- of a sealed gate and a reopen of an open one change nothing and log nothing.
+-- KEYS: 5
+-- KEYS[1] = ts:{R}:gate            hash: state, version, sealed_ms, retry_ms, sealed_by, drained_ms
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms (read)
 -- KEYS[3] = ts:{R}:gate:poison     hash: lease id -> reason json (read)
 -- KEYS[4] = ts:{R}:op:<op_id>      string: the recorded reply
+-- KEYS[5] = ts:{R}:gate:log        stream: ev=seal (version, live, ms) | ev=reopen (version, sealed_ms, drained_ms, ms)
 -- ARGV[1] = "seal" | "reopen"
 -- ARGV[2] = retry hint given to refused admissions while sealed (ms)
 -- ARGV[3] = max ids to return per list of the status
 -- ARGV[4] = sealer token ("" for none: an unconditional reopen)
 -- ARGV[5] = op record ttl (ms)
 -- ARGV[6] = seal only: the version the sealer will install ("" for none); refused unless larger
+-- ARGV[7] = most entries the gate's log keeps (XADD MAXLEN)
 -- returns: the reply of gate_status, then the token of the current seal ("" when open or anonymous)
 -- errors: STALE_VERSION (current, requested): nothing written
 -- include: clock
 -- include: op
 -- include: gate
-local gate, opkey = KEYS[1], KEYS[4]
+local gate, opkey, log = KEYS[1], KEYS[4], KEYS[5]
 local done = op_replay(opkey)
 if done then return done end
 local g = redis.call('HMGET', gate, 'state', 'sealed_by', 'version')
@@ -41,13 +47,22 @@ if ARGV[1] == 'seal' and ARGV[6] ~= '' then
 end
 if ARGV[1] == 'seal' then
   if state ~= 'sealed' then
-    redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', now_ms(), 'retry_ms', ARGV[2], 'sealed_by', token)
+    local now = now_ms()
+    redis.call('HSET', gate, 'state', 'sealed', 'sealed_ms', now, 'retry_ms', ARGV[2], 'sealed_by', token)
+    redis.call('HDEL', gate, 'drained_ms')
+    redis.call('XADD', log, 'MAXLEN', ARGV[7], '*', 'ev', 'seal', 'version', g[3] or '0',
+      'live', redis.call('ZCOUNT', KEYS[2], now, '+inf'), 'ms', now)
   elseif by ~= '' and by ~= token then
     redis.call('HSET', gate, 'sealed_by', token)
   end
 elseif state ~= 'open' and (token == '' or token == by) then
+  local c = redis.call('HMGET', gate, 'sealed_ms', 'drained_ms')
   redis.call('HSET', gate, 'state', 'open')
-  redis.call('HDEL', gate, 'sealed_ms', 'sealed_by')
+  redis.call('HDEL', gate, 'sealed_ms', 'sealed_by', 'drained_ms')
+  if state == 'sealed' then  -- (absent = open: nothing reopened, nothing logged)
+    redis.call('XADD', log, 'MAXLEN', ARGV[7], '*', 'ev', 'reopen', 'version', g[3] or '0',
+      'sealed_ms', c[1] or '', 'drained_ms', c[2] or '', 'ms', now_ms())
+  end
 end
 local out = gate_status_reply(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[3]))
 out[#out + 1] = redis.call('HGET', gate, 'sealed_by') or ''

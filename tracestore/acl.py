@@ -47,16 +47,18 @@ LUA_RO = (
 #: Commands the client sends itself (writer): reads, purges, the release event
 #: consumer (RefHolder), gc, checkpoint and restore, run listing and deletion.
 CLIENT = (
-    "blpop", "del", "exists", "get", "hget", "hgetall", "hmget", "hset", "incrby", "lrange",
-    "memory|usage", "mget", "mset", "pexpire", "pttl", "rpush", "sadd", "scan", "scard", "set", "smembers", "time", "type",
+    "blpop", "del", "exists", "get", "hget", "hgetall", "hlen", "hmget", "hset", "incrby", "lrange",
+    "memory|usage", "mget", "mset", "pexpire", "pttl", "rpush", "sadd", "scan", "scard", "set", "smembers",
+    "sscan", "time", "type",
     "unlink", "xack", "xadd", "xgroup|create", "xgroup|createconsumer", "xgroup|destroy",
     "xinfo|consumers", "xinfo|groups", "xpending", "xrange", "xreadgroup", "xrevrange", "xtrim",
-    "zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem",
+    "zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem", "zscore",
 )
-#: Commands the client sends for the observer's reads.
+#: Commands the client sends for the observer's reads (the viewer, ``tracestore ui``, pages an
+#: owner's sessions with SSCAN and counts a session's nodes with HLEN).
 CLIENT_RO = (
-    "exists", "get", "hget", "hgetall", "hmget", "lrange", "memory|usage", "mget", "pttl", "scan", "scard",
-    "smembers", "time", "type", "xrange", "xrevrange", "zcard", "zcount", "zrange",
+    "exists", "get", "hget", "hgetall", "hlen", "hmget", "lrange", "memory|usage", "mget", "pttl", "scan", "scard",
+    "smembers", "sscan", "time", "type", "xrange", "xrevrange", "zcard", "zcount", "zrange", "zscore",
 )
 
 ROLES = ("writer", "observer")

@@ -209,6 +209,11 @@ class Keys:
         return f"{self._c}:gate:poison"
 
     @property
+    def gate_log(self) -> str:
+        """``ts:{R}:gate:log`` stream: one entry per seal, install and reopen (the gate's cycles, capped)."""
+        return f"{self._c}:gate:log"
+
+    @property
     def gate_signal(self) -> str:
         """``ts:{R}:gate:signal`` list pushed by the settle that empties the gate (drain wakes on it)."""
         return f"{self._c}:gate:signal"

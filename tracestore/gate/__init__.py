@@ -39,6 +39,7 @@ from .cycle import drain, install, reopen, seal, status, weight_update
 from .leases import admit, admit_many, clear_poison, lease_records, renew, settle, settle_many
 from .types import (
     DEFAULT_RETRY_AFTER_MS,
+    LOG_ENTRIES,
     MAX_BLOCK_S,
     MAX_IDS,
     OUTCOMES,
@@ -109,6 +110,7 @@ class GateOps(GateMethods, OpBuilder[Context]):
 __all__ = [
     "DEFAULT_RETRY_AFTER_MS",
     "MAX_BLOCK_S",
+    "LOG_ENTRIES",
     "MAX_IDS",
     "OUTCOMES",
     "AsyncGate",

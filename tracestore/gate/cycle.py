@@ -31,6 +31,7 @@ from ..twin import Body, Scoped
 from ..validate import duration_ms, int_in
 from .types import (
     DEFAULT_RETRY_AFTER_MS,
+    LOG_ENTRIES,
     MAX_BLOCK_S,
     MAX_IDS,
     DrainResult,
@@ -94,8 +95,8 @@ def _seal_eval(
     k = ctx.keys
     return Eval(
         script("gate_seal"),
-        (k.gate, k.gate_leases, k.gate_poison, key),
-        (what, retry_after_ms, MAX_IDS, token, ctx.op_ttl_ms, "" if below is None else below),
+        (k.gate, k.gate_leases, k.gate_poison, key, k.gate_log),
+        (what, retry_after_ms, MAX_IDS, token, ctx.op_ttl_ms, "" if below is None else below, LOG_ENTRIES),
         op_id=op.id,
     )
 
@@ -224,8 +225,8 @@ def _install(ctx: Context, version: int, op: OpId) -> Op[int]:
     k = ctx.keys
     reply = yield Eval(
         script("gate_install"),
-        (k.gate, k.gate_leases, k.gate_poison, op.key),
-        (version, ctx.op_ttl_ms),
+        (k.gate, k.gate_leases, k.gate_poison, op.key, k.gate_log),
+        (version, ctx.op_ttl_ms, LOG_ENTRIES),
         op_id=op.id,
     )
     r = Reply(reply, "gate_install")

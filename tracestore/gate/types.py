@@ -13,6 +13,8 @@ DEFAULT_RETRY_AFTER_MS = 500
 MAX_BLOCK_S = 5.0
 #: How many poisoned lease ids a status or drain result carries.
 MAX_IDS = 100
+#: Entries the gate's log ``ts:{R}:gate:log`` keeps (seal, install, reopen; :mod:`tracestore.gate_log`).
+LOG_ENTRIES = 1000
 
 
 # -- results -------------------------------------------------------------------------------
