@@ -18,8 +18,6 @@ import sys
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tests._families import FAMILIES, FamilyDirs, family_dirs, load
 from tests._scripted_engine import ROOT
@@ -31,7 +29,6 @@ from tracestore.gateway.parsers import (
     reasoning_parser,
     tool_parser,
 )
-from tracestore.gateway.tokenizer import parse_hermes
 
 __all__ = ["family_dirs"]  # the session fixture, imported so pytest finds it
 
@@ -304,30 +301,3 @@ def test_the_parsers_import_without_transformers() -> None:
     assert out.stdout.strip() == "f"
 
 
-# -- hermes: the behaviour of tokenizer.parse_hermes --------------------------------------------------
-
-_BODIES = st.sampled_from(
-    [
-        '{"name": "add", "arguments": {"a": 1}}',
-        '\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n',
-        '{"name": "add", "arguments": "{\\"a\\": 2}"}',
-        '{"name": "add", "parameters": {"b": 3}}',
-        '{"name": "nope", "arguments": {}}',
-        '{"name": "add", "arguments": [1]}',
-        '{"name": "add", "arguments": "not json"}',
-        '{"name": "add"',
-        "[1, 2]",
-        '{"arguments": {}}',
-        "",
-    ]
-)
-_TEXT = st.text(alphabet=" \nab<>/{}", max_size=8)
-_BLOCK = st.builds(lambda b, close: "<tool_call>" + b + ("</tool_call>" if close else ""), _BODIES, st.booleans())
-
-
-@settings(max_examples=500, deadline=None, derandomize=True)
-@given(_TEXT, st.lists(st.tuples(_BLOCK, _TEXT), max_size=4))
-def test_hermes_behaves_as_parse_hermes(prefix: str, blocks: list[tuple[str, str]]) -> None:
-    text = prefix + "".join(b + sep for b, sep in blocks)
-    content, calls = tool_parser("hermes").parse(text, TOOLS)
-    assert (content, [(c.name, c.arguments) for c in calls]) == parse_hermes(text, TOOLS)

@@ -90,10 +90,19 @@ def _announce(url: str) -> None:
 @click.option("--model", default=None, help="Model name served (default: the tokenizer's name).")
 @click.option(
     "--tool-parser",
-    type=click.Choice(["hermes", "none"]),
+    type=click.Choice(["hermes", "llama3", "deepseek", "glm", "mistral", "none"]),
     default="hermes",
     show_default=True,
-    help="Tool-call syntax of a Hugging Face model's answers (the builtin tokenizer has its own).",
+    help="Tool-call syntax of the model family's answers (docs/gateway.md, Model families; the builtin "
+    "tokenizer has its own).",
+)
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(["none", "qwen3", "deepseek-r1"]),
+    default="none",
+    show_default=True,
+    help="Reasoning syntax: qwen3 and deepseek-r1 split <think>...</think> out of answers into "
+    "reasoning_content (OpenAI) / thinking blocks (Anthropic).",
 )
 @click.option("--name", default=None, help="Lease holder name (default gateway-<host>-<pid>).")
 @click.option("--lease-ttl", type=float, default=120.0, show_default=True, help="Gate lease ttl, seconds (renewed while a request runs).")
@@ -141,6 +150,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
         owner=kw["owner"],
         tokenizer=kw["tokenizer"],
         tool_parser=kw["tool_parser"],
+        reasoning_parser=kw["reasoning_parser"],
         model=kw["model"],
         name=kw["name"],
         lease_ttl_s=kw["lease_ttl"],

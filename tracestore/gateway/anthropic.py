@@ -80,6 +80,7 @@ def _messages(raw: Any) -> list[Message]:
             out.append({"role": role, "content": content})
             continue
         text: list[str] = []
+        thinking: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, b in enumerate(as_list(content, f"{p}.content")):
             bp = f"{p}.content[{j}]"
@@ -107,12 +108,16 @@ def _messages(raw: Any) -> list[Message]:
                         "tool_call_id": as_str(b.get("tool_use_id", ""), f"{bp}.tool_use_id"),
                     }
                 )
-            elif kind in ("thinking", "redacted_thinking"):
+            elif kind == "thinking" and role == "assistant":
+                thinking.append(as_str(b.get("thinking", ""), f"{bp}.thinking"))
+            elif kind == "redacted_thinking":
                 continue
             else:
                 raise invalid(f"{bp}: unsupported block type {kind!r} for role {role}", f"{bp}.type")
         if role == "assistant":
             msg: Message = {"role": "assistant", "content": "".join(text)}
+            if thinking:
+                msg["reasoning_content"] = "".join(thinking)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -200,7 +205,11 @@ def _stop_reason(answer: Answer) -> str:
 
 
 def _blocks(answer: Answer) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = [{"type": "text", "text": answer.content}] if answer.content else []
+    out: list[dict[str, Any]] = []
+    if answer.reasoning is not None:
+        out.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+    if answer.content:
+        out.append({"type": "text", "text": answer.content})
     out += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in answer.tool_calls]
     return out
 
@@ -231,6 +240,7 @@ class Stream:
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self._text_open = False
+        self._thinking_open = False
         self._index = 0
 
     def start(self) -> bytes:
@@ -248,11 +258,11 @@ class Stream:
         return _event("message_start", {"type": "message_start", "message": msg})
 
     def text(self, delta: str) -> bytes:
-        """A ``text_delta`` (opening the text block first)."""
-        head = b""
+        """A ``text_delta`` (opening the text block first, after closing the thinking block)."""
+        head = self._close_thinking()
         if not self._text_open:
             self._text_open = True
-            head = _event(
+            head += _event(
                 "content_block_start",
                 {"type": "content_block_start", "index": self._index, "content_block": {"type": "text", "text": ""}},
             )
@@ -260,6 +270,35 @@ class Stream:
             "content_block_delta",
             {"type": "content_block_delta", "index": self._index, "delta": {"type": "text_delta", "text": delta}},
         )
+
+    def reasoning(self, delta: str) -> bytes:
+        """A ``thinking_delta`` (opening the thinking block first; it comes before the text)."""
+        head = b""
+        if not self._thinking_open:
+            self._thinking_open = True
+            head = _event(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": self._index,
+                    "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+                },
+            )
+        return head + _event(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self._index, "delta": {"type": "thinking_delta", "thinking": delta}},
+        )
+
+    def _close_thinking(self) -> bytes:
+        if not self._thinking_open:
+            return b""
+        self._thinking_open = False
+        out = _event(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self._index, "delta": {"type": "signature_delta", "signature": ""}},
+        ) + _event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        self._index += 1
+        return out
 
     def _close_text(self) -> bytes:
         if not self._text_open:
@@ -269,9 +308,11 @@ class Stream:
         self._index += 1
         return out
 
-    def end(self, answer: Answer, pending_text: str) -> bytes:
-        """Remaining text, ``tool_use`` blocks, ``message_delta`` and ``message_stop``."""
-        out: list[bytes] = [self.text(pending_text)] if pending_text else []
+    def end(self, answer: Answer, pending_text: str, pending_reasoning: str = "") -> bytes:
+        """Remaining thinking and text, ``tool_use`` blocks, ``message_delta`` and ``message_stop``."""
+        out: list[bytes] = [self.reasoning(pending_reasoning)] if pending_reasoning else []
+        out.append(self._close_thinking())
+        out += [self.text(pending_text)] if pending_text else []
         out.append(self._close_text())
         for c in answer.tool_calls:
             i = self._index

@@ -153,6 +153,8 @@ class Answer:
     logprobs: list[float]
     prompt_tokens: int
     version: int | None = None
+    #: The answer's reasoning (``--reasoning-parser``), None when it has none.
+    reasoning: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -162,6 +164,8 @@ class Answer:
     def message(self) -> Message:
         """The canonical assistant message (what the client will send back next turn)."""
         m: Message = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            m["reasoning_content"] = self.reasoning
         if self.tool_calls:
             m["tool_calls"] = [c.canonical() for c in self.tool_calls]
         return m

@@ -47,6 +47,7 @@ class GatewayConfig:
     hold_timeout_s: float = 600.0
     tokenizer: str = "builtin"
     tool_parser: str = "hermes"
+    reasoning_parser: str = "none"
     model: str | None = None
     name: str | None = None
     lease_ttl_s: float = 120.0

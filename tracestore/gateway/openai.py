@@ -84,6 +84,8 @@ def _message(raw: Any, i: int) -> Message:
     if role is None:
         raise invalid(f"{p}.role must be one of {sorted(_ROLES)}, got {m.get('role')!r}", f"{p}.role")
     out: Message = {"role": role, "content": _text(m.get("content"), f"{p}.content")}
+    if role == "assistant" and m.get("reasoning_content") is not None:
+        out["reasoning_content"] = as_str(m["reasoning_content"], f"{p}.reasoning_content")
     if role == "assistant" and m.get("tool_calls"):
         calls = []
         for j, c in enumerate(as_list(m["tool_calls"], f"{p}.tool_calls")):
@@ -192,6 +194,8 @@ def _logprobs(answer: Answer, piece: Any) -> dict[str, Any]:
 def response(req: ChatRequest, answer: Answer, rid: str, piece: Any) -> dict[str, Any]:
     """The ``chat.completion`` object of ``answer``; ``piece(id)`` names a token (logprobs)."""
     msg: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.reasoning is not None:
+        msg["reasoning_content"] = answer.reasoning
     if answer.tool_calls:
         msg["content"] = answer.content or None
         msg["tool_calls"] = _tool_calls(answer, indexed=False)
@@ -244,9 +248,14 @@ class Stream:
         """A content delta."""
         return self._chunk({"content": delta})
 
-    def end(self, answer: Answer, pending_text: str) -> bytes:
-        """Remaining text, tool calls, the finish chunk, usage (when asked) and ``[DONE]``."""
-        out = [self.text(pending_text)] if pending_text else []
+    def reasoning(self, delta: str) -> bytes:
+        """A reasoning delta (``reasoning_content``, as vLLM, SGLang and DeepSeek's API stream it)."""
+        return self._chunk({"reasoning_content": delta})
+
+    def end(self, answer: Answer, pending_text: str, pending_reasoning: str = "") -> bytes:
+        """Remaining reasoning and text, tool calls, the finish chunk, usage (when asked) and ``[DONE]``."""
+        out = [self.reasoning(pending_reasoning)] if pending_reasoning else []
+        out += [self.text(pending_text)] if pending_text else []
         if answer.tool_calls:
             out.append(self._chunk({"tool_calls": _tool_calls(answer, indexed=True)}))
         out.append(self._chunk({}, _FINISH[answer.finish]))

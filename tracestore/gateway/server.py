@@ -130,7 +130,7 @@ class Gateway:
         :meth:`AsyncTraceStore.connect`.
         """
         config.validate()
-        tok = tokenizer or load_tokenizer(config.tokenizer, config.tool_parser)
+        tok = tokenizer or load_tokenizer(config.tokenizer, config.tool_parser, config.reasoning_parser)
         st = store or await AsyncTraceStore.connect(config.url, run=config.run, max_connections=config.redis_connections)
         return cls(config, st, tok, holder, owns_store=store is None)
 

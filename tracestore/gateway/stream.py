@@ -46,6 +46,7 @@ class TextStream:
         tok: ChatTokenizer,
         stop_ids: frozenset[int],
         headers: Callable[[], dict[str, str]],
+        opened: bool = False,
     ) -> None:
         self.request = request
         self.req = req
@@ -56,7 +57,10 @@ class TextStream:
         self.cuts = [x for x in (*req.stop, None if req.ignore_eos else tok.stop_word) if x]
         self.hold = max((len(x) for x in self.cuts), default=1) - 1
         self.text = ""
-        self.sent = 0
+        self.sent = 0  # content characters sent
+        self.sent_reasoning = 0
+        self.rp = tok.reasoning
+        self.opened = opened  # the generation prompt opened the reasoning block
         self.resp: web.StreamResponse | None = None
 
     @property
@@ -80,16 +84,47 @@ class TextStream:
         if stopped and ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
         self.text += self.det.push(ids)
-        if self.req.parse_tools or finished:
-            return  # tool calls (and the end) are parsed on the whole answer
-        shown = self.text
+        if finished:
+            return  # the end is parsed on the whole answer
+        reasoning, content, thinking = self._parts()
+        if reasoning:
+            hold = len(self.rp.end or "") - 1 if thinking else 0
+            safe_r = max(self.sent_reasoning, len(reasoning) - hold)
+            if safe_r > self.sent_reasoning:
+                resp = await self.open()
+                await resp.write(self.sw.reasoning(reasoning[self.sent_reasoning : safe_r]))
+                self.sent_reasoning = safe_r
+        if thinking or self.req.parse_tools:
+            return  # tool calls are parsed on the whole answer
+        shown = content
         for x in self.cuts:
             shown = cut(shown, x)
-        safe = len(shown) if len(shown) < len(self.text) else max(self.sent, len(shown) - self.hold)
+        safe = len(shown) if len(shown) < len(content) else max(self.sent, len(shown) - self.hold)
         if safe > self.sent:
             resp = await self.open()
             await resp.write(self.sw.text(shown[self.sent : safe]))
             self.sent = safe
+
+    def _parts(self) -> tuple[str, str, bool]:
+        """``(reasoning, content, still thinking)`` of the text so far, as the reasoning parser
+        splits it (nothing shown while it cannot tell yet whether a reasoning block opens)."""
+        start, end, t = self.rp.start, self.rp.end, self.text
+        if start is None or end is None:
+            return "", t, False
+        if self.opened:
+            body = t
+        else:
+            lead = t.lstrip()
+            if lead.startswith(start):
+                body = lead[len(start) :]
+            elif start.startswith(lead):
+                return "", "", True  # it may still become the opening tag
+            else:
+                return "", t, False
+        i = body.find(end)
+        if i < 0:
+            return body.lstrip(), "", True
+        return body[:i].strip(), body[i + len(end) :].lstrip("\n"), False
 
     async def keepalive(self) -> None:
         """While the answer waits (a held generation): a comment, when the stream is open."""
@@ -99,8 +134,11 @@ class TextStream:
     async def end(self, answer: Answer) -> web.StreamResponse:
         """What was held back, tool calls, the finish (and usage) events; end the response."""
         resp = await self.open()
-        pending = answer.content[self.sent :] if answer.content.startswith(self.text[: self.sent]) else ""
-        await resp.write(self.sw.end(answer, pending))
+        _, content, _ = self._parts()
+        pending = answer.content[self.sent :] if answer.content.startswith(content[: self.sent]) else ""
+        r = answer.reasoning or ""
+        pending_r = r[self.sent_reasoning :] if self.sent_reasoning <= len(r) else ""
+        await resp.write(self.sw.end(answer, pending, pending_r))
         await resp.write_eof()
         return resp
 

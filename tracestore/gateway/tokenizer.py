@@ -6,10 +6,9 @@ answer. Two implementations:
 
 * :class:`HFTokenizer`: a Hugging Face tokenizer directory, loaded with
   ``transformers.AutoTokenizer.from_pretrained(path)``; the template is the
-  tokenizer's ``chat_template`` (``apply_chat_template``), tool calls are
-  parsed in the Hermes/Qwen form ``<tool_call>{"name": ..., "arguments":
-  {...}}</tool_call>`` (``tool_parser="hermes"``, the default) or not at all
-  (``"none"``). Stop ids: the tokenizer's EOS id plus the ``eos_token_id``
+  tokenizer's ``chat_template`` (``apply_chat_template``), tool calls and
+  reasoning are parsed by the family's syntax (``--tool-parser``,
+  ``--reasoning-parser``, :mod:`.parsers`). Stop ids: the tokenizer's EOS id plus the ``eos_token_id``
   list of a ``generation_config.json`` beside it.
 * :class:`BuiltinTokenizer`: the reference policy's toy tokenizer and
   ChatML-like template (``trainer/tokenizer.py``, ``trainer/chat.py``). Its
@@ -24,17 +23,17 @@ answer. Two implementations:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
 
+from ..errors import ConfigError
 from ..trainer import tool_syntax
+from . import parsers
 from .chat import Message, invalid
-
-ParsedCall = tool_syntax.ParsedCall
+from .parsers import FoundCall, ReasoningParser
 
 
 class ChatTokenizer(Protocol):
@@ -46,6 +45,8 @@ class ChatTokenizer(Protocol):
     stop_token_ids: tuple[int, ...]
     #: Text of the end-of-turn marker (cut from the content if the model spells it out).
     stop_word: str | None
+    #: How reasoning is told apart from content in an answer (``--reasoning-parser``).
+    reasoning: ReasoningParser
 
     def render(
         self,
@@ -68,8 +69,12 @@ class ChatTokenizer(Protocol):
 
     def parse_tool_calls(
         self, text: str, tools: list[dict[str, Any]]
-    ) -> tuple[str, list[ParsedCall]]:  # pragma: no cover - protocol
+    ) -> tuple[str, list[FoundCall]]:  # pragma: no cover - protocol
         """``(content, calls)`` of an answer; no calls when none parse."""
+        ...
+
+    def new_call_id(self, prefix: str) -> str:  # pragma: no cover - protocol
+        """A tool-call id the template accepts (``prefix``: ``call_`` or ``toolu_``)."""
         ...
 
 
@@ -84,6 +89,7 @@ class BuiltinTokenizer:
 
     name = "tracestore-reference"
     tool_parser = "builtin"
+    reasoning = parsers.reasoning_parser("none")
 
     def __init__(self) -> None:
         from ..trainer import chat
@@ -123,43 +129,14 @@ class BuiltinTokenizer:
         """Text of ``ids``; raises ValueError for an id outside the vocabulary."""
         return self._tok.decode(ids)
 
-    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
+    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[FoundCall]]:
         """Lines ``name v1 v2 ...`` naming a tool with exactly that many typed values are calls."""
-        return tool_syntax.parse_calls(text, tools)
+        content, calls = tool_syntax.parse_calls(text, tools)
+        return content, [FoundCall(n, a) for n, a in calls]
 
-
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_hermes(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
-    """Hermes/Qwen tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-
-    Content is the text before the first call, stripped. When any block is
-    not a JSON object with a known tool ``name`` and object ``arguments``,
-    the whole answer is content (no calls).
-    """
-    blocks = _HERMES.findall(text)
-    if not blocks:
-        return text, []
-    names = set(tool_syntax.tool_params(tools))
-    calls: list[ParsedCall] = []
-    for b in blocks:
-        try:
-            obj = orjson.loads(b.strip())
-        except orjson.JSONDecodeError:
-            return text, []
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = orjson.loads(args)
-            except orjson.JSONDecodeError:
-                return text, []
-        if not isinstance(args, dict):
-            return text, []
-        calls.append((obj["name"], args))
-    return text[: text.find("<tool_call>")].strip(), calls
+    def new_call_id(self, prefix: str) -> str:
+        """``<prefix><hex>`` (the builtin template renders no ids)."""
+        return parsers.openai_call_id(prefix)
 
 
 class HFTokenizer:
@@ -169,8 +146,7 @@ class HFTokenizer:
     loaded or has no chat template, or ``tool_parser`` is unknown.
     """
 
-    def __init__(self, path: str, tool_parser: str = "hermes") -> None:
-        from ..errors import ConfigError
+    def __init__(self, path: str, tool_parser: str = "hermes", reasoning_parser: str = "none") -> None:
 
         try:
             from transformers import AutoTokenizer
@@ -184,14 +160,10 @@ class HFTokenizer:
             raise ConfigError(f"--tokenizer {path!r}: cannot load it: {type(exc).__name__}: {exc}") from None
         if not getattr(self._tok, "chat_template", None):
             raise ConfigError(f"--tokenizer {path!r}: it has no chat_template")
-        parsers: dict[str, Callable[[str, list[dict[str, Any]]], tuple[str, list[ParsedCall]]]] = {
-            "hermes": parse_hermes,
-            "none": lambda text, tools: (text, []),
-        }
-        if tool_parser not in parsers:
-            raise ConfigError(f"unknown tool parser {tool_parser!r}; choose one of {sorted(parsers)}")
-        self._parse = parsers[tool_parser]
+        self._parser = parsers.tool_parser(tool_parser)  # ConfigError naming the choices
+        self.reasoning = parsers.reasoning_parser(reasoning_parser)
         self.tool_parser = tool_parser
+        self._args_json = False  # the template wants tool-call arguments as a JSON string (DeepSeek)
         self.name = Path(path).resolve().name
         stops = [self._tok.eos_token_id] if self._tok.eos_token_id is not None else []
         gen_cfg = Path(path) / "generation_config.json"
@@ -211,18 +183,33 @@ class HFTokenizer:
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """``apply_chat_template(messages, tools=..., tokenize=False, **template_kwargs)``; a template error is a 400."""
+        """``apply_chat_template(messages, tools=..., tokenize=False, **template_kwargs)``; a template error is a 400.
+
+        Tool-call arguments go to the template as the objects canonical messages hold; a template
+        that fails on them and renders them as JSON strings (DeepSeek's) gets strings from then on.
+        """
+        msgs = _json_arguments(messages) if self._args_json else list(messages)
         try:
-            out = self._tok.apply_chat_template(
-                list(messages),
-                tools=tools or None,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **dict(template_kwargs or {}),
-            )
+            return self._apply(msgs, tools, add_generation_prompt, template_kwargs)
         except Exception as exc:  # jinja2 TemplateError and the template's own raise_exception
+            if not self._args_json and any(m.get("tool_calls") for m in messages):
+                try:
+                    out = self._apply(_json_arguments(messages), tools, add_generation_prompt, template_kwargs)
+                except Exception:
+                    pass
+                else:
+                    self._args_json = True
+                    return out
             raise invalid(f"the chat template refused the messages: {exc}", "messages") from None
-        return str(out)
+
+    def _apply(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None, gen: bool, kwargs: Mapping[str, Any] | None
+    ) -> str:
+        return str(
+            self._tok.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=gen, tokenize=False, **dict(kwargs or {})
+            )
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without added special tokens."""
@@ -232,16 +219,39 @@ class HFTokenizer:
         """Text of ``ids`` with special tokens kept."""
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
-    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
-        """Tool calls by the configured parser (``hermes`` or ``none``)."""
-        return self._parse(text, tools)
+    def parse_tool_calls(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[FoundCall]]:
+        """Tool calls by the configured ``--tool-parser`` (:mod:`.parsers`)."""
+        return self._parser.parse(text, tools)
+
+    def new_call_id(self, prefix: str) -> str:
+        """A tool-call id in the shape the family's template accepts (the tool parser's)."""
+        return self._parser.new_call_id(prefix)
 
 
-def load_tokenizer(spec: str, tool_parser: str = "hermes") -> ChatTokenizer:
+def _json_arguments(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` with every tool call's arguments as a JSON string."""
+    out: list[Message] = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {
+                **m,
+                "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": orjson.dumps(c["function"]["arguments"]).decode()}}
+                    if not isinstance(c["function"].get("arguments"), str)
+                    else c
+                    for c in calls
+                ],
+            }
+        out.append(m)
+    return out
+
+
+def load_tokenizer(spec: str, tool_parser: str = "hermes", reasoning_parser: str = "none") -> ChatTokenizer:
     """``builtin`` or a Hugging Face tokenizer directory. Raises ConfigError."""
     if spec == "builtin":
         return BuiltinTokenizer()
-    return HFTokenizer(spec, tool_parser)
+    return HFTokenizer(spec, tool_parser, reasoning_parser)
 
 
 class Detokenizer:
@@ -275,5 +285,4 @@ __all__ = [
     "Detokenizer",
     "HFTokenizer",
     "load_tokenizer",
-    "parse_hermes",
 ]

@@ -123,6 +123,7 @@ class Turn:
         self.gen: Generation = Generation(0)
         self.out: TextStream | None = None
         self.kept = False  # this turn's tokens were kept in the store (held)
+        self.opened = False  # the engine input ends inside a reasoning block
         self.continued = False
 
     async def run(self) -> web.StreamResponse:
@@ -215,12 +216,15 @@ class Turn:
         s.metrics.tokens.labels("prompt").inc(len(input_ids))
         if self.prep is not None:
             s.metrics.tokens.labels("prompt_new").inc(self.prep.new_tokens)
+        # the generation prompt may open the reasoning block itself (DeepSeek R1's "<think>\n")
+        self.opened = s.tok.reasoning.opens(s.tok.decode(input_ids[-8:])) if input_ids else False
         kept = self.prep.partial if self.prep is not None else None
         gen = Generation(len(input_ids)) if kept is None else Generation.resumed(len(input_ids), kept.ids, kept.logprobs, kept.versions)
         self.gen = gen
         if self.req.stream:
             self.out = TextStream(
-                self.request, self.wire, self.req, self._rid(), len(input_ids), s.tok, s.stop_ids, self._headers
+                self.request, self.wire, self.req, self._rid(), len(input_ids), s.tok, s.stop_ids, self._headers,
+                self.opened,
             )
         try:
             if self.out is not None and gen.ids:  # resumed: what the client has not seen yet
@@ -344,14 +348,16 @@ class Turn:
         text = cut(text, stop_string)
         if not req.ignore_eos:  # a model that spells out the end-of-turn marker ends its turn there
             text = cut(text, s.tok.stop_word)
+        split = s.tok.reasoning.split(text, opened=self.opened)
+        text = split.content
         calls: list[ToolCall] = []
         if req.parse_tools and req.tools:
             text, found = s.tok.parse_tool_calls(text, req.tools)
             prefix = "toolu_" if self.wire.NAME == "anthropic" else "call_"
-            calls = [ToolCall(s.features.call_id(prefix), n, a) for n, a in found]
+            calls = [ToolCall(c.id or s.tok.new_call_id(prefix), c.name, c.arguments) for c in found]
         finish = "length" if out.finish == "length" else "tool_calls" if calls else "stop"
         version = flight.lease.version if flight.lease is not None else None
-        return Answer(text, tuple(calls), finish, stop_string, ids, lps, prompt_tokens, version)
+        return Answer(text, tuple(calls), finish, stop_string, ids, lps, prompt_tokens, version, split.reasoning)
 
     async def _record(self, answer: Answer, gen: Generation) -> None:
         """Record the turn; the write is shielded from a client disconnect (it is the commit point)."""
