@@ -174,6 +174,10 @@ class Turn:
             s.spawn(self._settle_phase(phase))
             raise
         self.timing.store_s += time.perf_counter() - t0
+        if isinstance(lease, GateSealed) and not isinstance(prep, BaseException) and not isinstance(entry, BaseException):
+            s.admission.abort_all("weight_update")  # learnt of a seal: stop what runs now
+            if s.config.on_weight_update == "continue":
+                lease = await self._wait_for_gate(sid)  # the agent does not see the update at all
         errors = [x for x in (prep, entry, lease) if isinstance(x, BaseException)]
         if errors:
             if isinstance(lease, Lease):
@@ -312,6 +316,19 @@ class Turn:
                 log.warning("gateway: could not keep the tokens of held turn %s: %s", flight.rid, exc)
         await s.admission.settle_flight(flight, "aborted")
         s.metrics.held.labels("held").inc()
+        lease = await self._wait_for_gate(self.sid)
+        nxt = Flight(new_id("req-"), self.sid, flight.engine, lease)
+        self.flight = nxt
+        s.admission.register(nxt)
+        self.continued = True
+
+    async def _wait_for_gate(self, sid: str) -> Lease:
+        """Wait (at most ``--hold-timeout``) until the gate reopens and admits ``sid``; its lease.
+
+        Raises TurnAborted("hold_timeout") when it does not, and what admission raises
+        otherwise (SessionReleased...). Streams get keep-alive comments meanwhile.
+        """
+        s = self.s
         deadline = time.monotonic() + s.config.hold_timeout_s
         with s.admission.holding():
             while True:
@@ -324,15 +341,9 @@ class Turn:
                         await self.out.keepalive()
                     continue
                 try:
-                    lease = await s.admission.admit(self.sid)
+                    return await s.admission.admit(sid)
                 except GateSealed:
                     s.admission.sealed()
-                    continue
-                break
-        nxt = Flight(new_id("req-"), self.sid, flight.engine, lease)
-        self.flight = nxt
-        s.admission.register(nxt)
-        self.continued = True
 
     # -- the answer and 4: the record -------------------------------------------------------
 
