@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not Path(args.tokenizer).is_dir():
         ap.error(f"--tokenizer {args.tokenizer!r}: not a directory")
-    from tracestore.gateway._http import serve_forever
+    from tracestore.gateway.serve import serve_forever
 
     server = Server(Script(args.tokenizer, args.api, args.model))
 

@@ -160,10 +160,11 @@ class Gateway:
         make = engine_class(self.config.engine_api)
         self.engines = {url: make(url, self._session, timeout) for url in self.config.engines}
         features = TemplateFeatures()
+        max_context: int | None = None
         if self.config.startup_checks:
             try:
-                await check_engines(self.tok, list(self.engines.values()))
-                features = probe_template(self.tok)
+                max_context = await check_engines(self.tok, list(self.engines.values()))
+                features = probe_template(self.tok, self.config.prompt_mode)
             except BaseException:
                 await self.close()
                 raise
@@ -182,6 +183,7 @@ class Gateway:
             spawn=self._spawn,
             experts=self.holder is not None,
             features=features,
+            max_context=max_context,
         )
         self.admission.start()
 

@@ -45,9 +45,14 @@ def tokenizer_ids(tok: ChatTokenizer) -> int:
     return int(getattr(tok, "vocab_size", 0) or 0)
 
 
-async def check_engines(tok: ChatTokenizer, engines: list[Engine]) -> None:
-    """Ask every engine what it reports; ConfigError (one line) when one cannot serve ``tok``'s ids."""
+async def check_engines(tok: ChatTokenizer, engines: list[Engine]) -> int | None:
+    """Ask every engine what it reports; ConfigError (one line) when one cannot serve ``tok``'s ids.
+
+    Returns the smallest context length the engines report (None: none does): the gateway clamps
+    each request's ``max_tokens`` to what the context leaves.
+    """
     need = tokenizer_ids(tok)
+    contexts: list[int] = []
     for e in engines:
         try:
             info = await e.info()
@@ -59,6 +64,9 @@ async def check_engines(tok: ChatTokenizer, engines: list[Engine]) -> None:
                 f"engine {e.url} ({info.model or e.api}) has a vocabulary of {info.vocab_size} ids, but the "
                 f"tokenizer {tok.name!r} makes ids up to {need - 1}: --tokenizer must be the engine's model's tokenizer"
             )
+        if info.max_context is not None:
+            contexts.append(info.max_context)
+    return min(contexts) if contexts else None
 
 
 @dataclass(frozen=True)
@@ -90,8 +98,7 @@ def _probe(call_id: str) -> list[Message]:
             "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "probe_add", "arguments": {"a": 2, "b": 3}}}],
         },
         {"role": "tool", "content": "5", "tool_call_id": call_id},
-        {"role": "user", "content": "thanks"},
-    ]
+    ]  # (ends at the tool result: Mistral's templates allow no user message right after one)
 
 
 def _renders(tok: ChatTokenizer, messages: list[Message], tools: list[dict[str, Any]] | None) -> str | None:
@@ -101,30 +108,46 @@ def _renders(tok: ChatTokenizer, messages: list[Message], tools: list[dict[str, 
         return None
 
 
-def probe_template(tok: ChatTokenizer) -> TemplateFeatures:
-    """Render the probe conversation through ``tok``'s template; what it can render (see the module docstring)."""
+def probe_template(tok: ChatTokenizer, prompt_mode: str = "tito") -> TemplateFeatures:
+    """Render the probe conversation through ``tok``'s template; what it can render (see the module docstring).
+
+    In ``template`` mode the conversation rendered with an answer must extend the prompt (that is
+    how that mode records a turn); a template that does not (R1's generation prompt ends in
+    ``<think>\n``, its rendered answers drop it) ends the gateway with one line.
+    """
     notes: list[str] = []
+    if prompt_mode == "template":
+        user = [{"role": "user", "content": "hi"}]
+        prompt = tok.render(user, None, True)
+        after = tok.render([*user, {"role": "assistant", "content": "hello"}], None, False).rstrip()
+        if not after.startswith(prompt):
+            raise ConfigError(
+                f"--prompt-mode template cannot record turns of {tok.name!r}: its template renders an answer "
+                f"differently from what follows its generation prompt ({prompt[-24:]!r}); use --prompt-mode tito"
+            )
     system = _renders(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], None) is not None
     if not system:
         notes.append("no system role")
     call_id = tok.new_call_id("call_")
     text = _renders(tok, _probe(call_id), [_PROBE_TOOL])
-    if text is None or "probe_add" not in text:
+    if text is None:
         if _renders(tok, _probe(_MISTRAL_ID), [_PROBE_TOOL]) is not None:
             raise ConfigError(
                 f"the chat template of {tok.name!r} refuses tool-call ids like {call_id!r} and takes 9 letters and "
                 "digits: --tool-parser mistral makes those"
             )
-        notes.append("cannot render tools")
+        notes.append("cannot render tool calls and results")
         return TemplateFeatures(system=system, tools=False, notes=tuple(notes))
-    _check_parser(tok, _probe(call_id)[:2])
+    if "probe_add" not in (_renders(tok, _probe(call_id)[:1], [_PROBE_TOOL]) or ""):
+        notes.append("does not render the tools' definitions (the client must describe them)")
+    _check_parser(tok, _probe(call_id)[:2], notes)
     return TemplateFeatures(system=system, tools=True, notes=tuple(notes))
 
 
 _MISTRAL_ID = "aB3dE6gH9"
 
 
-def _check_parser(tok: ChatTokenizer, turn: list[Message]) -> None:
+def _check_parser(tok: ChatTokenizer, turn: list[Message], notes: list[str]) -> None:
     """The tool parser must read back the tool call the template writes (else calls arrive as content)."""
     if getattr(tok, "tool_parser", "") == "none":
         return
@@ -133,8 +156,9 @@ def _check_parser(tok: ChatTokenizer, turn: list[Message]) -> None:
     written = after[len(before) :] if after.startswith(before) else after
     if tok.stop_word:  # the gateway cuts the end-of-turn marker before it parses an answer
         written = written.split(tok.stop_word)[0]
-    if "probe_add" not in written:
-        return  # the template does not write assistant tool calls back (DeepSeek V3's): nothing to check
+    if "probe_add" not in written:  # (DeepSeek V3's): nothing to check; tito mode does not need it
+        notes.append("does not render an assistant's tool calls (a fork or template mode re-renders without them)")
+        return
     _, calls = tok.parse_tool_calls(written, [_PROBE_TOOL])
     if [(c.name, c.arguments) for c in calls] != [("probe_add", {"a": 2, "b": 3})]:
         raise ConfigError(

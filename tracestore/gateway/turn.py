@@ -41,7 +41,7 @@ from ..gate import Lease
 from ..router import AsyncRouter
 from ..store import AsyncTraceStore
 from .admission import Admission, Flight
-from .chat import Answer, ChatRequest, ToolCall, Wire, new_id
+from .chat import Answer, ChatRequest, ToolCall, Wire, invalid, new_id
 from .config import GatewayConfig
 from .engines import (
     Engine,
@@ -84,6 +84,8 @@ class Services:
     spawn: Callable[[Awaitable[Any]], None]
     experts: bool = False
     features: TemplateFeatures = field(default_factory=TemplateFeatures)
+    #: The engines' context length (prompt + answer), when they report it: max_tokens is clamped to it.
+    max_context: int | None = None
     opened: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _rr: int = 0
 
@@ -271,6 +273,15 @@ class Turn:
             if flight.abort_reason is not None:
                 raise TurnAborted(flight.abort_reason)
             budget = self.req.max_tokens - len(gen.ids)
+            if s.max_context is not None:
+                room = s.max_context - len(input_ids) - len(gen.ids)
+                if room <= 0 and not gen.ids:
+                    raise invalid(
+                        f"the prompt of {len(input_ids)} tokens leaves no room to answer in the engine's "
+                        f"context of {s.max_context} tokens",
+                        "messages",
+                    )
+                budget = min(budget, room)
             if budget <= 0:
                 gen.finish, gen.matched = "length", None
                 return
