@@ -59,7 +59,7 @@ def test_ping_unreachable_exits_1() -> None:
 
 def test_bad_url_is_a_readable_error() -> None:
     r = CliRunner().invoke(main, ["ping", "--url", "http://x"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2  # a usage error
     assert "unsupported URL scheme" in r.output
 
 

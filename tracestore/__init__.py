@@ -26,6 +26,7 @@ from .errors import (
     PromptMismatch,
     RunInUse,
     RunNotEmpty,
+    RunRecordMissing,
     ScriptError,
     ServerError,
     SessionExists,
@@ -42,7 +43,7 @@ from .gc import GcReport
 from .keys import Keys
 from .replay import ExpireReport, Group, PutResult, Taken, TakenMany
 from .router import Route, RouteTable
-from .runs import RunDeleted, RunSummary
+from .runs import RunDeleted, RunKeys, RunSummary
 from .session import AsyncTurnRecorder, TurnRecorder
 from .store import AsyncTraceStore, TraceStore, connect
 from .traces import Node, PrefixMatch, Segment, Trace, Turn
@@ -57,7 +58,9 @@ __all__ = [
     "PutResult",
     "RunNotEmpty",
     "RunInUse",
+    "RunRecordMissing",
     "RunDeleted",
+    "RunKeys",
     "RunSummary",
     "Taken",
     "TakenMany",

@@ -291,6 +291,34 @@ class RunInUse(TracestoreError):
         )
 
 
+class RunRecordMissing(TracestoreError):
+    """The run's record (``ts:{R}:meta``) is gone but keys of the run remain; nothing was deleted.
+
+    The server restarted or was flushed while a client went on writing to
+    the run. ``control_keys``, ``data_keys`` (of ``sessions`` sessions) and
+    ``turn_shards`` count what is left; ``delete_run(force=True)``
+    (``tracestore run delete R --force``) removes it.
+    """
+
+    def __init__(self, run: str, control_keys: int, data_keys: int, sessions: int, turn_shards: int) -> None:
+        self.run = run
+        self.control_keys = control_keys
+        self.data_keys = data_keys
+        self.sessions = sessions
+        self.turn_shards = turn_shards
+        super().__init__(
+            f"run {run!r} has no record (ts:{{{run}}}:meta is gone: the server restarted or was "
+            f"flushed while a client wrote to it), but {self.keys} of its keys remain "
+            f"({control_keys} control, {data_keys} data of {sessions} sessions, {turn_shards} "
+            "turn counter shards); delete them with delete_run(force=True)"
+        )
+
+    @property
+    def keys(self) -> int:
+        """Every key left."""
+        return self.control_keys + self.data_keys + self.turn_shards
+
+
 class StorageError(TracestoreError):
     """The Redis server could not be reached or answered with an error.
 
@@ -489,6 +517,7 @@ __all__ = [
     "GroupExists",
     "RunNotEmpty",
     "RunInUse",
+    "RunRecordMissing",
     "StorageError",
     "OutcomeUnknown",
     "DurabilityUnconfirmed",
