@@ -185,6 +185,11 @@ class Keys:
         """``ts:{R}:owners:lost`` zset owner -> ms when gc declared it lost (blocks resurrection)."""
         return f"{self._c}:owners:lost"
 
+    @property
+    def lock(self) -> str:
+        """``ts:{R}:lock`` hash: the run's lock (one trainer per run): holder, host, boot, pid, since."""
+        return f"{self._c}:lock"
+
     def op(self, op_id: str) -> str:
         """``ts:{R}:op:<op_id>`` string: cached reply of a mutating script (retry idempotency)."""
         return f"{self._c}:op:{validate_id('operation id', op_id)}"
