@@ -1,4 +1,4 @@
-"""``gc`` and ``tracestore gc`` on every backend (DESIGN section 5, invariants 4 and 5).
+"""``gc`` and ``tracestore gc`` on every backend (docs/design.md section 5, invariants 4 and 5).
 
 Owner loss itself is covered in tests/test_ownership.py (scenario 6); here:
 crash leftovers, orphan data, tombstone retention, consumer groups of gone

@@ -1,7 +1,7 @@
 """tracestore: a Redis-backed distributed trace store for agentic RL of LLMs.
 
 Start with :func:`connect` (or :meth:`TraceStore.connect`); see README.md and
-DESIGN in docs/ for the model. The core imports without Ray or torch; the Ray
+docs/design.md for the model. The core imports without Ray or torch; the Ray
 integration lives in :mod:`tracestore.ray` (extra ``tracestore[ray]``).
 """
 

@@ -1,4 +1,4 @@
-"""Checkpoint and restore of a run to a portable file (DESIGN section 7, invariant 4).
+"""Checkpoint and restore of a run to a portable file (docs/design.md section 7, invariant 4).
 
 ``store.checkpoint(path)`` writes the run's control plane (sessions, owners,
 events, gate, routes, the replay buffer's indexes), the replay groups in

@@ -1,4 +1,4 @@
-"""Typed errors (DESIGN section 9).
+"""Typed errors (docs/design.md section 9).
 
 Every error carries the ids involved and, where there is one, what to do
 next. Lua scripts report failures as result codes (``{1, CODE, fields...}``;

@@ -1,4 +1,4 @@
-"""Garbage collection of a run's control and data planes (DESIGN section 5, invariants 4, 5).
+"""Garbage collection of a run's control and data planes (docs/design.md section 5, invariants 4, 5).
 
 ``gc`` is safe to run at any time, from any process, concurrently with the
 workload: every step either goes through an atomic release-if-owned script

@@ -1,4 +1,4 @@
-"""The one module that builds key names (DESIGN section 3).
+"""The one module that builds key names (docs/design.md section 3).
 
 Nothing else in tracestore concatenates key strings. Every builder validates
 its ids first and raises :class:`~tracestore.errors.InvalidId` before any I/O.

@@ -1,4 +1,4 @@
-"""The runs on a server: list them with their activity and footprint, delete one (DESIGN section 12).
+"""The runs on a server: list them with their activity and footprint, delete one (docs/design.md section 12).
 
 A run exists while its meta record ``ts:{R}:meta`` does. :func:`list_runs`
 reads, for every run under the store's key prefix, when it was created, its

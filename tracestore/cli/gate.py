@@ -1,7 +1,7 @@
 """``tracestore gate status|seal|drain|install|reopen|clear-poison`` and ``tracestore routes``.
 
 Operator commands for the request gate and session affinity of one run
-(DESIGN section 6). They work on a live run: sealing from the shell stops
+(docs/design.md section 6). They work on a live run: sealing from the shell stops
 admissions for every entrypoint of the run at once.
 """
 
