@@ -147,6 +147,8 @@ USAGE_ERRORS: list[str] = [
     "acl a/b",
     "acl alpha --prefix a/b",
     "acl alpha --role admin",
+    "acl alpha --user a{{b",
+    "gate install 99999999999999999999 --url redis://{standalone} --run alpha",
     "demo --url http://{standalone}",
     "redis-cli --url http://{standalone} PING",
     "cluster up --primaries 0 --state-file {tmp}/c.json",
@@ -171,12 +173,25 @@ USAGE_ERRORS: list[str] = [
 ]
 
 
+#: Bad values with spaces or empty (argv lists, not split on whitespace).
+USAGE_ERRORS_QUOTED: list[list[str]] = [
+    ["gate", "status", "--url", "redis://{standalone}", "--run", "a b"],
+    ["sessions", "--url", "redis://{standalone}", "--run", "alpha", "--owner", ""],
+    ["trace", "a b", "--url", "redis://{standalone}", "--run", "alpha"],
+    ["acl", "alpha", "--user", "a b"],  # it printed `ACL SETUSER a b ...`, a broken command
+    ["acl", "alpha", "--password", ""],
+    ["acl", "a b"],
+]
+
+
 def test_bad_option_values_are_usage_errors(places: dict[str, str]) -> None:
     """Every command's bad option values exit 2 with one line (not 1, as URLs, run ids and
     durations the library refused did)."""
     bad = []
-    for argv in USAGE_ERRORS:
-        r = CliRunner().invoke(main, argv.format(**places).split(), prog_name="tracestore")
+    argvs = [a.format(**places).split() for a in USAGE_ERRORS]
+    argvs += [[a.format(**places) for a in argv] for argv in USAGE_ERRORS_QUOTED]
+    for argv in argvs:
+        r = CliRunner().invoke(main, argv, prog_name="tracestore")
         assert isinstance(r.exception, SystemExit), (argv, r.exception)  # never a traceback
         lines = r.output.strip().splitlines()
         if r.exit_code != 2 or len(lines) != 1 or not lines[0].startswith("error: "):

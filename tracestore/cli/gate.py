@@ -15,7 +15,7 @@ from .._table import format_table, human_duration, human_time
 from ..gate import GateStatus
 from ..router import route_table
 from ..store import TraceStore
-from ..validate import validate_id, validate_ids
+from ..validate import MAX_VERSION, validate_id, validate_ids
 from . import connect, echo_json, guarded, json_option, main, run_option, url_option
 from ._params import Seconds
 
@@ -128,7 +128,7 @@ def gate_drain(url: str | None, run: str | None, timeout_s: float) -> None:
 @gate.command("install")
 @url_option
 @run_option
-@click.argument("version", type=int)
+@click.argument("version", type=click.IntRange(0, MAX_VERSION))
 @guarded
 def gate_install(url: str | None, run: str | None, version: int) -> None:
     """Install weight VERSION (the gate must be sealed, drained and unpoisoned)."""
