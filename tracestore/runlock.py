@@ -149,10 +149,12 @@ def acquire_run_lock(ctx: Context, holder: Holder, ttl_s: float = LOCK_TTL_S) ->
 
 
 def unlock_run(ctx: Context, token: str) -> Op[bool]:
-    """Release the run's lock if ``token`` holds it; True when it did.
+    """Release the run's lock if ``token`` holds it; True when the lock is free of it now.
 
-    A lock that expired and was taken by another holder is left alone.
-    Naturally idempotent. One round trip. Raises StorageError.
+    True also when it was free already (released before, or expired: a
+    retry whose first reply was lost answers the same); False when another
+    holder has it (it expired and was taken), which is left alone. One round
+    trip. Raises StorageError.
     """
     reply = yield Eval(script("run_unlock"), (ctx.keys.lock,), (token,))
     return Reply(reply, "run_unlock").flag()
