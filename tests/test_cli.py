@@ -59,7 +59,7 @@ def test_ping_unreachable_exits_1() -> None:
 
 def test_bad_url_is_a_readable_error() -> None:
     r = CliRunner().invoke(main, ["ping", "--url", "http://x"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2  # a usage error
     assert "unsupported URL scheme" in r.output
 
 
@@ -68,6 +68,33 @@ def test_demo_against_a_server(standalone_url: str) -> None:
     assert r.exit_code == 0, r.output
     assert "reloaded on NOSCRIPT" in r.output
     assert "20000" in r.output
+
+
+def _demo_keys(url: str) -> list[str]:
+    with TraceStore.connect(url, run="probe", create_run=False) as st:
+        return sorted(k.decode() for k in st.redis.scan_iter(match="ts:{demo-*", count=1000))
+
+
+def test_demo_cleans_up_its_runs_unless_kept(tmp_path: Path) -> None:
+    """`tracestore demo` left six runs behind, two with live sessions of owner tags that never
+    heart-beat (gc cannot release them): now every section's run is deleted after its table,
+    unless --keep, which names them."""
+    srv = EmbeddedServer().start()  # a server of its own: no other test's demo runs on it
+    try:
+        r = subprocess.run([*BIN, "demo", "--url", srv.url], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip().endswith("removed the demo's 6 runs (--keep keeps them)"), r.stdout[-300:]
+        assert _demo_keys(srv.url) == []
+        r = subprocess.run([*BIN, "demo", "--url", srv.url, "--keep", "--only", "ownership"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        last = r.stdout.rstrip().splitlines()[-1]
+        assert last.startswith("kept the demo's runs: demo-ownership-"), last
+        run = last.split(": ", 1)[1].split(" ", 1)[0]
+        with TraceStore.connect(srv.url, run=run, create_run=False) as st:
+            assert st.run_ids() == [run] and st.stats().sessions_opened > 0
+    finally:
+        srv.stop()
 
 
 def test_cluster_up_status_down(tmp_path: Path) -> None:

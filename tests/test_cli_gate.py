@@ -52,7 +52,7 @@ def test_operator_walks_a_weight_update_through_the_cli(store: TraceStore, url: 
     assert r.exit_code == 1 and "GatePoisoned" in r.output
 
     r = cli(url, run, "gate", "clear-poison", "--resolution", "worker-died")
-    assert r.exit_code == 0 and "nothing to clear" in r.output
+    assert r.exit_code == 2 and "give the LEASE_IDS to clear, or --all" in r.output  # a usage error
     r = cli(url, run, "gate", "clear-poison", "--all", "--resolution", "worker-died")
     assert r.exit_code == 0, r.output
     assert f"cleared 1 of 1 lease(s): {dead.id}" in r.output
@@ -73,12 +73,13 @@ def test_operator_walks_a_weight_update_through_the_cli(store: TraceStore, url: 
 
 
 def test_cli_refuses_bad_arguments(store: TraceStore, url: str) -> None:
+    # usage errors: exit 2
     r = cli(url, store.run_id, "gate", "seal", "--retry-after-ms", "0")
-    assert r.exit_code == 1 and "retry_after_ms" in r.output
+    assert r.exit_code == 2 and "--retry-after-ms" in r.output
     r = cli(url, store.run_id, "gate", "drain", "--timeout", "-1")
-    assert r.exit_code == 1 and "timeout_s" in r.output
+    assert r.exit_code == 2 and "--timeout" in r.output
     r = cli(url, store.run_id, "gate", "clear-poison", "bad{id}", "--resolution", "x")
-    assert r.exit_code == 1 and "InvalidId" in r.output
+    assert r.exit_code == 2 and "InvalidId" in r.output
     assert store.gate.status().state == "open"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -72,3 +74,33 @@ def test_replay_demo_section(standalone_url: str) -> None:
     assert "['inflight0', 'inflight1']" in r.output
     assert "['done0', 'done1', 'done2', 'done3']" in r.output
     assert "took 0, ready=1" in r.output
+
+
+def test_checkpoint_save_refuses_an_existing_file_unless_forced(standalone_url: str, tmp_path: Path) -> None:
+    """A second `checkpoint save` to the same path silently overwrote it: now it is refused with
+    one line naming the run the file holds, and the file is left as it was; --force replaces it."""
+    first, second = f"t-{uuid.uuid4().hex[:12]}", f"t-{uuid.uuid4().hex[:12]}"
+    with TraceStore.connect(standalone_url, run=first) as a, TraceStore.connect(standalone_url, run=second) as b:
+        _fill(a)
+        b.open_session("only", "rollout:0")
+    path = tmp_path / "run.ckpt"
+
+    def save(run: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tracestore.cli", "checkpoint", "save", str(path), "--url", standalone_url,
+             "--run", run, *flags],
+            capture_output=True, text=True, timeout=120,
+        )
+
+    assert save(first).returncode == 0
+    kept = path.read_bytes()
+    r = save(second)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (
+        f"error: {path} exists (a checkpoint of run {first!r}); add --force to overwrite it, or give "
+        "another PATH\n"
+    )
+    assert path.read_bytes() == kept
+    r = save(second, "--force")
+    assert r.returncode == 0, r.stderr
+    assert f"saved run {second!r}" in r.stdout and orjson.loads(path.read_bytes().split(b"\n")[0])["run"] == second

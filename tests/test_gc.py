@@ -1,4 +1,4 @@
-"""``gc`` and ``tracestore gc`` on every backend (DESIGN section 5, invariants 4 and 5).
+"""``gc`` and ``tracestore gc`` on every backend (docs/design.md section 5, invariants 4 and 5).
 
 Owner loss itself is covered in tests/test_ownership.py (scenario 6); here:
 crash leftovers, orphan data, tombstone retention, consumer groups of gone
@@ -8,6 +8,8 @@ the disaggregated workload without touching anything live.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -15,10 +17,12 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from tests._dump import dump_run
 from tests.test_ownership import _race, data_intact, data_purged, events, write_turn
 from tracestore import Group, InvalidInput, SessionReleased, TraceStore
 from tracestore import gc as gcmod
 from tracestore.cli import main
+from tracestore.run import server_ms
 from tracestore.scripts import Batch, Eval
 
 
@@ -240,7 +244,7 @@ def test_cli_gc_and_sessions(url: str, run_id: str, store: TraceStore) -> None:
     infos = {o["owner"]: o for o in orjson.loads(r.output)}
     assert infos["rollout:gone"]["lost_ms"] is not None and infos["replay"]["sessions"] == 1
     r = runner.invoke(main, ["gc", "--url", url, "--run", run_id, "--tombstone-retention", "-1"])
-    assert r.exit_code == 1 and "InvalidInput" in r.output
+    assert r.exit_code == 2 and "Invalid value for '--tombstone-retention'" in r.output
 
 
 def test_gc_async(url: str, run_id: str, arun: Any) -> None:
@@ -311,3 +315,59 @@ def test_a_clean_run_leaves_its_data_and_counters_only(url: str, run_id: str) ->
         assert (expected.sessions_opened, expected.sessions_released, expected.groups_put) == (8, 8, 1)
         report = after.gc()
         assert report.owners_lost == () and report.sessions_released == () and report.sessions_purged == ()
+
+
+def _gc_cli(url: str, run: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``tracestore gc`` as a real process."""
+    return subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", "gc", "--url", url, "--run", run, *args],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_gc_check_is_a_dry_run_that_reports_what_the_pass_then_does(
+    url: str, run_id: str, store: TraceStore
+) -> None:
+    """`tracestore gc --check` changes no key of the run (a dump of every key is equal after it),
+    and reports what the next pass does: the owner it declares lost and the sessions it releases,
+    the leftover data it purges, the orphan data, the old tombstone, the idle consumer group and
+    the events it trims. (Before, --check ran the pass.)"""
+    k = store.keys
+    store.open_sessions(["e0", "e1"], "train:1")
+    store.release(["e0", "e1"], "train:1")  # two events ...
+    store.redis.xgroup_create(k.events, "holder", id="$")  # ... below this holder's mark: 1 to trim
+    store.redis.xgroup_create(k.events, "gone", id="0-1")  # positioned in 1970: idle, removed
+    store.redis.zadd(k.released, {"e0": 1}, xx=True)  # e0's tombstone is past any retention
+    store.open_session("t0", "train:2")
+    write_turn(store, "t0")
+    store.release(["t0"], "train:2", purge=False)  # a crash between release and purge
+    write_turn(store, "orphan")  # data, no control record
+    beat = store.heartbeat("rollout:gone", 0.05)
+    store.open_sessions(["g0", "g1"], "rollout:gone")
+    while store.run(server_ms(store.context)) <= beat.deadline_ms:  # the deadline passes
+        time.sleep(0.01)
+    before = dump_run(store)
+
+    dry = _gc_cli(url, run_id, "--check", "--json")
+    assert dry.returncode == 2, dry.stderr  # orphan data found
+    plan = orjson.loads(dry.stdout)
+    assert dump_run(store) == before, "gc --check changed the run"
+    assert plan["dry_run"] is True
+    assert plan["owners_lost"] == ["rollout:gone"] and plan["sessions_released"] == ["g0", "g1"]
+    assert plan["sessions_purged"] == ["t0"] and plan["orphan_sessions"] == ["orphan"]
+    assert plan["tombstones_trimmed"] == 1 and plan["events_trimmed"] == 1
+    assert plan["groups_removed"] == ["gone"]
+    table = _gc_cli(url, run_id, "--check")
+    assert table.returncode == 2 and "dry run" in table.stdout and "owners to declare lost" in table.stdout
+    assert dump_run(store) == before
+
+    done = _gc_cli(url, run_id, "--json")
+    assert done.returncode == 0, done.stderr
+    did = orjson.loads(done.stdout)
+    assert did["dry_run"] is False
+    assert {f: sorted(v) if isinstance(v, list) else v for f, v in did.items() if f != "dry_run"} == {
+        f: v for f, v in plan.items() if f != "dry_run"
+    }
+    assert store.owners()[0].lost_ms is not None and data_purged(store, "t0")
+    again = orjson.loads(_gc_cli(url, run_id, "--check", "--json").stdout)
+    assert again["owners_lost"] == [] and again["sessions_purged"] == [] and again["tombstones_trimmed"] == 0

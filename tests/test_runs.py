@@ -10,6 +10,8 @@ server went missing.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -18,8 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 from tests.test_ownership import write_turn
-from tracestore import Group, InvalidInput, RunInUse, TraceStore
+from tracestore import Group, InvalidInput, RunInUse, RunRecordMissing, TraceStore
 from tracestore.cli import main
+from tracestore.keys import key_slot
 from tracestore.scripts import Batch, Cmd
 
 
@@ -167,3 +170,63 @@ def test_a_run_of_an_older_trace_schema_is_refused_with_the_way_out(standalone_u
     assert r.exit_code == 0, r.output
     with TraceStore.connect(standalone_url, run=run_id) as st:  # a new run of that id, this schema
         assert st.redis.hget(st.keys.meta, "schema") == b"2"
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``tracestore`` command as a real process."""
+    return subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", *args, "--url", url],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def _run_keys_on_server(st: TraceStore, run: str) -> list[str]:
+    """Every key of ``run`` on every primary: control plane, sessions' data, turn counter shards."""
+    return [k for k in _keys_of_server(st) if k.startswith((f"ts:{{{run}}}", f"ts:{{{run}/", f"ts:{{{run}|"))]
+
+
+def test_a_run_whose_record_is_gone_is_removed_by_run_delete_and_gc_with_force(url: str, run_id: str) -> None:
+    """A client that outlived its store's data writes again without the run's record (the
+    gateway after a server restart writes ts:{gw-1}... keys): every command answered
+    `no run`, and only redis-cli could remove them. Now `run delete` and `gc --run` count them,
+    change nothing without --force, and remove them with it, from every primary of a cluster,
+    and nothing of a neighbour run."""
+    lost, other = f"{run_id}-gw", f"{run_id}-gw2"
+    with TraceStore.connect(url, run=lost) as a, TraceStore.connect(url, run=other) as b, \
+            TraceStore.connect(url, run=run_id) as neighbour:
+        for st, tag in ((a, "a"), (b, "b"), (neighbour, "n")):
+            _fill(st, tag)
+            st.open_session(f"{tag}-gw", "gateway")  # the gateway's owner: it never heart-beats
+            write_turn(st, f"{tag}-gw")
+        for st in (a, b):
+            st.redis.delete(st.keys.meta)
+        keep = _dump(neighbour, _run_keys_on_server(neighbour, run_id))
+        left = _run_keys_on_server(a, lost)
+        assert len({key_slot(k) for k in left}) > 3  # spread over slots (and a cluster's primaries)
+        before = _dump(a, left)
+
+        r = _cli(url, "sessions", "--run", lost)
+        assert r.returncode == 1 and f"run {lost!r}" in r.stderr and "has no record" in r.stderr, r.stderr
+        assert f"`tracestore run delete {lost} --force` removes them" in r.stderr
+        assert f"{len(left)} of its keys remain" in r.stderr
+        for args, code in ((("run", "delete", lost), 1), (("gc", "--run", lost), 1), (("gc", "--run", lost, "--check"), 2)):
+            r = _cli(url, *args)
+            assert r.returncode == code, (args, r.stdout, r.stderr)
+            assert f"{len(left)} keys" in r.stdout + r.stderr or f"{len(left)} of its keys" in r.stderr
+            assert _dump(a, _run_keys_on_server(a, lost)) == before, args  # nothing changed
+
+        r = _cli(url, "gc", "--run", lost, "--force")
+        assert r.returncode == 0, r.stderr
+        assert f"removed run {lost!r} (it had no record)" in r.stdout
+        assert _run_keys_on_server(a, lost) == []
+        r = _cli(url, "run", "delete", other, "--force", "--json")
+        assert r.returncode == 0, r.stderr
+        done = orjson.loads(r.stdout)
+        assert done["had_record"] is False and done["data_keys"] > 0 and done["turn_shards"] > 0
+        assert _run_keys_on_server(b, other) == []
+        r = _cli(url, "run", "delete", other, "--force")
+        assert r.returncode == 2 and f"no run {other!r}" in r.stderr  # nothing left: no run
+        assert _dump(neighbour, _run_keys_on_server(neighbour, run_id)) == keep
+        with pytest.raises(RunRecordMissing):  # the library refuses too, without force
+            neighbour.redis.delete(neighbour.keys.meta)
+            neighbour.delete_run()

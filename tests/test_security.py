@@ -249,4 +249,4 @@ def test_cli_prints_the_documented_grant() -> None:
         assert r.exit_code == 0, r.output
         assert r.output.strip() == _doc_lines()[role]
     r = CliRunner().invoke(main, ["acl", "bad run"])
-    assert r.exit_code == 1 and "invalid run id" in r.output
+    assert r.exit_code == 2 and "invalid run id" in r.output  # a usage error

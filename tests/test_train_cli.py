@@ -15,15 +15,19 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._dump import dump_run
 from tests.test_trainer_e2e import FAST
 from tracestore import TraceStore, default_server
+from tracestore.runlock import read_run_lock
 from tracestore.servers import EmbeddedServer
 
 pytestmark = pytest.mark.ray
@@ -185,3 +189,93 @@ def test_durability_options_are_checked_against_the_server_before_the_run(
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == "error: $TRACESTORE_DURABILITY_TIMEOUT_S='soon' is not a number"
+
+
+def _cli_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``tracestore train ARGS`` as a person runs it (no $TRACESTORE_URL)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", "train", *args],
+        capture_output=True, text=True, timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "TRACESTORE_URL"},
+    )
+
+
+def test_resume_says_it_restored_the_store_and_a_finished_run_is_left_alone(
+    standalone_url: str, tmp_path: Path
+) -> None:
+    """A run crashes after the checkpoint of step 1 and the server loses it: `--resume` says
+    that it restored the run from the checkpoint's store file, and finishes. `--resume` of
+    the finished run then says so and changes nothing: before, it ran for 21 s, exited 0,
+    printed `steps/s 0`, `turns 0` and a share of 96628100.0%, and overwrote report.json."""
+    out = tmp_path / "out"
+    proc = _start(tmp_path, mode="colocated", url=standalone_url, steps=2, checkpoint_every=1,
+                  crash_after_step=1, out=str(out))
+    _, err = proc.communicate(timeout=600)
+    assert "SimulatedCrash" in err, err[-3000:]
+    run_id = json.loads((out / "ckpt" / "state.json").read_text())["cfg"]["run"]
+    with TraceStore.connect(standalone_url, run=run_id, create_run=False) as st:
+        st.delete_run(force=True)  # the server lost the run
+
+    res = _cli_train("--resume", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    restored = [ln for ln in res.stderr.splitlines() if ln.startswith("# the server had lost run")]
+    assert len(restored) == 1, res.stderr[-3000:]
+    assert restored[0].startswith(
+        f"# the server had lost run {run_id}: restored it from {out}/ckpt/store.ckpt (checkpoint of step 1: "
+    ), restored
+    report = (out / "report.json").read_bytes()
+    rep = json.loads(report)
+    assert rep["store_restored"] and rep["resumed_from_step"] == 1
+    assert [h["step"] for h in rep["history"]] == [1, 2]
+    assert 0 <= rep["tracestore_time_share"] <= 1
+    mtime = (out / "report.json").stat().st_mtime_ns
+    with TraceStore.connect(standalone_url, run=run_id, create_run=False) as st:
+        before = dump_run(st)
+        assert st.run(read_run_lock(st.context)) is None  # released when the run ended
+
+    done = _cli_train("--resume", "--out", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        f"run {run_id} already finished at step 2: nothing to resume, nothing changed (report: "
+        f"{out}/report.json); to train further: tracestore train --resume --out {out} --steps N (N > 2)\n"
+    )
+    assert "# run" not in done.stderr  # it started nothing
+    assert (out / "report.json").read_bytes() == report and (out / "report.json").stat().st_mtime_ns == mtime
+    with TraceStore.connect(standalone_url, run=run_id, create_run=False) as st:
+        assert dump_run(st) == before
+
+
+def test_a_second_trainer_of_a_run_is_refused_naming_the_first(standalone_url: str, tmp_path: Path) -> None:
+    """Two `tracestore train --run shared-1` a few seconds apart both ran: one died of
+    StaleVersion, the other ended `invariants violated`, neither named the other. Now the
+    second is refused at once (exit 2, one line naming the first's pid, host and start)
+    and the first goes on; its lock is released when it ends."""
+    run_id = f"shared-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    first = _start(tmp_path, mode="colocated", url=standalone_url, run=run_id, steps=40,
+                   checkpoint_every=40, out=str(tmp_path / "a"))
+    try:
+        _until(first, "at start")  # "# run ..." is printed once the run's lock is held
+        second = _cli_train("--url", standalone_url, "--run", run_id, "--steps", "1",
+                            "--out", str(tmp_path / "b"), timeout=120)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert second.stdout == "" and len(second.stderr.splitlines()) == 1, second.stderr
+        assert re.fullmatch(
+            rf"error: run {re.escape(run_id)} is being trained by tracestore train \(pid {first.pid} on "
+            rf"{re.escape(socket.gethostname())}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\); wait for it to end, "
+            r"or train another run \(--run NEW\)\n",
+            second.stderr,
+        ), second.stderr
+        assert not (tmp_path / "b" / "ckpt").exists()
+        assert first.poll() is None  # the first one goes on
+        with TraceStore.connect(standalone_url, run=run_id, create_run=False) as st:
+            lock = st.run(read_run_lock(st.context))
+            assert lock is not None and lock.pid == first.pid
+        os.killpg(first.pid, signal.SIGINT)
+        first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == 130
+    with TraceStore.connect(standalone_url, run=run_id, create_run=False) as st:
+        assert st.run(read_run_lock(st.context)) is None

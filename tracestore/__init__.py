@@ -1,7 +1,7 @@
 """tracestore: a Redis-backed distributed trace store for agentic RL of LLMs.
 
 Start with :func:`connect` (or :meth:`TraceStore.connect`); see README.md and
-DESIGN in docs/ for the model. The core imports without Ray or torch; the Ray
+docs/design.md for the model. The core imports without Ray or torch; the Ray
 integration lives in :mod:`tracestore.ray` (extra ``tracestore[ray]``).
 """
 
@@ -27,6 +27,7 @@ from .errors import (
     PromptMismatch,
     RunInUse,
     RunNotEmpty,
+    RunRecordMissing,
     ScriptError,
     ServerError,
     SessionExists,
@@ -43,7 +44,7 @@ from .gc import GcReport
 from .keys import Keys
 from .replay import ExpireReport, Group, PutResult, Taken, TakenMany
 from .router import Route, RouteTable
-from .runs import RunDeleted, RunSummary
+from .runs import RunDeleted, RunKeys, RunSummary
 from .session import AsyncTurnRecorder, TurnRecorder
 from .store import AsyncTraceStore, TraceStore, connect
 from .traces import Node, PrefixMatch, Segment, Trace, Turn
@@ -58,7 +59,9 @@ __all__ = [
     "PutResult",
     "RunNotEmpty",
     "RunInUse",
+    "RunRecordMissing",
     "RunDeleted",
+    "RunKeys",
     "RunSummary",
     "Taken",
     "TakenMany",

@@ -19,6 +19,8 @@ API as each role). A grant is per server: on a cluster, run it on every node.
 
 from __future__ import annotations
 
+import shlex
+
 from .errors import InvalidInput
 from .keys import Keys
 from .validate import validate_prefix, validate_run
@@ -94,9 +96,10 @@ def grant(run: str, role: str = "writer", *, user: str, password: str, prefix: s
 
 
 def grant_line(run: str, role: str = "writer", *, user: str, password: str, prefix: str = "ts") -> str:
-    """:func:`grant` as one ``redis-cli`` command line (arguments single-quoted)."""
-    return "redis-cli " + " ".join(f"'{a}'" if any(c in a for c in "{}*%>~|") else a
-                                   for a in grant(run, role, user=user, password=password, prefix=prefix))
+    """:func:`grant` as one ``redis-cli`` command line (arguments quoted for a POSIX shell)."""
+    return "redis-cli " + " ".join(
+        shlex.quote(a) for a in grant(run, role, user=user, password=password, prefix=prefix)
+    )
 
 
 __all__ = ["ROLES", "commands", "grant", "grant_line", "key_patterns"]

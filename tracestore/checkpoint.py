@@ -1,4 +1,4 @@
-"""Checkpoint and restore of a run to a portable file (DESIGN section 7, invariant 4).
+"""Checkpoint and restore of a run to a portable file (docs/design.md section 7, invariant 4).
 
 ``store.checkpoint(path)`` writes the run's control plane (sessions, owners,
 events, gate, routes, the replay buffer's indexes), the replay groups in
@@ -194,7 +194,8 @@ def checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]
     assert op_head is not None
     skip = op_head[:-1]  # retry caches
     groups = {k.rb_groups, k.rb_sids, k.rb_payloads}  # written as group records
-    keys = sorted({key for key in found if not (k.control_suffix(key) or "").startswith(skip)} - groups)
+    # the run's lock names a live process: it is not part of the run's state
+    keys = sorted({key for key in found if not (k.control_suffix(key) or "").startswith(skip)} - groups - {k.lock})
     now = yield from server_ms(ctx)
     w.line(
         {
@@ -544,7 +545,7 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
 
     Raises InvalidInput (not a checkpoint, other version, truncated or
     malformed file), RunNotEmpty (the run holds keys other than its meta
-    record), StorageError. Restore is not atomic: a crash in the middle
+    record and its lock), StorageError. Restore is not atomic: a crash in the middle
     leaves a partial run; delete it and restore again. Round trips: two SCANs
     (emptiness), then one per 256 commands.
     """
@@ -553,7 +554,7 @@ def restore(ctx: Context, path: str | os.PathLike[str]) -> Op[CheckpointInfo]:
     version = int(head["version"])
     end = yield Blocking(functools.partial(_validate, path, ctx, version))
     found = yield ScanAll(k.control_pattern, count=1000)
-    others = sorted(key for key in found if key != k.meta)
+    others = sorted(key for key in found if key not in (k.meta, k.lock))  # the restorer may hold the lock
     if not others:
         others = (yield ScanAll(k.data_pattern, count=1000))[:5]
     if not others and (yield from stats(ctx)).turns_recorded:

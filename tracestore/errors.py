@@ -1,4 +1,4 @@
-"""Typed errors (DESIGN section 9).
+"""Typed errors (docs/design.md section 9).
 
 Every error carries the ids involved and, where there is one, what to do
 next. Lua scripts report failures as result codes (``{1, CODE, fields...}``;
@@ -8,6 +8,7 @@ parses Redis error text.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -309,6 +310,77 @@ class RunInUse(TracestoreError):
         )
 
 
+class RunLocked(TracestoreError):
+    """Another process holds the run's lock (one trainer per run); nothing was changed.
+
+    ``holder`` is its token, ``host``, ``boot`` (the machine's boot id, ''
+    when unknown) and ``pid`` say where it runs, ``what`` what it is,
+    ``since_ms`` when it took the lock and ``deadline_ms`` when the lock
+    expires unless renewed (server clock, ms; -1 when unknown). Wait for it
+    to end, or use another run; a holder that is gone (its lock expired, or
+    its pid is dead on this machine) is taken over.
+    """
+
+    def __init__(
+        self,
+        run: str,
+        holder: str,
+        host: str,
+        boot: str,
+        pid: int,
+        what: str,
+        since_ms: int,
+        deadline_ms: int,
+    ) -> None:
+        self.run = run
+        self.holder = holder
+        self.host = host
+        self.boot = boot
+        self.pid = pid
+        self.what = what
+        self.since_ms = since_ms
+        self.deadline_ms = deadline_ms
+        super().__init__(
+            f"run {run!r} is held by {what or 'another process'} (pid {pid} on {host}, since "
+            f"{self.since}); wait for it to end, or use another run"
+        )
+
+    @property
+    def since(self) -> str:
+        """``since_ms`` as local time (``2026-12-01 20:43:10``), for messages."""
+        if self.since_ms < 0:
+            return "an unknown time"
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since_ms / 1000))
+
+
+class RunRecordMissing(TracestoreError):
+    """The run's record (``ts:{R}:meta``) is gone but keys of the run remain; nothing was deleted.
+
+    The server restarted or was flushed while a client went on writing to
+    the run. ``control_keys``, ``data_keys`` (of ``sessions`` sessions) and
+    ``turn_shards`` count what is left; ``delete_run(force=True)``
+    (``tracestore run delete R --force``) removes it.
+    """
+
+    def __init__(self, run: str, control_keys: int, data_keys: int, sessions: int, turn_shards: int) -> None:
+        self.run = run
+        self.control_keys = control_keys
+        self.data_keys = data_keys
+        self.sessions = sessions
+        self.turn_shards = turn_shards
+        super().__init__(
+            f"run {run!r} has no record (ts:{{{run}}}:meta is gone: the server restarted or was "
+            f"flushed while a client wrote to it), but {self.keys} of its keys remain "
+            f"({control_keys} control, {data_keys} data of {sessions} sessions, {turn_shards} "
+            "turn counter shards); delete them with delete_run(force=True)"
+        )
+
+    @property
+    def keys(self) -> int:
+        """Every key left."""
+        return self.control_keys + self.data_keys + self.turn_shards
+
+
 class StorageError(TracestoreError):
     """The Redis server could not be reached or answered with an error.
 
@@ -482,6 +554,9 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise CorruptData(str(f[0]), str(f[2]) if len(f) > 2 else "undecodable", str(f[1]) if len(f) > 1 else "")
     if code == "PREFIX_CHANGED":
         raise PrefixChanged(str(f[0]), str(f[1]), str(f[2]), str(f[3]), str(f[4]) != "0" if len(f) > 4 else True)
+    if code == "RUN_LOCKED":  # the run's id is filled in by the caller (tracestore.runlock)
+        holder, host, boot, pid, what = (str(x) for x in f[:5])
+        raise RunLocked("", holder, host, boot, int(pid or -1), what, int(f[5]), int(f[7]))
     if code == "INVALID_INPUT":
         raise InvalidInput(str(f[0]), str(f[1]) if len(f) > 1 else "invalid")
     raise ScriptError(script, f"unknown result code {code!r} {f!r}")
@@ -510,6 +585,8 @@ __all__ = [
     "GroupExists",
     "RunNotEmpty",
     "RunInUse",
+    "RunLocked",
+    "RunRecordMissing",
     "StorageError",
     "OutcomeUnknown",
     "DurabilityUnconfirmed",

@@ -1,4 +1,4 @@
-"""Garbage collection of a run's control and data planes (DESIGN section 5, invariants 4, 5).
+"""Garbage collection of a run's control and data planes (docs/design.md section 5, invariants 4, 5).
 
 ``gc`` is safe to run at any time, from any process, concurrently with the
 workload: every step either goes through an atomic release-if-owned script
@@ -26,6 +26,11 @@ Steps, in order:
 5. **Event stream**: entries below the slowest remaining group (its oldest
    pending entry, else its last delivered id) are trimmed with XTRIM MINID;
    with no group left, entries older than ``event_retention_s``.
+
+``gc(dry_run=True)`` (``tracestore gc --check``) changes nothing: it reads
+what each step would act on and reports it in the same :class:`GcReport`
+(``dry_run`` True), as of the moment it reads (a real pass re-checks every
+deadline on the server, so an owner that heart-beats meanwhile is spared).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ EVENT_RETENTION_S = 86_400
 #: Consumer groups idle for longer than this (s) are removed.
 GROUP_IDLE_LIMIT_S = 3_600
 _SWEEPS = 8  # passes over a lost owner's set; it can only shrink once the owner is lost
+_COUNT_PAGE = 5000  # event ids read per round trip when a dry run counts what a trim would remove
 
 
 @dataclass(frozen=True)
@@ -72,9 +78,22 @@ class GcReport:
     events_trimmed: int = 0
     #: Consumer groups removed because their holders were gone too long.
     groups_removed: tuple[str, ...] = ()
+    #: True for a dry run (``gc(dry_run=True)``): nothing was changed, every field says
+    #: what a pass would have done at the time of the reads.
+    dry_run: bool = False
 
     def summary(self) -> list[tuple[str, object]]:
-        """(what, count) rows for tables."""
+        """(what, count) rows for tables (worded "would ..." for a dry run)."""
+        if self.dry_run:
+            return [
+                ("owners to declare lost", len(self.owners_lost)),
+                ("sessions to release (owner-lost)", len(self.sessions_released)),
+                ("leftover data to purge (sessions)", len(self.sessions_purged)),
+                ("orphan data (sessions, reported)", len(self.orphan_sessions)),
+                ("tombstones to trim", self.tombstones_trimmed),
+                ("events to trim", self.events_trimmed),
+                ("consumer groups to remove", len(self.groups_removed)),
+            ]
         return [
             ("owners declared lost", len(self.owners_lost)),
             ("sessions released (owner-lost)", len(self.sessions_released)),
@@ -202,8 +221,10 @@ def _trim_tombstones(ctx: Context, cutoff: int) -> Op[int]:
     return total
 
 
-def _groups(ctx: Context, now: int, idle_limit_ms: int) -> Op[tuple[list[str], list[dict[str, Any]]]]:
-    """(groups removed, groups kept with their XINFO fields)."""
+def _groups(
+    ctx: Context, now: int, idle_limit_ms: int, *, remove: bool = True
+) -> Op[tuple[list[str], list[dict[str, Any]]]]:
+    """(groups removed, groups kept with their XINFO fields); ``remove=False``: those it would remove."""
     k = ctx.keys
     exists = yield Cmd(("EXISTS", k.events), key=k.events)
     if not int(exists):
@@ -223,14 +244,21 @@ def _groups(ctx: Context, now: int, idle_limit_ms: int) -> Op[tuple[list[str], l
         else:  # never read: judge by the time of the last id it was positioned at
             idle = now - _id_tuple(text(g["last-delivered-id"]))[0]
         if idle > idle_limit_ms:
-            yield Cmd(("XGROUP", "DESTROY", k.events, name), key=k.events)
+            if remove:
+                yield Cmd(("XGROUP", "DESTROY", k.events, name), key=k.events)
             removed.append(name)
         else:
             kept.append(g)
     return removed, kept
 
 
-def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_ms: int) -> Op[int]:
+def _trim_events(
+    ctx: Context, now: int, kept: list[dict[str, Any]], retention_ms: int, *, trim: bool = True
+) -> Op[int]:
+    """Trim the event stream below the slowest kept group (or the retention); the entries removed.
+
+    ``trim=False`` counts the entries a trim would remove and removes none.
+    """
     k = ctx.keys
     if kept:
         marks: list[tuple[int, int]] = []
@@ -248,9 +276,27 @@ def _trim_events(ctx: Context, now: int, kept: list[dict[str, Any]], retention_m
         low = (max(0, now - retention_ms), 0)
     if low == (0, 0):
         return 0
+    if not trim:
+        return (yield from _count_below(ctx, f"{low[0]}-{low[1]}"))
     # XTRIM of a missing stream answers 0: no EXISTS round trip needed.
     n = yield Cmd(("XTRIM", k.events, "MINID", f"{low[0]}-{low[1]}"), key=k.events)
     return int(n)
+
+
+def _count_below(ctx: Context, min_id: str) -> Op[int]:
+    """Entries of the event stream with an id below ``min_id`` (what XTRIM MINID would remove).
+
+    Pages of :data:`_COUNT_PAGE` ids (one round trip each): a dry run reads
+    the ids it counts, it trims nothing.
+    """
+    k = ctx.keys
+    start, total = "-", 0
+    while True:
+        page = yield Cmd(("XRANGE", k.events, start, f"({min_id}", "COUNT", _COUNT_PAGE), key=k.events)
+        total += len(page)
+        if len(page) < _COUNT_PAGE:
+            return total
+        start = f"({text(page[-1][0])}"
 
 
 def gc(
@@ -260,6 +306,7 @@ def gc(
     group_idle_limit_s: float = GROUP_IDLE_LIMIT_S,
     event_retention_s: float = EVENT_RETENTION_S,
     scan_data: bool = True,
+    dry_run: bool = False,
 ) -> Op[GcReport]:
     """One garbage-collection pass over the run; returns a :class:`GcReport`.
 
@@ -272,14 +319,20 @@ def gc(
     ``group_idle_limit_s`` and trims ``ts:{R}:events`` below the slowest
     remaining group (or to ``event_retention_s`` when none is left). Never
     touches a live session of a live owner. Safe to run concurrently with
-    the workload and with another gc. Raises InvalidInput (before I/O),
+    the workload and with another gc. With ``dry_run=True`` it changes
+    nothing and reports what a pass would do now (``GcReport.dry_run``):
+    the owners whose deadline passed and their sessions, the leftover and
+    orphan data, the tombstones past the retention, the idle groups and the
+    events a trim would remove. Raises InvalidInput (before I/O),
     StorageError. Round trips: a few per lost owner, one SCAN per primary,
-    plus about ten.
+    plus about ten (a dry run: one per 5,000 events it counts).
     """
     retention_ms = duration_ms("tombstone_retention_s", tombstone_retention_s, allow_zero=True)
     idle_ms = duration_ms("group_idle_limit_s", group_idle_limit_s, allow_zero=True)
     event_ms = duration_ms("event_retention_s", event_retention_s, allow_zero=True)
     now = yield from server_ms(ctx)
+    if dry_run:
+        return (yield from _plan(ctx, now, retention_ms, idle_ms, event_ms, scan_data))
 
     expired, lost_with_sessions = yield from _lost_owners(ctx, now)
     owners_lost: list[str] = []
@@ -310,4 +363,34 @@ def gc(
         tombstones_trimmed=trimmed,
         events_trimmed=events_trimmed,
         groups_removed=tuple(removed),
+    )
+
+
+def _plan(
+    ctx: Context, now: int, retention_ms: int, idle_ms: int, event_ms: int, scan_data: bool
+) -> Op[GcReport]:
+    """What :func:`gc` would do at server time ``now``, read without a write (its dry run)."""
+    k = ctx.keys
+    expired, lost_with_sessions = yield from _lost_owners(ctx, now)
+    owners = list(dict.fromkeys([*expired, *lost_with_sessions]))
+    held: list[Any] = []
+    if owners:
+        held = yield Batch(tuple(Cmd(("SMEMBERS", k.owner(o)), key=k.owner(o)) for o in owners))
+    released = sorted({text(m) for members in held for m in members})
+    purged: list[str] = []
+    orphans: list[str] = []
+    if scan_data:
+        purged, orphans = yield from _leftover_data(ctx)
+    old = yield Cmd(("ZCOUNT", k.released, "-inf", now - retention_ms), key=k.released)
+    removed, kept = yield from _groups(ctx, now, idle_ms, remove=False)
+    events = yield from _trim_events(ctx, now, kept, event_ms, trim=False)
+    return GcReport(
+        owners_lost=tuple(expired),
+        sessions_released=tuple(released),
+        sessions_purged=tuple(purged),
+        orphan_sessions=tuple(orphans),
+        tombstones_trimmed=int(old),
+        events_trimmed=events,
+        groups_removed=tuple(removed),
+        dry_run=True,
     )

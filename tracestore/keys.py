@@ -1,4 +1,4 @@
-"""The one module that builds key names (DESIGN section 3).
+"""The one module that builds key names (docs/design.md section 3).
 
 Nothing else in tracestore concatenates key strings. Every builder validates
 its ids first and raises :class:`~tracestore.errors.InvalidId` before any I/O.
@@ -184,6 +184,11 @@ class Keys:
     def owners_lost(self) -> str:
         """``ts:{R}:owners:lost`` zset owner -> ms when gc declared it lost (blocks resurrection)."""
         return f"{self._c}:owners:lost"
+
+    @property
+    def lock(self) -> str:
+        """``ts:{R}:lock`` hash: the run's lock (one trainer per run): holder, host, boot, pid, since."""
+        return f"{self._c}:lock"
 
     def op(self, op_id: str) -> str:
         """``ts:{R}:op:<op_id>`` string: cached reply of a mutating script (retry idempotency)."""

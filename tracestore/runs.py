@@ -1,4 +1,4 @@
-"""The runs on a server: list them with their activity and footprint, delete one (DESIGN section 12).
+"""The runs on a server: list them with their activity and footprint, delete one (docs/design.md section 12).
 
 A run exists while its meta record ``ts:{R}:meta`` does. :func:`list_runs`
 reads, for every run under the store's key prefix, when it was created, its
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .context import Context
-from .errors import PermissionDenied, RunInUse
+from .errors import PermissionDenied, RunInUse, RunRecordMissing
 from .keys import Keys, key_slot, meta_pattern, run_of_meta_key
 from .ownership import OwnerInfo, owners
 from .replay import REPLAY_OWNER
@@ -72,6 +72,63 @@ class RunDeleted:
     forced_owners: tuple[str, ...] = ()
     #: Turn counter shards removed (``ts:{R|<tag>}:turns``, one per slot that counted turns).
     turn_shards: int = 0
+    #: False when the run had no meta record (its keys were removed with ``force=True``).
+    had_record: bool = True
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The keys of one run on the server, whether or not its record ``ts:{R}:meta`` exists.
+
+    A run whose record is gone while keys remain (the server restarted or
+    was flushed, and a client that outlived it wrote again) is no run for
+    the commands that list runs; these counts are what ``tracestore run
+    delete R --force`` would remove.
+    """
+
+    run: str
+    #: True when the run's meta record exists.
+    has_record: bool
+    #: Control-plane keys (``ts:{R}:*``, the meta record included when present).
+    control_keys: int
+    #: Data-plane keys (``ts:{R/sid}:*``) and the sessions they belong to.
+    data_keys: int
+    sessions: int
+    #: Turn counter shards (``ts:{R|<tag>}:turns``).
+    turn_shards: int
+
+    @property
+    def total(self) -> int:
+        """Every key of the run."""
+        return self.control_keys + self.data_keys + self.turn_shards
+
+    def describe(self) -> str:
+        """``12 control keys, 42 data keys of 14 sessions, 3 turn counter shards`` (for messages)."""
+        return (
+            f"{self.control_keys} control keys, {self.data_keys} data keys of {self.sessions} "
+            f"sessions, {self.turn_shards} turn counter shards"
+        )
+
+
+def run_keys(ctx: Context) -> Op[RunKeys]:
+    """Count the keys of the store's run (:class:`RunKeys`), with or without its record.
+
+    Reads only: a SCAN of every primary per key family (control plane,
+    sessions' data, turn counter shards) and one EXISTS.
+    """
+    k = ctx.keys
+    control = [key for key in (yield ScanAll(k.control_pattern, count=1000)) if k.control_suffix(key)]
+    data = [key for key in (yield ScanAll(k.data_pattern, count=1000)) if k.sid_of_data_key(key)]
+    shards = yield ScanAll(k.turn_shard_pattern, count=1000)
+    has = yield Cmd(("EXISTS", k.meta), key=k.meta)
+    return RunKeys(
+        run=k.run,
+        has_record=bool(int(has)),
+        control_keys=len(control),
+        data_keys=len(data),
+        sessions=len({k.sid_of_data_key(key) for key in data}),
+        turn_shards=len(shards),
+    )
 
 
 def run_ids(ctx: Context) -> Op[list[str]]:
@@ -206,10 +263,23 @@ def delete_run(ctx: Context, *, force: bool = False) -> Op[RunDeleted]:
     Idempotent: deleting a deleted run removes nothing. Cost: a SCAN of
     every primary per key family, one pipelined round trip per node.
 
+    A run whose meta record is missing (the server restarted or was flushed
+    while a client went on writing to it) is deleted the same way, but only
+    with ``force=True``: without it, :class:`~tracestore.errors.RunRecordMissing`
+    (with the counts of its keys) is raised when it still has keys
+    (``RunDeleted.had_record`` is False after a forced delete of one).
+
     Not atomic against writers: a process still writing to the run after
     ``force=True`` recreates the keys it writes.
     """
     k = ctx.keys
+    had_record = bool(int((yield Cmd(("EXISTS", k.meta), key=k.meta))))
+    if not had_record and not force:
+        left = yield from run_keys(ctx)
+        if left.total:
+            raise RunRecordMissing(
+                k.run, left.control_keys, left.data_keys, left.sessions, left.turn_shards
+            )
     infos = yield from owners(ctx)
     now = yield ServerTime(k.meta)
     live = live_owners(infos, now)
@@ -231,4 +301,5 @@ def delete_run(ctx: Context, *, force: bool = False) -> Op[RunDeleted]:
         sessions=len(sessions),
         forced_owners=tuple(o.owner for o in live),
         turn_shards=sum(int(r) for r in replies[: len(shards)]),
+        had_record=had_record,
     )

@@ -4,6 +4,7 @@
 only), ``store.ckpt`` the store (``store.checkpoint``), ``state.json`` the
 loop's state (:class:`CheckpointState`). ``state.json`` is written last and
 atomically, so a present ``state.json`` means a complete checkpoint.
+``finished.json`` says that the run ended (its report written) at a step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .steps import StepRecord
 MODEL = "model.pt"
 STORE = "store.ckpt"
 STATE = "state.json"
+#: Written once a run has ended and written its report: ``{"run": ..., "step": ...}``.
+FINISHED = "finished.json"
 
 
 def ckpt_dir(cfg: TrainConfig) -> str:
@@ -78,6 +81,31 @@ def load_state(cfg: TrainConfig) -> CheckpointState | None:
         return None
     with open(path) as f:
         return CheckpointState.from_json(json.load(f))
+
+
+def mark_finished(cfg: TrainConfig, step: int) -> None:
+    """Record that ``cfg.run`` ended at ``step`` and wrote its report (``finished.json``).
+
+    A ``--resume`` of the checkpoint of that step then has nothing to do
+    (:func:`finished_at`); a run killed after its last checkpoint but before
+    its end has no such record, and its resume finishes it.
+    """
+    directory = ckpt_dir(cfg)
+    os.makedirs(directory, exist_ok=True)
+    _replace(os.path.join(directory, FINISHED), lambda p: _dump_json(p, {"run": cfg.run, "step": step}))
+
+
+def finished_at(cfg: TrainConfig, run: str) -> int | None:
+    """The step at which ``run`` ended, per ``finished.json`` in ``cfg.out`` (None: it did not)."""
+    path = os.path.join(ckpt_dir(cfg), FINISHED)
+    try:
+        with open(path) as f:
+            done = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict) or done.get("run") != run or not isinstance(done.get("step"), int):
+        return None
+    return int(done["step"])
 
 
 def write_checkpoint(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -29,6 +30,11 @@ FROM_CHECKPOINT = ("url", "run", "mode")
 OVERRIDABLE = ("url", "mode")
 
 
+def default_run_id() -> str:
+    """``train-<unix time>-<6 hex>``: unique also for two runs started in the same second."""
+    return f"train-{int(time.time())}-{uuid.uuid4().hex[:6]}"
+
+
 class ConfigError(ValueError):
     """A training option is invalid (the command prints it and exits 2)."""
 
@@ -46,7 +52,7 @@ class TrainConfig:
     agents: str = "local"
     steps: int = 20
     url: str | None = None
-    run: str = field(default_factory=lambda: f"train-{int(time.time())}")
+    run: str = field(default_factory=default_run_id)
     out: str = "train-out"
     resume: bool = False
     seed: int = 0
@@ -83,6 +89,9 @@ class TrainConfig:
     worker_resources: str = ""
     #: Ray resources the learner claims (the evaluation runs in the learner's process).
     learner_resources: str = ""
+    #: The run's lock expires this long after the driver's last renewal (renewed every third):
+    #: how long a killed driver on another machine keeps a new trainer of the run waiting.
+    lock_ttl_s: float = 30.0
     #: Tests: after the checkpoint of this step, kill every actor without cleanup.
     crash_after_step: int | None = None
 
@@ -125,6 +134,8 @@ class TrainConfig:
         resources(self.learner_resources, "learner_resources")
         if not self.owner_ttl_s > 0:
             raise ConfigError(f"owner_ttl_s must be positive, got {self.owner_ttl_s}")
+        if not self.lock_ttl_s > 0:
+            raise ConfigError(f"lock_ttl_s must be positive, got {self.lock_ttl_s}")
         if not self.eval_temperature > 0 or not self.lr > 0:
             raise ConfigError("eval_temperature and lr must be positive")
         if self.warmup_steps < 0 or self.max_staleness < 0:

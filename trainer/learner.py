@@ -94,11 +94,13 @@ class Learner:
             start = state.step + 1
         else:
             warm_start(self.model, TOK, steps=self.cfg.warmup_steps, seed=self.cfg.seed)
-        with self.store_time():
-            self.version = self.store.gate.status().version
-        self._push(self.version)
-        if start == 1:
-            self.baseline_eval = self.evaluate(0, self.version)  # the warm start, before RL
+        # busy like a step's: the share of time in tracestore calls counts these calls over it
+        with self.busy():
+            with self.store_time():
+                self.version = self.store.gate.status().version
+            self._push(self.version)
+            if start == 1:
+                self.baseline_eval = self.evaluate(0, self.version)  # the warm start, before RL
         return start
 
     # -- one step ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError
 from tracestore import StorageError, TraceStore, TracestoreError, default_server
 from tracestore.connection import ENV_URL, failure_reason, mask_url, resolve_url
 from tracestore.ray import destroy_events_group
+from tracestore.runlock import RunLockKeeper
 
 from .actors import (
     Handle,
@@ -39,7 +40,14 @@ from .actors import (
     start_ray,
     unreachable_from,
 )
-from .checkpoint import CheckpointState, ckpt_dir, load_state, store_path
+from .checkpoint import (
+    CheckpointState,
+    ckpt_dir,
+    finished_at,
+    load_state,
+    mark_finished,
+    store_path,
+)
 from .config import ConfigError, TrainConfig
 from .dispatch import WorkerPool, WorkersLost
 from .housekeeping import drain_run, reclaim_dead_owners, store_counts
@@ -53,6 +61,8 @@ if TYPE_CHECKING:
     from .gateway_actor import GatewayActorStats
 
 Progress = Callable[[StepRecord], None]
+#: What the run's lock says holds it (shown to a second trainer refused).
+LOCK_WHAT = "tracestore train"
 
 
 class SimulatedCrash(RuntimeError):
@@ -96,6 +106,21 @@ class StoreUnreachable(Exception):
         self.checkpoint = checkpoint
 
 
+class RunFinished(Exception):
+    """``--resume`` of a run that ended: its checkpoint is of its last step and its report is written.
+
+    Nothing was started or changed (no Ray, no store call, the report left
+    as it is). ``run``, ``step`` (the last one trained) and ``out`` name it;
+    ``--steps N`` with N > ``step`` trains further.
+    """
+
+    def __init__(self, run: str, step: int, out: str) -> None:
+        super().__init__(f"run {run} already finished at step {step}: nothing to resume")
+        self.run = run
+        self.step = step
+        self.out = out
+
+
 class RoleLost(Exception):
     """A role died mid-run (its process, or its Ray node): ``role`` (``learner``, ``producer``,
     ``rollout workers``), where it ran, the last step trained and the last checkpoint.
@@ -117,25 +142,32 @@ def run(
     cfg: TrainConfig,
     progress: Progress | None = None,
     started: Callable[[str, str], None] | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> Report:
     """Train; return the report (also written to ``cfg.out``).
 
     ``progress`` is called with each step's record, ``started`` with the
-    URL and run id once the store answers. Raises ConfigError (a bad
+    URL and run id once the store answers and the run's lock is held,
+    ``notice`` with a line about what a resume found (the store restored
+    from the checkpoint). The run holds the run's lock
+    (:class:`~tracestore.runlock.RunLockKeeper`) from its connect to its
+    end: a second trainer of the run is refused. Raises ConfigError (a bad
     option, ``--resume`` without a checkpoint, a Ray cluster that cannot be
     joined or cannot hold the roles, the default server with nodes on other
-    hosts), StoreUnreachable (at the start, from the driver or a node, or
-    mid-run), RoleLost (the learner, the producer or every rollout worker
-    died), Interrupted (Ctrl-C), SimulatedCrash, and the roles' errors; every
-    actor is killed before any of them propagates.
+    hosts), RunFinished (``--resume`` of a run that ended: nothing done),
+    RunLocked (another process trains the run, or took its lock mid-run),
+    StoreUnreachable (at the start, from the driver or a node, or mid-run),
+    RoleLost (the learner, the producer or every rollout worker died),
+    Interrupted (Ctrl-C), SimulatedCrash, and the roles' errors; every actor
+    is killed before any of them propagates.
     """
     cfg.validate()
     state = resume_state(cfg)
-    with _session(cfg) as (store, where):
+    with _session(cfg) as (store, where, lock):
         if started is not None:
             started(cfg.url or "", cfg.run)
         os.makedirs(cfg.out, exist_ok=True)
-        driver = Driver(cfg, store, state, progress, where)
+        driver = Driver(cfg, store, state, progress, where, lock, notice)
         try:
             report = driver.run()
         except KeyboardInterrupt as exc:
@@ -158,34 +190,47 @@ def run(
             url = mask_url(cfg.url or "")
             raise StoreUnreachable(url, reason, driver.step, last_checkpoint(cfg)) from exc
     report.write(cfg.out)
+    mark_finished(cfg, report.history[-1].step if report.history else 0)
     return report
 
 
 @contextlib.contextmanager
-def _session(cfg: TrainConfig) -> Iterator[tuple[TraceStore, Plan]]:
-    """Ray joined, the roles placed, the driver's store connected and reachable from every node.
+def _session(cfg: TrainConfig) -> Iterator[tuple[TraceStore, Plan, RunLockKeeper]]:
+    """Ray joined, the roles placed, the driver's store connected and reachable from every node,
+    the run's lock held.
 
-    A given URL is tried first (a wrong one fails before Ray starts). With
-    no URL, the placement comes first: the default server is started only
-    when every node can reach it (:func:`~.actors.refuse_local_store`).
-    Closes the store and leaves Ray (when it joined or started it here) on
-    the way out.
+    A given URL is tried first, and the lock taken (a wrong URL, or a run
+    another trainer holds, fails before Ray starts). With no URL, the
+    placement comes first: the default server is started only when every
+    node can reach it (:func:`~.actors.refuse_local_store`). Releases the
+    lock, closes the store and leaves Ray (when it joined or started it
+    here) on the way out.
     """
     default = not cfg.url and not os.environ.get(ENV_URL)
     with contextlib.ExitStack() as stack:
         store = None if default else stack.enter_context(connect(cfg))
+        lock = None if store is None else _lock(stack, store, cfg)
         if start_ray(cfg.ray_address):
             stack.callback(ray.shutdown)
         where = plan(cfg)
         if store is None:
             refuse_local_store(where, _default_url())
             store = stack.enter_context(connect(cfg))
+            lock = _lock(stack, store, cfg)
+        assert lock is not None
         bad = unreachable_from(where, cfg.url or "", cfg.run)
         if bad:
             node, why = bad[0]
             more = f" (and {len(bad) - 1} more node(s))" if len(bad) > 1 else ""
             raise StoreUnreachable(mask_url(cfg.url or ""), f"from Ray node {node.label}{more}: {why}", None, None)
-        yield store, where
+        yield store, where, lock
+
+
+def _lock(stack: contextlib.ExitStack, store: TraceStore, cfg: TrainConfig) -> RunLockKeeper:
+    """Hold the run's lock until ``stack`` closes (RunLocked names the trainer holding it)."""
+    keeper = RunLockKeeper(store, LOCK_WHAT, cfg.lock_ttl_s)
+    stack.enter_context(keeper)
+    return keeper
 
 
 def _default_url() -> str:
@@ -199,13 +244,18 @@ def resume_state(cfg: TrainConfig) -> CheckpointState | None:
 
     The run continues the checkpoint's run id, and its URL unless ``cfg.url``
     names one (``tracestore train`` also takes the mode from the checkpoint,
-    see :meth:`TrainConfig.resumed`).
+    see :meth:`TrainConfig.resumed`). Raises RunFinished when the checkpoint
+    is of the run's last step (``cfg.steps``) and the run ended there
+    (:func:`~.checkpoint.finished_at`); a run killed after its last
+    checkpoint but before its end is resumed (it reclaims and drains).
     """
     if not cfg.resume:
         return None
     state = load_state(cfg)
     if state is None:
         raise ConfigError(f"--resume: no checkpoint in {ckpt_dir(cfg)}")
+    if state.step >= cfg.steps and finished_at(cfg, state.cfg.run) == state.step:
+        raise RunFinished(state.cfg.run, state.step, cfg.out)
     cfg.run = state.cfg.run
     if cfg.url is None:
         cfg.url = state.cfg.url
@@ -271,12 +321,16 @@ class Driver:
         state: CheckpointState | None,
         progress: Progress | None,
         where: Plan,
+        lock: RunLockKeeper | None = None,
+        notice: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.store = store
         self.state = state
         self.progress = progress
         self.plan = where
+        self.lock = lock
+        self.notice = notice
         #: The last step trained (and reported) in this process, 0 before the first.
         self.step = 0
         #: Where each role runs (role -> node label), once the actors started.
@@ -321,7 +375,14 @@ class Driver:
             return {}, False
         restored = store_counts(self.store).opened == 0
         if restored:  # an empty run: the server was lost too
-            self.store.restore(store_path(self.cfg))
+            info = self.store.restore(store_path(self.cfg))
+            if self.notice is not None:
+                self.notice(
+                    f"the server had lost run {self.cfg.run}: restored it from {info.path} "
+                    f"(checkpoint of step {self.state.step}: {info.sessions} sessions, {info.groups} "
+                    f"groups, {info.nodes} trace nodes; {info.lost_expert_keys} routed-expert keys "
+                    "marked lost)"
+                )
         return reclaim_dead_owners(self.store, self.cfg.lease_ttl_s), restored
 
     def start_actors(self) -> tuple[Actors, int]:
@@ -386,6 +447,8 @@ class Driver:
             plasma_max = max(plasma_max, object_store_used())
             if self.progress is not None:
                 self.progress(rec)
+            if self.lock is not None:
+                self.lock.check()  # another trainer took the run's lock: stop here
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 ray.get(actors.learner.checkpoint.remote(step))
                 if cfg.crash_after_step == step:

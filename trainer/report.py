@@ -241,28 +241,37 @@ def _p50(xs: list[float]) -> float:
 
 
 def _busy_s(end: EndState) -> float:
-    return sum(w.busy_s for w in end.workers) + end.producer.busy_s + end.learner.busy_s
+    """The roles' busy seconds; a role's tracestore calls count as busy even outside its busy
+    blocks (the producer polls the buffer between rounds), so no share exceeds 1."""
+    times = [(w.busy_s, w.store_s) for w in end.workers]
+    times += [(end.producer.busy_s, end.producer.store_s), (end.learner.busy_s, end.learner.store_s)]
+    return sum(max(busy, store) for busy, store in times)
+
+
+def _share(seconds: float, end: EndState) -> float:
+    """``seconds`` over the roles' busy seconds; 0 when they were never busy (a run of no step:
+    the share of nothing, not ``seconds`` over a 1e-9 floor as before, which printed 96628100%)."""
+    busy = _busy_s(end)
+    return seconds / busy if busy > 0 else 0.0
 
 
 def _store_share(end: EndState) -> float:
-    """Seconds inside tracestore calls over the roles' busy seconds."""
-    store_s = sum(w.store_s for w in end.workers) + end.producer.store_s + end.learner.store_s
-    return store_s / max(1e-9, _busy_s(end))
+    """Seconds inside tracestore calls over the roles' busy seconds (in [0, 1])."""
+    return _share(sum(w.store_s for w in end.workers) + end.producer.store_s + end.learner.store_s, end)
 
 
 def _shares_by_role(end: EndState) -> dict[str, float]:
-    """Each role's seconds inside tracestore calls over all roles' busy seconds."""
-    busy = max(1e-9, _busy_s(end))
+    """Each role's seconds inside tracestore calls over all roles' busy seconds (they sum to the share)."""
     return {
-        "workers": sum(w.store_s for w in end.workers) / busy,
-        "producer": end.producer.store_s / busy,
-        "learner": end.learner.store_s / busy,
+        "workers": _share(sum(w.store_s for w in end.workers), end),
+        "producer": _share(end.producer.store_s, end),
+        "learner": _share(end.learner.store_s, end),
     }
 
 
 def _put_share(end: EndState) -> float:
     """Seconds the holders spent putting routed experts (``ray.put``) over the roles' busy seconds."""
-    return sum(w.holder_s for w in end.workers) / max(1e-9, _busy_s(end))
+    return _share(sum(w.holder_s for w in end.workers), end)
 
 
 REPORT_ROWS: list[tuple[str, str]] = [

@@ -6,7 +6,9 @@ its commands on :data:`main` when imported, so a new feature adds a module
 others. Options that name a server fall back to ``$TRACESTORE_URL``.
 
 Every error is one line on stderr (``error: ...``) with advice in CLI terms,
-never a traceback: usage mistakes exit 2, failures exit 1, Ctrl-C exits 130.
+never a traceback: usage mistakes exit 2 (a bad option value, a malformed id
+or URL, a URL naming the wrong kind of server: :func:`exit_code`), failures
+exit 1, Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 
 from ..errors import (
+    ConfigError,
     GatePoisoned,
+    InvalidId,
     NotDrained,
     RunInUse,
     RunNotEmpty,
+    RunRecordMissing,
     StaleVersion,
     TracestoreError,
 )
@@ -62,6 +67,13 @@ def _advice(exc: TracestoreError) -> str:
             f"run {exc.run!r} is not empty; load into a new run (--run NEW) or delete it with "
             f"`tracestore run delete {exc.run}`"
         )
+    if isinstance(exc, RunRecordMissing):
+        return (
+            f"run {exc.run!r} has no record (ts:{{{exc.run}}}:meta is gone: the server restarted or "
+            f"was flushed while a client wrote to it), but {exc.keys} of its keys remain "
+            f"({exc.control_keys} control keys, {exc.data_keys} data keys of {exc.sessions} sessions, "
+            f"{exc.turn_shards} turn counter shards); add --force to remove them"
+        )
     if isinstance(exc, RunInUse):
         shown = ", ".join(f"{o} ({n})" for o, n in exc.owners[:5])
         return (
@@ -73,7 +85,7 @@ def _advice(exc: TracestoreError) -> str:
 
 def error_line(exc: BaseException) -> str:
     """The one line printed for ``exc`` (without the ``error:`` prefix)."""
-    from ..errors import ConfigError, ServerError, StorageError
+    from ..errors import ServerError, StorageError
 
     text = " ".join((_advice(exc) if isinstance(exc, TracestoreError) else str(exc)).split())
     if isinstance(exc, (ConfigError, ServerError, StorageError)) or not isinstance(
@@ -81,6 +93,17 @@ def error_line(exc: BaseException) -> str:
     ):
         return text
     return f"{type(exc).__name__}: {text}"
+
+
+def exit_code(exc: TracestoreError) -> int:
+    """The exit code of a command that failed with ``exc``: 2 for a usage error, else 1.
+
+    A malformed id (:class:`~tracestore.errors.InvalidId`, always raised
+    before any I/O) and a bad URL or option (:class:`~tracestore.errors.ConfigError`:
+    an unknown scheme, a port out of range, a URL naming a standalone server
+    as a cluster or a plain one as TLS) are the command line's mistakes.
+    """
+    return EXIT_USAGE if isinstance(exc, (InvalidId, ConfigError)) else EXIT_FAILURE
 
 
 class Cli(click.Group):
@@ -110,7 +133,7 @@ class Cli(click.Group):
             click.echo("", err=True)
             fail("interrupted", EXIT_INTERRUPTED)
         except TracestoreError as exc:
-            fail(error_line(exc))
+            fail(error_line(exc), exit_code(exc))
         except BrokenPipeError:  # `tracestore runs | head`
             sys.stderr.close()
             sys.exit(EXIT_FAILURE)
@@ -206,11 +229,13 @@ def connect(url: str | None, run: str | None) -> TraceStore:
     except BaseException:
         store.close()
         raise
+    if run is not None:
+        try:
+            raise no_run(store, run, runs)
+        finally:
+            store.close()
     store.close()
     where = store.url
-    if run is not None:
-        known = f"runs there: {_run_list(runs)}" if runs else "it holds no run"
-        raise RunNotChosen(f"no run {run!r} on {where}; {known}")
     if not runs:
         raise RunNotChosen(f"no run on {where} (start one with `tracestore train`, or give --url)")
     if len(runs) > 1:
@@ -221,6 +246,28 @@ def connect(url: str | None, run: str | None) -> TraceStore:
     return TraceStore.connect(url, run=runs[0], create_run=False)
 
 
+def no_run(store: TraceStore, run: str, runs: Sequence[str] | None = None) -> click.ClickException:
+    """The error for a command naming ``run``, which has no record on ``store``'s server.
+
+    :class:`RunNotChosen` (exit 2) listing the runs there; when keys of the
+    run remain without its record (the server restarted or was flushed while
+    a client wrote to it), an error (exit 1) that counts them and gives the
+    command that removes them. Reads only (a SCAN per key family).
+    """
+    from ..runs import run_keys
+
+    left = store.run(run_keys(store.context))
+    if left.total:
+        return click.ClickException(  # exit 1: the run exists in part, it is no usage error
+            f"run {run!r} on {store.url} has no record (ts:{{{run}}}:meta is gone: the server "
+            f"restarted or was flushed while a client wrote to it), but {left.total} of its keys "
+            f"remain ({left.describe()}); `tracestore run delete {run} --force` removes them"
+        )
+    names = store.run_ids() if runs is None else runs
+    known = f"runs there: {_run_list(names)}" if names else "it holds no run"
+    return RunNotChosen(f"no run {run!r} on {store.url}; {known}")
+
+
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print ``error: message`` (one line) to stderr and exit with ``code``."""
     click.echo(f"error: {' '.join(message.split())}", err=True)
@@ -228,7 +275,7 @@ def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
 
 
 def guarded(f: F) -> F:
-    """Turn TracestoreError into a one-line message and exit code 1.
+    """Turn TracestoreError into a one-line message and its exit code (:func:`exit_code`).
 
     Kept for commands invoked outside :data:`main` (``python -m trainer``);
     :class:`Cli` does the same for every command it runs.
@@ -239,7 +286,7 @@ def guarded(f: F) -> F:
         try:
             return f(*args, **kwargs)
         except TracestoreError as exc:
-            fail(error_line(exc))
+            fail(error_line(exc), exit_code(exc))
 
     return wrapper  # type: ignore[return-value]
 

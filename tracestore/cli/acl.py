@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import acl
+from ..validate import validate_id, validate_run
 from . import guarded, main
 
 
@@ -24,4 +25,9 @@ def acl_command(run: str, role: str, user: str | None, password: str, prefix: st
     those its Lua scripts call. Connect as that user with
     redis://USER:PASSWORD@host:port (an observer with create_run=False).
     """
+    validate_run(run)  # InvalidId: a usage error (exit 2), as for the two below
+    if user is not None:
+        validate_id("ACL user", user)  # it goes into redis://USER:PASSWORD@host:port
+    if not password:
+        raise click.BadParameter("the user needs a password", param_hint="'--password'")
     click.echo(acl.grant_line(run, role, user=user or f"{run}-{role}", password=password, prefix=prefix))

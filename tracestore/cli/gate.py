@@ -1,7 +1,7 @@
 """``tracestore gate status|seal|drain|install|reopen|clear-poison`` and ``tracestore routes``.
 
 Operator commands for the request gate and session affinity of one run
-(DESIGN section 6). They work on a live run: sealing from the shell stops
+(docs/design.md section 6). They work on a live run: sealing from the shell stops
 admissions for every entrypoint of the run at once.
 """
 
@@ -15,7 +15,9 @@ from ..formatting import format_table, human_duration, human_time
 from ..gate import GateStatus
 from ..router import route_table
 from ..store import TraceStore
+from ..validate import MAX_VERSION, validate_id, validate_ids
 from . import connect, echo_json, guarded, json_option, main, run_option, url_option
+from ._params import Seconds
 
 
 def _deadline(st: GateStatus) -> str:
@@ -89,7 +91,7 @@ def gate_status(url: str | None, run: str | None, as_json: bool, check: bool) ->
 @gate.command("seal")
 @url_option
 @run_option
-@click.option("--retry-after-ms", type=int, default=500, show_default=True,
+@click.option("--retry-after-ms", type=click.IntRange(1, 3_600_000), default=500, show_default=True,
               help="Retry hint that refused admissions carry.")
 @guarded
 def gate_seal(url: str | None, run: str | None, retry_after_ms: int) -> None:
@@ -102,7 +104,7 @@ def gate_seal(url: str | None, run: str | None, retry_after_ms: int) -> None:
 @gate.command("drain")
 @url_option
 @run_option
-@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=Seconds(allow_zero=True), default=60.0, show_default=True,
               help="Seconds to wait for live leases to settle.")
 @guarded
 def gate_drain(url: str | None, run: str | None, timeout_s: float) -> None:
@@ -126,7 +128,7 @@ def gate_drain(url: str | None, run: str | None, timeout_s: float) -> None:
 @gate.command("install")
 @url_option
 @run_option
-@click.argument("version", type=int)
+@click.argument("version", type=click.IntRange(0, MAX_VERSION))
 @guarded
 def gate_install(url: str | None, run: str | None, version: int) -> None:
     """Install weight VERSION (the gate must be sealed, drained and unpoisoned)."""
@@ -157,6 +159,10 @@ def gate_reopen(url: str | None, run: str | None) -> None:
 def gate_clear_poison(url: str | None, run: str | None, lease_ids: tuple[str, ...], clear_all: bool,
                       resolution: str) -> None:
     """Resolve poisoned leases (LEASE_IDS, or --all) so install can proceed."""
+    if not lease_ids and not clear_all:
+        raise click.UsageError("give the LEASE_IDS to clear, or --all")
+    validate_ids("lease id", list(lease_ids))  # InvalidId: exit 2, before any I/O
+    validate_id("resolution", resolution)
     with connect(url, run) as store:
         ids = list(lease_ids)
         cleared = store.gate.clear_poison(ids, resolution) if ids else []
@@ -168,7 +174,7 @@ def gate_clear_poison(url: str | None, run: str | None, lease_ids: tuple[str, ..
             if not got:
                 break
         if not ids:
-            click.echo("nothing to clear (give lease ids or --all)")
+            click.echo("nothing to clear: no lease is poisoned")
             return
     click.echo(f"cleared {len(cleared)} of {len(ids)} lease(s): {' '.join(cleared)}")
 

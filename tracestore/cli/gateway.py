@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ..errors import TracestoreError
-from . import fail, main, url_option
+from . import error_line, exit_code, fail, main, url_option
 
 EXIT_CONFIG = 2
 
@@ -165,7 +165,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
         serve_forever(lambda: make_app(cfg), kw["host"], kw["port"], _announce)
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
-    except TracestoreError as exc:
-        fail(f"{type(exc).__name__}: {exc}")
+    except TracestoreError as exc:  # an InvalidId (--run, --owner) is a usage error too: exit 2
+        fail(error_line(exc), exit_code(exc))
     except OSError as exc:
         fail(f"cannot listen on {kw['host']}:{kw['port']}: {exc.strerror or exc}")

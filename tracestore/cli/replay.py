@@ -1,6 +1,6 @@
 """``tracestore replay stats`` and ``tracestore checkpoint save|load``.
 
-Operator commands for the replay buffer of one run (DESIGN section 7):
+Operator commands for the replay buffer of one run (docs/design.md section 7):
 what is buffered per task and status, how old it is, how many bytes it
 takes, and moving a whole run to or from a checkpoint file
 (``docs/checkpoint.md``).
@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from ..formatting import format_table
-from . import connect, echo_json, guarded, main, run_option, url_option
+from . import connect, echo_json, fail, guarded, main, run_option, url_option
 
 
 @main.group()
@@ -54,15 +54,34 @@ def checkpoint() -> None:
 @url_option
 @run_option
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite PATH when it exists.")
 @guarded
-def checkpoint_save(url: str | None, run: str | None, path: Path) -> None:
-    """Write the run (control plane, replay groups, traces) to PATH."""
+def checkpoint_save(url: str | None, run: str | None, path: Path, force: bool) -> None:
+    """Write the run (control plane, replay groups, traces) to PATH.
+
+    Refused when PATH exists, unless --force (the file is replaced only once
+    the new one is complete).
+    """
+    if path.exists() and not force:
+        fail(f"{path} exists ({_describe(path)}); add --force to overwrite it, or give another PATH")
     with connect(url, run) as store:
         info = store.checkpoint(path)
     click.echo(
         f"saved run {store.run_id!r} to {info.path}: {info.keys} control keys, {info.groups} groups, "
         f"{info.sessions} sessions, {info.nodes} nodes, {info.bytes} bytes"
     )
+
+
+def _describe(path: Path) -> str:
+    """What the file at ``path`` is, for the refusal to overwrite it."""
+    from ..checkpoint import read_header
+    from ..errors import InvalidInput
+
+    try:
+        head = read_header(path)
+    except InvalidInput:
+        return "not a tracestore checkpoint"
+    return f"a checkpoint of run {head.get('run')!r}"
 
 
 @checkpoint.command("load")

@@ -1,4 +1,4 @@
-"""``tracestore runs`` and ``tracestore run delete``: the runs on a server (DESIGN section 12)."""
+"""``tracestore runs`` and ``tracestore run delete``: the runs on a server (docs/design.md section 12)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import click
 
 from ..formatting import format_table, human_bytes, human_time
 from ..store import TraceStore
-from . import RunNotChosen, connect, echo_json, json_option, main, url_option
+from . import RunNotChosen, echo_json, json_option, main, no_run, url_option
 
 
 def _owners_cell(owners: tuple[str, ...], limit: int = 3) -> str:
@@ -74,15 +74,22 @@ def run_delete(url: str | None, run: str, force: bool, as_json: bool) -> None:
     """Delete RUN: its control plane and every session's data; nothing of another run.
 
     Refused while owners that are still alive (heartbeat not expired, not
-    declared lost) hold sessions of the run, unless --force.
+    declared lost) hold sessions of the run, unless --force. A run whose
+    record (ts:{RUN}:meta) is gone while its keys remain (the server
+    restarted or was flushed under a client that kept writing) is deleted
+    only with --force, on every primary of a cluster.
     """
-    with connect(url, run) as store:
+    with TraceStore.connect(url, run=run, create_run=False) as store:
         done = store.delete_run(force=force)
+        if not done.had_record and not (done.control_keys or done.data_keys or done.turn_shards):
+            raise no_run(store, run)
     if as_json:
         echo_json(done)
         return
     forced = f"; overrode live owners {', '.join(done.forced_owners)}" if done.forced_owners else ""
+    record = "" if done.had_record else " (it had no record)"
     click.echo(
-        f"deleted run {run!r} from {store.url}: {done.control_keys} control keys, "
-        f"{done.data_keys} data keys of {done.sessions} sessions{forced}"
+        f"deleted run {run!r}{record} from {store.url}: {done.control_keys} control keys, "
+        f"{done.data_keys} data keys of {done.sessions} sessions, {done.turn_shards} turn counter "
+        f"shards{forced}"
     )

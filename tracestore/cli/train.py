@@ -108,8 +108,15 @@ def train_command(**kw: Any) -> None:
         from tqdm import tqdm
 
         from tracestore.errors import ConfigError as StoreConfigError
+        from tracestore.errors import RunLocked
         from tracestore.trainer.config import ConfigError
-        from tracestore.trainer.loop import Interrupted, RoleLost, StoreUnreachable, run
+        from tracestore.trainer.loop import (
+            Interrupted,
+            RoleLost,
+            RunFinished,
+            StoreUnreachable,
+            run,
+        )
         from tracestore.trainer.report import report_rows
     except ImportError as exc:  # pragma: no cover - depends on the install
         fail(f"the trainer needs the extra tracestore[ray] (torch, ray, tqdm): {exc}", EXIT_CONFIG)
@@ -133,14 +140,26 @@ def train_command(**kw: Any) -> None:
         bar.update(1)
         tqdm.write(_log_line(rec), file=sys.stdout)
 
+    def notice(line: str) -> None:
+        (tqdm.write if bars else click.echo)(f"# {line}", file=sys.stderr)
+
     try:
         try:
-            report = run(cfg, progress, started)
+            report = run(cfg, progress, started, notice)
         finally:
             for bar in bars:
                 bar.close()
     except (ConfigError, StoreConfigError) as exc:  # the store's: e.g. a level the server cannot give
         fail(str(exc), EXIT_CONFIG)
+    except RunFinished as exc:
+        click.echo(
+            f"run {exc.run} already finished at step {exc.step}: nothing to resume, nothing changed "
+            f"(report: {exc.out}/report.json); to train further: "
+            f"{_resume_command(exc.out)} --steps N (N > {exc.step})"
+        )
+        sys.exit(EXIT_OK)
+    except RunLocked as exc:
+        fail(_locked_line(exc, started=bool(bars)), EXIT_CONFIG)
     except Interrupted as exc:
         click.echo("", err=True)
         if exc.checkpoint is None:
@@ -185,6 +204,20 @@ def train_command(**kw: Any) -> None:
     bad = report.violations()
     if bad:
         fail("invariants violated: " + ", ".join(bad), EXIT_INVARIANT)
+
+
+def _locked_line(exc: Any, *, started: bool) -> str:
+    """The line of a run another process holds (``exc``: a RunLocked): who, where, since when."""
+    who = f"{exc.what or 'another process'} (pid {exc.pid} on {exc.host}, since {exc.since})"
+    if started:  # it took the lock while this trainer could not renew it (the store was away)
+        return (
+            f"run {exc.run} was taken over by {who} while this trainer could not renew its lock; "
+            "this one stopped (its roles are killed)"
+        )
+    return (
+        f"run {exc.run} is being trained by {who}; wait for it to end, or train another run "
+        "(--run NEW)"
+    )
 
 
 def _export_durability(kw: dict[str, Any]) -> None:
@@ -232,7 +265,8 @@ def train_options(f: Any) -> Any:
         click.option(
             "--run",
             default=None,
-            help="Run id (default: train-<unix time>; --resume reuses the checkpoint's).",
+            help="Run id (default: train-<unix time>-<6 hex>; --resume reuses the checkpoint's). "
+            "One trainer per run: a second one is refused, naming the first.",
         ),
         click.option(
             "--out",
@@ -336,8 +370,11 @@ def train(**kw: Any) -> None:
       0    the run ended with nothing leaked (no live session, no held ref,
            no poisoned lease, one release event per session)
       1    a leak or a violated invariant
+      0    also: --resume of a run that already finished (it says so, and
+           changes nothing)
       2    a bad configuration (unknown mode, --steps 0, a --resume flag that
-           disagrees with the checkpoint, no checkpoint to resume)
+           disagrees with the checkpoint, no checkpoint to resume), or a run
+           another trainer holds (the message names it: host, pid, since when)
       3    the store is unreachable (at the start, from the driver or from a
            Ray node, or mid-run: the message names the URL and the command
            that resumes)

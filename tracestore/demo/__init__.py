@@ -4,7 +4,9 @@ Each section is a module ``tracestore/demo/sNN_<topic>.py`` exposing
 ``TITLE: str`` and ``run(store: TraceStore) -> list[tuple[str, object]]``
 (rows of "what happened", "result"). Sections run in file-name order, each
 on its own run id, and print one table each, so a feature adds its part of
-the demo by adding a module.
+the demo by adding a module. Each section's run is deleted once its table
+is printed (or it failed), unless ``keep``: a demo leaves nothing on the
+server, in particular no session of an owner tag that never heart-beats.
 """
 
 from __future__ import annotations
@@ -38,10 +40,15 @@ def run_demo(
     only: str | None = None,
     echo: Callable[[str], None] = print,
     run_prefix: str = "demo",
+    keep: bool = False,
 ) -> dict[str, list[tuple[str, object]]]:
     """Run every section (or those whose name contains ``only``); return their rows.
 
-    Raises InvalidInput, before anything runs, when ``only`` matches no section.
+    Each section runs on a new run ``<run_prefix>-<section>-<6 hex>``, which
+    is deleted after it (``delete_run(force=True)``: its sessions, traces and
+    counters), also when the section fails, unless ``keep``; the last line
+    says which. Raises InvalidInput, before anything runs, when ``only``
+    matches no section.
     """
     results: dict[str, list[tuple[str, object]]] = {}
     stamp = uuid.uuid4().hex[:6]
@@ -49,14 +56,24 @@ def run_demo(
     if not chosen:
         names = ", ".join(section_name(m) for m in sections())
         raise InvalidInput("only", f"no section matches {only!r}; sections: {names}")
+    runs: list[str] = []
     for mod in chosen:
         name = mod.__name__.rsplit(".", 1)[1]
         run = f"{run_prefix}-{section_name(mod)}-{stamp}"
+        runs.append(run)
         start = time.perf_counter()
         with TraceStore.connect(url, run=run) as store:
-            rows = mod.run(store)
+            try:
+                rows = mod.run(store)
+            finally:
+                if not keep:
+                    store.delete_run(force=True)
         took = time.perf_counter() - start
         echo(f"\n== {mod.TITLE}  (run {run}, {took:.2f}s)")
         echo(format_table(["what happened", "result"], rows))
         results[name] = rows
+    if keep:
+        echo(f"\nkept the demo's runs: {', '.join(runs)} (`tracestore run delete RUN --force` removes one)")
+    else:
+        echo(f"\nremoved the demo's {len(runs)} run{'s' if len(runs) != 1 else ''} (--keep keeps them)")
     return results

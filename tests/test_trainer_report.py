@@ -1,0 +1,64 @@
+"""The trainer's report (``trainer/report.py``): what ``tracestore train`` prints and writes.
+
+Pure: the report is built from the roles' stats as the driver collects them.
+"""
+
+from __future__ import annotations
+
+from tracestore import GateStatus
+from tracestore.ray import HolderStats
+from tracestore.trainer.config import TrainConfig
+from tracestore.trainer.housekeeping import StoreCounts
+from tracestore.trainer.learner import LearnerStats
+from tracestore.trainer.producer import ProducerStats
+from tracestore.trainer.report import EndState, Phases, Start, build_report, report_rows
+from tracestore.trainer.rollout import WorkerStats
+
+
+def _end(worker: tuple[float, float], producer: tuple[float, float], learner: tuple[float, float]) -> EndState:
+    """An end state whose roles spent (store_s, busy_s) as given."""
+    holder = HolderStats(sessions=0, refs=0, bytes=0, events=0, dropped=0, reconciles=0)
+    return EndState(
+        counts=StoreCounts(opened=0, released=0, live=0, events=0),
+        gate=GateStatus("open", 20, 0, 0),
+        workers=[WorkerStats(holder, [], worker[0], worker[1], 0, 0, holder_s=worker[0] / 2)],
+        producer=ProducerStats({}, 0, 0, producer[0], producer[1]),
+        learner=LearnerStats(learner[0], learner[1], 0, 20, 0, None),
+        drained={},
+        object_store_bytes=0,
+        object_store_bytes_max=0,
+    )
+
+
+def _report(end: EndState, steps_done: int) -> dict[str, object]:
+    cfg = TrainConfig(steps=20)
+    start = Start(step=21 - steps_done, resumed=steps_done < 20)
+    return build_report(cfg, start, [], end, Phases(0.0, 0.0, 0.0, 0.0, 0.0)).to_json()
+
+
+def test_a_run_of_no_step_reports_no_share_above_one() -> None:
+    """A resume that trained nothing printed `share of time in tracestore calls 96628100.0%`:
+    the learner's start-up read of the gate (about 1 ms) over busy seconds of 0, floored at 1e-9."""
+    rep = _report(_end((0.0, 0.0), (0.0, 0.0), (0.000966, 0.0)), steps_done=0)
+    shares = [rep["tracestore_time_share"], rep["store_call_time_share"], rep["expert_put_time_share"]]
+    by_role = rep["tracestore_time_share_by_role"]
+    assert isinstance(by_role, dict)
+    for share in [*shares, *by_role.values()]:
+        assert isinstance(share, float) and 0.0 <= share <= 1.0, rep
+
+
+def test_store_time_outside_busy_blocks_never_makes_a_share_above_one() -> None:
+    """The producer polls the buffer between its rounds (store time outside its busy blocks):
+    each share stays within [0, 1] and the roles' shares sum to the total."""
+    end = _end((2.0, 10.0), (3.0, 1.0), (1.0, 4.0))
+    rep = _report(end, steps_done=20)
+    total = rep["tracestore_time_share"]
+    assert isinstance(total, float)
+    by_role = rep["tracestore_time_share_by_role"]
+    assert isinstance(by_role, dict)
+    assert 0.0 <= total <= 1.0
+    assert abs(sum(by_role.values()) - total) < 1e-12
+    assert abs(total - 6.0 / (10.0 + 3.0 + 4.0)) < 1e-12  # the producer's 3 s count as busy
+    for row in report_rows(build_report(TrainConfig(steps=20), Start(1, False), [], end, Phases(0, 0, 0, 0, 0))):
+        if str(row[0]).startswith("share of time"):
+            assert row[1] == f"{100 * total:.1f}%"
