@@ -310,10 +310,14 @@ class Turn:
             await self._hold(input_ids)
 
     async def _hold(self, input_ids: list[int]) -> None:
-        """Keep the tokens so far, settle the lease (the drain goes on), wait for the gate to
-        reopen, and admit the turn again (a new engine request id) to continue it."""
+        """Settle the lease (the drain goes on), keep the tokens so far in the store (a retry on
+        any gateway resumes from them), wait for the gate to reopen, and admit the turn again
+        (a new engine request id) to continue it."""
         s, flight, gen = self.s, self.flight, self.gen
         assert flight is not None and self.sid is not None
+        # the engine request is over: settle first, so the drain never waits on the keeping
+        await s.admission.settle_flight(flight, "aborted")
+        s.metrics.held.labels("held").inc()
         if self.prep is not None and self.prep.key is not None:
             try:
                 await s.db(
@@ -325,8 +329,6 @@ class Turn:
                 self.kept = True
             except TracestoreError as exc:  # kept in this process only: a retry elsewhere regenerates
                 log.warning("gateway: could not keep the tokens of held turn %s: %s", flight.rid, exc)
-        await s.admission.settle_flight(flight, "aborted")
-        s.metrics.held.labels("held").inc()
         lease = await self._wait_for_gate(self.sid)
         nxt = Flight(new_id("req-"), self.sid, flight.engine, lease)
         self.flight = nxt
