@@ -414,7 +414,10 @@ def test_64_concurrent_sessions(gw: GW) -> None:
 # -- the gate and the router -------------------------------------------------------------------------
 
 
-def test_sealed_gate_503_then_success_after_reopen(gw: GW) -> None:
+def test_sealed_gate_503_then_success_after_reopen(gateways: _Gateways, engine: CliServer, url: str) -> None:
+    """``--on-weight-update abort``: a sealed gate answers 503 (continue mode holds the request:
+    tests/test_gateway_continue.py)."""
+    gw = next(_gw(gateways, url, engine.url, "--on-weight-update", "abort"))
     client, s = gw.oai(), sid()
     messages = [{"role": "user", "content": "reach 3 from 1"}]
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_headers={"X-Session-Id": s})

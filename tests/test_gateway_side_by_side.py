@@ -75,7 +75,7 @@ def pair(engines: list[CliServer], url: str) -> Iterator[Pair]:
     started: list[CliServer] = []
     try:
         for _ in range(2):
-            started.append(CliServer("gateway", *eng, "--url", url, "--run", run, "--port", "0").start())
+            started.append(CliServer("gateway", *eng, "--url", url, "--run", run, "--port", "0", "--on-weight-update", "abort").start())
         with TraceStore.connect(url, run=run) as store:
             yield Pair(started[0], started[1], engines, store)
     finally:

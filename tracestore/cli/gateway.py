@@ -104,6 +104,13 @@ def _announce(url: str) -> None:
     help="Reasoning syntax: qwen3 and deepseek-r1 split <think>...</think> out of answers into "
     "reasoning_content (OpenAI) / thinking blocks (Anthropic).",
 )
+@click.option(
+    "--otel",
+    is_flag=True,
+    help="Emit an OpenTelemetry span per turn (tracestore.turn with admit, engine, record, settle) to the "
+    "OTLP/HTTP exporter the OTEL_* variables configure; also on when OTEL_EXPORTER_OTLP_ENDPOINT is set. "
+    "Needs the extra tracestore[otel].",
+)
 @click.option("--name", default=None, help="Lease holder name (default gateway-<host>-<pid>).")
 @click.option("--lease-ttl", type=float, default=120.0, show_default=True, help="Gate lease ttl, seconds (renewed while a request runs).")
 @click.option(
@@ -145,6 +152,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
         prompt_mode=kw["prompt_mode"],
         on_weight_update=kw["on_weight_update"],
         hold_timeout_s=kw["hold_timeout"],
+        otel=kw["otel"],
         url=kw["url"],
         run=kw["run"],
         owner=kw["owner"],

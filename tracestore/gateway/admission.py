@@ -257,16 +257,15 @@ class Admission:
         if flight.lease is not None:
             await self.settle(flight.lease, outcome)
 
-    def completed(self, flight: Flight) -> None:
-        """The answer is out: settle ``completed`` in the background.
+    def completed(self, flight: Flight) -> Awaitable[None] | None:
+        """The answer is out: the settlement ``completed``, to run in the background (None: no lease).
 
         Not awaited by the handler: a client that closes its connection right
         after reading the answer must not cancel the settlement.
         """
         flight.settled = True
         self.unregister(flight)
-        if flight.lease is not None:
-            self._spawn(self.settle(flight.lease, "completed"))
+        return self.settle(flight.lease, "completed") if flight.lease is not None else None
 
     async def _admit_batch(self, sids: list[str]) -> list[Lease | BaseException]:
         """One ``admit_many`` for the admissions of one loop iteration.

@@ -35,6 +35,8 @@ class GatewayConfig:
     tokenizer's). ``trace_sessions``: sessions whose latest turn
     ``/v1/sessions/{sid}/trace`` can export (LRU). ``startup_checks``: probe
     the engines and the chat template before serving (:mod:`.startup`).
+    ``otel``: emit OpenTelemetry spans per turn (also when
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; :mod:`.tracing`).
     """
 
     engines: tuple[str, ...]
@@ -58,6 +60,7 @@ class GatewayConfig:
     trace_sessions: int = 4096
     redis_connections: int = 256
     startup_checks: bool = True
+    otel: bool = False
 
     def validate(self) -> GatewayConfig:
         """Check the options; raises ConfigError with a message a person can act on."""

@@ -36,10 +36,12 @@ from .engines import Engine, engine_class
 from .metrics import Metrics, Timing
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
+from .services import Services
 from .startup import TemplateFeatures, check_engines, probe_template
 from .tito import TitoPrompts
 from .tokenizer import ChatTokenizer, load_tokenizer
-from .turn import STATUS_KEY, Services, Turn
+from .tracing import Spans
+from .turn import STATUS_KEY, Turn
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +91,10 @@ class Gateway:
         holder: ExpertHolder | None = None,
         *,
         owns_store: bool = False,
+        tracer_provider: Any = None,
     ) -> None:
         self.config = config.validate()
+        self.spans = Spans(tracer_provider) if tracer_provider is not None else Spans.configured(config.otel)
         self.store = store
         self.tok = tokenizer
         self.holder = holder
@@ -123,16 +127,18 @@ class Gateway:
         store: AsyncTraceStore | None = None,
         tokenizer: ChatTokenizer | None = None,
         holder: ExpertHolder | None = None,
+        tracer_provider: Any = None,
     ) -> Gateway:
         """Validate ``config``, load the tokenizer and connect the store (unless given).
 
-        Raises ConfigError (options, tokenizer) and the errors of
+        ``tracer_provider``: an OpenTelemetry TracerProvider to emit spans to (else ``--otel``
+        decides). Raises ConfigError (options, tokenizer) and the errors of
         :meth:`AsyncTraceStore.connect`.
         """
         config.validate()
         tok = tokenizer or load_tokenizer(config.tokenizer, config.tool_parser, config.reasoning_parser)
         st = store or await AsyncTraceStore.connect(config.url, run=config.run, max_connections=config.redis_connections)
-        return cls(config, st, tok, holder, owns_store=store is None)
+        return cls(config, st, tok, holder, owns_store=store is None, tracer_provider=tracer_provider)
 
     # -- application ------------------------------------------------------------------------
 
@@ -184,6 +190,7 @@ class Gateway:
             experts=self.holder is not None,
             features=features,
             max_context=max_context,
+            spans=self.spans,
         )
         self.admission.start()
 
@@ -205,6 +212,7 @@ class Gateway:
         if self._owns_store:
             await self.store.close()
             self._owns_store = False
+        self.spans.close()
 
     def stats(self) -> GatewayStats:
         """Counters for reports: chat requests by status, in flight, latency percentiles."""
@@ -383,9 +391,11 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
-async def make_app(config: GatewayConfig, *, holder: ExpertHolder | None = None) -> web.Application:
+async def make_app(
+    config: GatewayConfig, *, holder: ExpertHolder | None = None, tracer_provider: Any = None
+) -> web.Application:
     """Create the gateway of ``config`` and its aiohttp application (``app[GATEWAY]`` holds it)."""
-    gw = await Gateway.create(config, holder=holder)
+    gw = await Gateway.create(config, holder=holder, tracer_provider=tracer_provider)
     app = gw.app()
     app[GATEWAY] = gw
     return app
@@ -395,7 +405,12 @@ GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
 
 def start_gateway(
-    config: GatewayConfig, *, holder: ExpertHolder | None = None, host: str = "127.0.0.1", port: int = 0
+    config: GatewayConfig,
+    *,
+    holder: ExpertHolder | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tracer_provider: Any = None,
 ) -> BackgroundServer:
     """Serve a gateway from a background thread of this process; returns the started server.
 
@@ -405,7 +420,7 @@ def start_gateway(
     base URL, ``server.app[GATEWAY]`` the :class:`Gateway`, ``server.stop()``
     shuts it down. Raises what :meth:`Gateway.create` and the start-up checks raise.
     """
-    server = BackgroundServer(lambda: make_app(config, holder=holder), host, port)
+    server = BackgroundServer(lambda: make_app(config, holder=holder, tracer_provider=tracer_provider), host, port)
     server.start()
     return server
 

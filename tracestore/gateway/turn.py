@@ -28,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -38,65 +36,26 @@ from aiohttp import web
 
 from ..errors import GateSealed, SessionExists, TracestoreError
 from ..gate import Lease
-from ..router import AsyncRouter
-from ..store import AsyncTraceStore
-from .admission import Admission, Flight
-from .chat import Answer, ChatRequest, ToolCall, Wire, invalid, new_id
-from .config import GatewayConfig
+from .admission import Flight
+from .chat import Answer, ChatRequest, Wire, invalid, new_id
 from .engines import (
-    Engine,
     EngineLost,
     EngineOutput,
-    EngineRejected,
     EngineRequest,
-    Sampling,
 )
 from .failures import Failure, TurnAborted, classify, first
 from .generation import Generation
-from .metrics import Metrics, Timing
-from .prompts import Prepared, PromptMode
-from .startup import TemplateFeatures
-from .stream import TextStream, cut
-from .tokenizer import ChatTokenizer
+from .metrics import Timing
+from .prompts import Prepared
+from .services import OPENED_CACHE, Services, build_answer
+from .stream import TextStream
+from .tracing import turn_attributes
 
 log = logging.getLogger(__name__)
 
-#: How many session ids a gateway remembers as opened (LRU).
-OPENED_CACHE = 200_000
 #: Where a turn leaves the HTTP status it answered (an error event inside a 200 stream counts
 #: as its error's status in the metrics).
 STATUS_KEY = "tracestore.status"
-
-
-@dataclass
-class Services:
-    """What a turn uses of its gateway (built once by :class:`~.server.Gateway`)."""
-
-    config: GatewayConfig
-    store: AsyncTraceStore
-    tok: ChatTokenizer
-    prompts: PromptMode
-    admission: Admission
-    metrics: Metrics
-    router: AsyncRouter
-    engines: dict[str, Engine]
-    db: Callable[[Awaitable[Any]], Awaitable[Any]]
-    spawn: Callable[[Awaitable[Any]], None]
-    experts: bool = False
-    features: TemplateFeatures = field(default_factory=TemplateFeatures)
-    #: The engines' context length (prompt + answer), when they report it: max_tokens is clamped to it.
-    max_context: int | None = None
-    opened: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    _rr: int = 0
-
-    def __post_init__(self) -> None:
-        self.stop_ids = frozenset(self.tok.stop_token_ids)
-
-    def next_engine(self) -> Engine:
-        """An engine for a request without a session (round-robin)."""
-        engines = list(self.engines.values())
-        self._rr += 1
-        return engines[self._rr % len(engines)]
 
 
 class Turn:
@@ -127,15 +86,33 @@ class Turn:
         self.kept = False  # this turn's tokens were kept in the store (held)
         self.opened = False  # the engine input ends inside a reasoning block
         self.continued = False
+        self.span: Any = None  # the turn's OpenTelemetry span (None: not traced)
 
     async def run(self) -> web.StreamResponse:
         """Serve the request; a turn failure is answered here, in the caller's shape."""
+        spans = self.s.spans
+        self.span = spans.turn(self.request.headers, {"tracestore.run": self.s.store.run_id, "tracestore.session": self.sid})
+        status = 499
+        try:
+            resp = await self._run()
+            status = int(self.request.get(STATUS_KEY, resp.status))
+            return resp
+        except Exception:
+            status = 500
+            raise
+        finally:
+            if self.span is not None:
+                spans.set(self.span, **turn_attributes(self.flight, self.prep, self.gen))
+                spans.end(self.span, status)
+
+    async def _run(self) -> web.StreamResponse:
         try:
             self.s.features.check(self.req)
             if self.sid is None:
                 flight = Flight(new_id("req-"), None, self.s.next_engine())
                 return await self._serve(flight, self.s.prompts.plain(self.req))
-            flight = await self._admit(self.sid)
+            with self.s.spans.child(self.span, "admit"):
+                flight = await self._admit(self.sid)
             assert self.prep is not None
             return await self._serve(flight, self.prep.input_ids)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -201,19 +178,6 @@ class Turn:
 
     # -- 3: the engine call ----------------------------------------------------------------
 
-    def _sampling(self, max_tokens: int) -> Sampling:
-        r = self.req
-        return Sampling(
-            max_tokens=max_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop=tuple(r.stop),
-            stop_token_ids=tuple(self.s.tok.stop_token_ids),
-            ignore_eos=r.ignore_eos,
-            seed=r.seed,
-        )
-
     async def _serve(self, flight: Flight, input_ids: list[int]) -> web.StreamResponse:
         s = self.s
         self.flight = flight
@@ -249,7 +213,9 @@ class Turn:
                 await resp.prepare(self.request)
                 await resp.write_eof()
             assert self.flight is not None
-            s.admission.completed(self.flight)
+            settling = s.admission.completed(self.flight)
+            if settling is not None:
+                s.spawn(self._settling(settling, "completed"))
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
             assert self.flight is not None
@@ -285,18 +251,19 @@ class Turn:
             if budget <= 0:
                 gen.finish, gen.matched = "length", None
                 return
-            ereq = EngineRequest(flight.rid, [*input_ids, *gen.ids], self._sampling(budget), s.experts and self.sid is not None)
+            ereq = EngineRequest(flight.rid, [*input_ids, *gen.ids], s.sampling(self.req, budget), s.experts and self.sid is not None)
             version = flight.lease.version if flight.lease is not None else 0
             gen.begin()
             flight.engine_started, flight.engine_done = True, False
             t0 = time.perf_counter()
             try:
-                if self.out is not None:
-                    async for chunk in flight.engine.stream(ereq):
-                        gen.add(chunk, version)
-                        await self.out.push(chunk.ids, chunk.finish is not None, chunk.finish == "stop")
-                else:
-                    gen.add_output(await flight.engine.generate(ereq), version)
+                with s.spans.child(self.span, "engine", **{"tracestore.engine": flight.engine.url, "tracestore.version": version}):
+                    if self.out is not None:
+                        async for chunk in flight.engine.stream(ereq):
+                            gen.add(chunk, version)
+                            await self.out.push(chunk.ids, chunk.finish is not None, chunk.finish == "stop")
+                    else:
+                        gen.add_output(await flight.engine.generate(ereq), version)
             finally:
                 self.timing.engine_s += time.perf_counter() - t0
             flight.engine_done = True
@@ -361,27 +328,8 @@ class Turn:
     # -- the answer and 4: the record -------------------------------------------------------
 
     def _answer(self, out: EngineOutput, prompt_tokens: int) -> Answer:
-        s, req, flight = self.s, self.req, self.flight
-        assert flight is not None
-        ids, lps = out.output_ids, out.logprobs
-        if len(lps) != len(ids) or not ids:
-            raise EngineRejected(flight.engine.url, 502, f"{len(ids)} output ids with {len(lps)} logprobs")
-        text_ids = ids[:-1] if out.finish == "stop" and ids[-1] in s.stop_ids else ids
-        text = s.tok.decode(text_ids)
-        stop_string = out.matched if isinstance(out.matched, str) else None
-        text = cut(text, stop_string)
-        if not req.ignore_eos:  # a model that spells out the end-of-turn marker ends its turn there
-            text = cut(text, s.tok.stop_word)
-        split = s.tok.reasoning.split(text, opened=self.opened)
-        text = split.content
-        calls: list[ToolCall] = []
-        if req.parse_tools and req.tools:
-            text, found = s.tok.parse_tool_calls(text, req.tools)
-            prefix = "toolu_" if self.wire.NAME == "anthropic" else "call_"
-            calls = [ToolCall(c.id or s.tok.new_call_id(prefix), c.name, c.arguments) for c in found]
-        finish = "length" if out.finish == "length" else "tool_calls" if calls else "stop"
-        version = flight.lease.version if flight.lease is not None else None
-        return Answer(text, tuple(calls), finish, stop_string, ids, lps, prompt_tokens, version, split.reasoning)
+        assert self.flight is not None
+        return build_answer(self.s, self.req, self.wire.NAME, self.flight, out, prompt_tokens, self.opened)
 
     async def _record(self, answer: Answer, gen: Generation) -> None:
         """Record the turn; the write is shielded from a client disconnect (it is the commit point)."""
@@ -396,7 +344,8 @@ class Turn:
             s.db(s.prompts.write(prep, self.req, answer, experts, flight.lease.version, versions))
         )
         try:
-            await asyncio.shield(flight.record_task)
+            with s.spans.child(self.span, "record"):
+                await asyncio.shield(flight.record_task)
         finally:
             self.timing.store_s += time.perf_counter() - t0
         s.metrics.turns.inc()
@@ -426,7 +375,8 @@ class Turn:
         if isinstance(exc, EngineLost) and flight.generating:
             self.s.spawn(flight.engine.abort(flight.rid))
         outcome = "aborted" if flight.abort_reason is not None and f.outcome == "failed" else f.outcome
-        await self.s.admission.settle_flight(flight, outcome)
+        with self.s.spans.child(self.span, "settle", **{"tracestore.outcome": outcome}):
+            await self.s.admission.settle_flight(flight, outcome)
 
     def _error_response(self, f: Failure) -> web.Response:
         return web.Response(
@@ -435,6 +385,10 @@ class Turn:
             content_type="application/json",
             headers=f.error.headers(),
         )
+
+    async def _settling(self, settle: Awaitable[None], outcome: str) -> None:
+        with self.s.spans.child(self.span, "settle", **{"tracestore.outcome": outcome}):
+            await settle
 
     async def _client_gone(self, flight: Flight) -> None:
         """The client left (handler cancelled, or a write failed): abort, settle, record nothing new."""
@@ -475,4 +429,4 @@ class Turn:
         return new_id("msg_" if self.wire.NAME == "anthropic" else "chatcmpl-")
 
 
-__all__ = ["OPENED_CACHE", "STATUS_KEY", "Services", "Turn"]
+__all__ = ["STATUS_KEY", "Turn"]
