@@ -146,7 +146,9 @@ def test_openai_multi_turn_stays_on_one_path(gw: GW) -> None:
     assert set(tr["versions"]) == {0}
     assert gw.server.metric("tracestore_gateway_tokens_total", kind="completion") - before == sum(completions)
     # the session was opened for the default owner and holds one lease per turn, all completed
-    assert gw.store.owner_of(s) == "gateway"
+    owner = gw.store.owner_of(s)
+    assert owner is not None and owner.startswith("gateway:")  # the gateway's own tag, heart-beaten
+    assert {o.owner: o.deadline_ms for o in gw.store.owners()}[owner] is not None
     assert gw.store.gate.drain(10).drained
     assert lease_outcomes(gw.store, s) == ["completed"] * 4
 

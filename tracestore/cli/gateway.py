@@ -83,9 +83,9 @@ def _announce(url: str) -> None:
 )
 @click.option(
     "--owner",
-    default="gateway",
-    show_default=True,
-    help="Owner tag of sessions this gateway opens when a request has no X-Tracestore-Owner header.",
+    default=None,
+    help="Owner tag of sessions this gateway opens when a request has no X-Tracestore-Owner header "
+    "(default gateway:<host>-<pid>; the gateway heart-beats it, so tracestore gc releases them once it is gone).",
 )
 @click.option("--model", default=None, help="Model name served (default: the tokenizer's name).")
 @click.option(

@@ -64,6 +64,8 @@ class ApiError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         self.code = code
+        #: Tell the SDKs not to retry (``x-should-retry: false``): nothing will change soon.
+        self.no_retry = False
 
     @property
     def status(self) -> int:
@@ -71,11 +73,13 @@ class ApiError(Exception):
         return STATUS[self.kind]
 
     def headers(self) -> dict[str, str]:
-        """``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` when set."""
+        """``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` when set;
+        ``x-should-retry: false`` (the openai and anthropic SDKs honour it) when :attr:`no_retry`."""
+        out: dict[str, str] = {"x-should-retry": "false"} if self.no_retry else {}
         if self.retry_after_s is None:
-            return {}
+            return out
         ms = max(1, round(self.retry_after_s * 1000))
-        return {"Retry-After": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}
+        return {**out, "Retry-After": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

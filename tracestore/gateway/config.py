@@ -30,7 +30,7 @@ class GatewayConfig:
     held, its tokens kept, and continued under the new weights; held past
     ``hold_timeout_s`` it is answered as in ``abort`` mode) or ``abort`` (503,
     the client retries). ``owner``: owner tag of sessions opened without an
-    ``X-Tracestore-Owner`` header. ``name``: lease holder name (default
+    ``X-Tracestore-Owner`` header (default :attr:`owner_tag`). ``name``: lease holder name (default
     ``gateway-<host>-<pid>``). ``model``: the model name served (default: the
     tokenizer's). ``trace_sessions``: sessions whose latest turn
     ``/v1/sessions/{sid}/trace`` can export (LRU). ``startup_checks``: probe
@@ -42,7 +42,7 @@ class GatewayConfig:
     engines: tuple[str, ...]
     url: str | None = None
     run: str = "default"
-    owner: str = "gateway"
+    owner: str | None = None
     engine_api: str = "sglang"
     prompt_mode: str = "tito"
     on_weight_update: str = "continue"
@@ -78,7 +78,8 @@ class GatewayConfig:
         if self.engine_api not in engine_apis():
             raise ConfigError(f"--engine-api {self.engine_api!r}: choose one of {engine_apis()}")
         try:
-            validate_id("owner", self.owner)
+            if self.owner is not None:
+                validate_id("owner", self.owner)
             if self.name is not None:
                 validate_id("gateway name", self.name)
         except InvalidId as exc:
@@ -97,6 +98,14 @@ class GatewayConfig:
     def holder(self) -> str:
         """The lease holder name: ``name``, else ``gateway-<host>-<pid>``."""
         return self.name or default_name()
+
+    @property
+    def owner_tag(self) -> str:
+        """The owner of sessions opened without ``X-Tracestore-Owner``: ``owner``, else
+        ``gateway:<host>-<pid>``. The gateway heart-beats it (``tracestore gc`` releases its
+        sessions once the gateway is gone); one tag per process, because a tag whose holder died
+        is declared lost and cannot be used again."""
+        return self.owner or "gateway:" + default_name().removeprefix("gateway-")
 
 
 def default_name() -> str:

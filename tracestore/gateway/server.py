@@ -33,6 +33,7 @@ from .admission import Admission
 from .chat import ApiError, Wire, invalid
 from .config import GatewayConfig
 from .engines import Engine, engine_class
+from .liveness import Liveness
 from .metrics import Metrics, Timing
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
@@ -100,6 +101,7 @@ class Gateway:
         self.holder = holder
         self.model = config.model or tokenizer.name
         self.name = config.holder
+        self.owner = config.owner_tag
         self.metrics = Metrics()
         self._owns_store = owns_store
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -118,6 +120,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self.engines: dict[str, Engine] = {}
         self.services: Services | None = None
+        self.liveness: Liveness | None = None
 
     @classmethod
     async def create(
@@ -150,6 +153,7 @@ class Gateway:
         app.router.add_get("/v1/models", self._models, name="models")
         app.router.add_get("/v1/sessions/{sid}/trace", self._trace, name="trace")
         app.router.add_get("/health", self._health, name="health")
+        app.router.add_get("/ready", self._ready, name="ready")
         app.router.add_get("/metrics", self._metrics, name="metrics")
         app.router.add_route("*", "/{tail:.*}", self._unknown, name="unknown")
         app.on_startup.append(self._startup)
@@ -165,6 +169,7 @@ class Gateway:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         make = engine_class(self.config.engine_api)
         self.engines = {url: make(url, self._session, timeout) for url in self.config.engines}
+        self.liveness = Liveness(self.store, self.engines, self.owner)
         features = TemplateFeatures()
         max_context: int | None = None
         if self.config.startup_checks:
@@ -191,8 +196,10 @@ class Gateway:
             features=features,
             max_context=max_context,
             spans=self.spans,
+            liveness=self.liveness,
         )
         self.admission.start()
+        self.liveness.start()
 
     async def _startup(self, app: web.Application) -> None:
         await self.start()
@@ -204,6 +211,8 @@ class Gateway:
         """Stop the watcher, wait for background settlements, close the engine connections (and
         the store if owned)."""
         await self.admission.close()
+        if self.liveness is not None:
+            await self.liveness.close()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._session is not None:
@@ -287,7 +296,25 @@ class Gateway:
         return _json(self._wire_of(request).models(self.model))
 
     async def _health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "run": self.store.run_id, "model": self.model, "engines": list(self.config.engines)})
+        """200 ``ok`` while an engine answers and the run's record is there; else 503 ``unhealthy``
+        with what is wrong (one line each)."""
+        problems = self.liveness.problems() if self.liveness is not None else ["starting"]
+        body: dict[str, Any] = {
+            "status": "unhealthy" if problems else "ok",
+            "run": self.store.run_id,
+            "model": self.model,
+            "engines": list(self.config.engines),
+        }
+        if self.liveness is not None:
+            body["checks"] = self.liveness.report()
+        if problems:
+            body["problems"] = problems
+        return _json(body, 503 if problems else 200)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        """For load balancers: 200 when this gateway can serve a turn now, else 503."""
+        problems = self.liveness.problems() if self.liveness is not None else ["starting"]
+        return _json({"ready": not problems, "problems": problems}, 503 if problems else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
@@ -376,7 +403,7 @@ class Gateway:
         if sid is not None and header_sid is not None and sid != header_sid:
             raise invalid("session_id in the body and X-Session-Id differ", "session_id")
         sid = sid if sid is not None else header_sid
-        owner = request.headers.get("X-Tracestore-Owner", self.config.owner)
+        owner = request.headers.get("X-Tracestore-Owner", self.owner)
         try:
             if sid is not None:
                 validate_id("session id", sid)

@@ -18,6 +18,7 @@ from .admission import Admission, Flight
 from .chat import Answer, ChatRequest, ToolCall
 from .config import GatewayConfig
 from .engines import Engine, EngineOutput, EngineRejected, Sampling
+from .liveness import Liveness
 from .metrics import Metrics
 from .prompts import PromptMode
 from .startup import TemplateFeatures
@@ -48,6 +49,7 @@ class Services:
     #: The engines' context length (prompt + answer), when they report it: max_tokens is clamped to it.
     max_context: int | None = None
     spans: Spans = field(default_factory=Spans)
+    liveness: Liveness | None = None
     opened: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _rr: int = 0
 

@@ -37,10 +37,11 @@ from aiohttp import web
 from ..errors import GateSealed, SessionExists, TracestoreError
 from ..gate import Lease
 from .admission import Flight
-from .chat import Answer, ChatRequest, Wire, invalid, new_id
+from .chat import Answer, ApiError, ChatRequest, Wire, invalid, new_id
 from .engines import (
     EngineLost,
     EngineOutput,
+    EngineRefused,
     EngineRequest,
 )
 from .failures import Failure, TurnAborted, classify, first
@@ -108,6 +109,11 @@ class Turn:
     async def _run(self) -> web.StreamResponse:
         try:
             self.s.features.check(self.req)
+            live = self.s.liveness
+            if live is not None and live.run_lost and self.sid is not None:
+                err = ApiError("unavailable", live.problems()[0] + ": this gateway records nothing more; restart it", code="run_lost")
+                err.no_retry = True
+                raise err
             if self.sid is None:
                 flight = Flight(new_id("req-"), None, self.s.next_engine())
                 return await self._serve(flight, self.s.prompts.plain(self.req))
@@ -123,6 +129,9 @@ class Turn:
                 if self.flight is not None:
                     await self.s.admission.settle_flight(self.flight, "failed")
                 raise
+            if isinstance(exc, EngineRefused) and self.s.liveness is not None and self.flight is not None:
+                self.s.liveness.engines_up[self.flight.engine.url] = False
+                f.error.no_retry = not self.s.liveness.any_engine_up  # no engine up: fail fast, no retry storm
             await self._settle_failed(f, exc)
             return self._error_response(f)
 

@@ -1,0 +1,124 @@
+"""What the gateway keeps checking in the background: its engines, its run's record, its owner tag.
+
+One task per gateway, every ``interval_s`` (1 s):
+
+* **engines**: ``GET /health`` of each; ``/health`` and ``/ready`` report
+  them, and when none answers, a refused engine call is answered with
+  ``x-should-retry: false`` so the SDKs fail fast instead of retrying for
+  minutes;
+* **the run's record** (``ts:{R}:meta``): a store that restarted without its
+  data, or was flushed, no longer has it; from then on the gateway records
+  nothing (every turn is a 503 that says so) instead of writing keys of a run
+  no command can see;
+* **the owner tag** of sessions it opens without ``X-Tracestore-Owner``
+  (``--owner``): heart-beaten, so ``tracestore gc`` releases those sessions
+  once the gateway is gone, instead of leaving them to an owner that never
+  heart-beats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ..errors import OwnerLost, TracestoreError
+from ..scripts import Cmd, Op
+from ..store import AsyncTraceStore
+from .engines import Engine
+
+log = logging.getLogger(__name__)
+
+
+class Liveness:
+    """The background checks (see the module docstring)."""
+
+    def __init__(
+        self, store: AsyncTraceStore, engines: dict[str, Engine], owner: str, *, interval_s: float = 1.0, owner_ttl_s: float = 30.0
+    ) -> None:
+        self.store = store
+        self.engines = engines
+        self.owner = owner
+        self.interval_s = interval_s
+        self.owner_ttl_s = owner_ttl_s
+        self.engines_up: dict[str, bool] = {url: True for url in engines}  # until the first check
+        self.run_lost = False
+        self.owner_lost = False
+        self.checked_ms = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._beat = 0.0
+
+    @property
+    def any_engine_up(self) -> bool:
+        """True when at least one engine answered its last health check."""
+        return any(self.engines_up.values())
+
+    def problems(self) -> list[str]:
+        """What makes the gateway unable to serve now, one line each (empty: healthy)."""
+        out = []
+        if self.run_lost:
+            out.append(f"the trace store lost run {self.store.run_id!r} (its record is gone: the server restarted or was flushed)")
+        if not self.any_engine_up:
+            out.append("no engine answers its health check")
+        return out
+
+    def start(self) -> None:
+        """Start checking (inside the running loop); checks once first."""
+        self._task = asyncio.create_task(self._run(), name="gateway-liveness")
+
+    async def close(self) -> None:
+        """Stop checking."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def check(self) -> None:
+        """One round of checks (engines, run record, owner heartbeat)."""
+        ups = await asyncio.gather(*(e.health() for e in self.engines.values()))
+        for url, up in zip(self.engines, ups, strict=True):
+            if self.engines_up.get(url) != up:
+                log.warning("gateway: engine %s is %s", url, "up" if up else "down (its health check fails)")
+            self.engines_up[url] = up
+        try:
+            exists = await self.store.run(_record_exists(self.store.keys.meta))
+            if not exists and not self.run_lost:
+                log.error(
+                    "gateway: the trace store lost run %r (its record is gone); recording nothing from now on: "
+                    "restart the gateway",
+                    self.store.run_id,
+                )
+            self.run_lost = self.run_lost or not exists
+            now = time.monotonic()
+            if not self.run_lost and not self.owner_lost and now - self._beat > self.owner_ttl_s / 3:
+                await self.store.heartbeat(self.owner, self.owner_ttl_s)
+                self._beat = now
+        except OwnerLost:
+            self.owner_lost = True
+            log.error("gateway: gc declared owner %r lost; sessions it opens now are refused", self.owner)
+        except TracestoreError as exc:  # the store is unreachable: requests say so themselves
+            log.warning("gateway: liveness check: %s", exc)
+        self.checked_ms = time.time() * 1000
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep checking
+                log.warning("gateway: liveness check failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+    def report(self) -> dict[str, Any]:
+        """The ``/health`` body's checks."""
+        return {"engines": dict(self.engines_up), "run_record": not self.run_lost, "owner": self.owner, "owner_lost": self.owner_lost}
+
+
+def _record_exists(meta: str) -> Op[bool]:
+    """``EXISTS ts:{R}:meta`` (the run's record), as an operation."""
+    return bool(int((yield Cmd(("EXISTS", meta), key=meta))))
+
+
+__all__ = ["Liveness"]
