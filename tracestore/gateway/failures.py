@@ -129,7 +129,12 @@ TABLE: tuple[Row, ...] = (
     Row(
         TracestoreError,
         "failed",
-        lambda e: ApiError("unavailable", f"trace store unavailable: {type(e).__name__}: {e}", retry_after_s=1.0),
+        lambda e: ApiError(
+            "unavailable",
+            # an outcome-unknown error's own text is Python-API advice (op ids): say what an HTTP client does
+            f"the trace store did not answer ({type(e).__name__}: {getattr(e, 'reason', e)}); retry the request",
+            retry_after_s=1.0,
+        ),
     ),
 )
 
