@@ -49,7 +49,7 @@ LUA_RO = (
 #: Commands the client sends itself (writer): reads, purges, the release event
 #: consumer (RefHolder), gc, checkpoint and restore, run listing and deletion.
 CLIENT = (
-    "blpop", "del", "exists", "get", "hget", "hgetall", "hlen", "hmget", "hset", "incrby", "lrange",
+    "blpop", "del", "exists", "get", "hdel", "hget", "hgetall", "hlen", "hmget", "hset", "incrby", "lrange",
     "memory|usage", "mget", "mset", "pexpire", "pttl", "rpush", "sadd", "scan", "scard", "set", "smembers",
     "sscan", "time", "type",
     "unlink", "xack", "xadd", "xgroup|create", "xgroup|createconsumer", "xgroup|destroy",

@@ -116,9 +116,20 @@ class Liveness:
         return {"engines": dict(self.engines_up), "run_record": not self.run_lost, "owner": self.owner, "owner_lost": self.owner_lost}
 
 
+def health_body(live: Liveness | None, run: str, model: str, engines: list[str]) -> tuple[dict[str, Any], int]:
+    """The ``/health`` answer: ``ok`` (200) or ``unhealthy`` (503) with one line per problem."""
+    problems = live.problems() if live is not None else ["starting"]
+    body: dict[str, Any] = {"status": "unhealthy" if problems else "ok", "run": run, "model": model, "engines": engines}
+    if live is not None:
+        body["checks"] = live.report()
+    if problems:
+        body["problems"] = problems
+    return body, 503 if problems else 200
+
+
 def _record_exists(meta: str) -> Op[bool]:
     """``EXISTS ts:{R}:meta`` (the run's record), as an operation."""
     return bool(int((yield Cmd(("EXISTS", meta), key=meta))))
 
 
-__all__ = ["Liveness"]
+__all__ = ["Liveness", "health_body"]

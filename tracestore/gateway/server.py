@@ -33,7 +33,7 @@ from .admission import Admission
 from .chat import ApiError, Wire, invalid
 from .config import GatewayConfig
 from .engines import Engine, engine_class
-from .liveness import Liveness
+from .liveness import Liveness, health_body
 from .metrics import Metrics, Timing
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
@@ -296,20 +296,9 @@ class Gateway:
         return _json(self._wire_of(request).models(self.model))
 
     async def _health(self, request: web.Request) -> web.Response:
-        """200 ``ok`` while an engine answers and the run's record is there; else 503 ``unhealthy``
-        with what is wrong (one line each)."""
-        problems = self.liveness.problems() if self.liveness is not None else ["starting"]
-        body: dict[str, Any] = {
-            "status": "unhealthy" if problems else "ok",
-            "run": self.store.run_id,
-            "model": self.model,
-            "engines": list(self.config.engines),
-        }
-        if self.liveness is not None:
-            body["checks"] = self.liveness.report()
-        if problems:
-            body["problems"] = problems
-        return _json(body, 503 if problems else 200)
+        """200 ``ok`` while an engine answers and the run's record is there; else 503 (:func:`.liveness.health`)."""
+        body, status = health_body(self.liveness, self.store.run_id, self.model, list(self.config.engines))
+        return _json(body, status)
 
     async def _ready(self, request: web.Request) -> web.Response:
         """For load balancers: 200 when this gateway can serve a turn now, else 503."""
