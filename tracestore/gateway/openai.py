@@ -80,7 +80,8 @@ def _text(content: Any, param: str) -> str:
 def _message(raw: Any, i: int) -> Message:
     p = f"messages[{i}]"
     m = as_dict(raw, p)
-    role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
+    raw_role = m.get("role")
+    role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
     if role is None:
         raise invalid(f"{p}.role must be one of {sorted(_ROLES)}, got {m.get('role')!r}", f"{p}.role")
     out: Message = {"role": role, "content": _text(m.get("content"), f"{p}.content")}

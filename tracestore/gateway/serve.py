@@ -26,7 +26,9 @@ AppFactory = Callable[[], Awaitable[web.Application]]
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Bind ``app`` on ``host:port``; returns the runner and the URL actually bound."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    # auto_decompress off: a body's Content-Encoding is the handler's to decode (the gateway answers an
+    # encoding it does not take, or a body that is not what its header says, with a 4xx in the caller's shape)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:

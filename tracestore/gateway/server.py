@@ -30,6 +30,7 @@ from ..session import ExpertHolder
 from ..store import AsyncTraceStore
 from . import anthropic, openai
 from .admission import Admission
+from .body import read_body
 from .chat import ApiError, Wire, invalid
 from .config import GatewayConfig
 from .engines import Engine, engine_class
@@ -362,23 +363,8 @@ class Gateway:
             log.exception("gateway: unexpected error")
             return self._error(wire, ApiError("internal", f"{type(exc).__name__}: {exc}"))
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(
-                "too_large", f"request body over the limit of {self.config.max_body_bytes} bytes"
-            ) from None
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise invalid(f"malformed JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise invalid("the body must be a JSON object")
-        return body
-
     async def _turn(self, request: web.Request, wire: Wire) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await read_body(request, self.config.max_body_bytes)
         req = wire.parse(body, self.config.default_max_tokens)
         if req.model != self.model:
             raise ApiError(
