@@ -123,3 +123,34 @@ def test_a_template_without_a_system_role_is_served_without_it_and_says_so(
             assert r.choices[0].message.content == "fine"
         finally:
             gw.stop()
+
+
+def test_max_tokens_is_clamped_to_the_engines_context_and_a_prompt_without_room_opens_nothing(
+    reference_engine: CliServer, standalone_url: str
+) -> None:
+    from tests.test_gateway import MODEL
+    from tracestore import TraceStore
+
+    run = f"st-{uuid.uuid4().hex[:8]}"
+    gw = CliServer("gateway", "--port", "0", "--engine", reference_engine.url, "--url", standalone_url, "--run", run).start()
+    st = TraceStore.connect(standalone_url, run=run)
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        ok = f"s-{uuid.uuid4().hex[:8]}"
+        # the gateway's default max_tokens (1024) exceeds the engine's context (256): clamped, not refused
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": ok}
+        )
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 256 and r.choices[0].finish_reason == "length"
+        long = f"s-{uuid.uuid4().hex[:8]}"
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x " * 400}], extra_headers={"X-Session-Id": long}
+            )
+        assert "leaves no room" in str(ei.value) and "256" in str(ei.value)
+        assert st.owner_of(long) is None  # a refused turn opens nothing that stays open
+        assert st.owner_of(ok) is not None
+        assert st.gate.drain(10).drained
+    finally:
+        gw.stop()
+        st.close()

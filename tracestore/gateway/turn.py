@@ -2,16 +2,16 @@
 
 In order (DESIGN section 10):
 
-1. **open**: the first time this process sees the session, ``open_session(sid,
-   owner)`` (an open session is left as it is, a released one is a 410);
-2. **route, admit, prepare**, concurrently, one round trip: ``router.acquire``
+1. **route, admit, prepare**, concurrently, one round trip: ``router.acquire``
    (retired: 410), a gate lease (sealed: 503 with ``Retry-After``) and the
    prompt mode's ``prepare`` (the engine input, from the stored trace);
-3. **engine**: the ids to the session's engine, streamed or not;
-4. **record**: the turn written in one round trip (routed experts into the
+2. **engine**: the ids to the session's engine, streamed or not;
+3. **record**: the first time this process records a turn of the session,
+   ``open_session(sid, owner)`` (so a refused request opens nothing; an open
+   session is left as it is); then the turn written in one round trip (routed experts into the
    holder first), before the client sees the end of the answer, so its next
    turn finds this one;
-5. **answer** (exact ``usage``) and **settle** the lease ``completed``.
+4. **answer** (exact ``usage``) and **settle** the lease ``completed``.
 
 Any failure goes through one table (:mod:`.failures`): the client gets the
 HTTP error in its wire format's shape (or, once a stream has started, an
@@ -140,14 +140,6 @@ class Turn:
     async def _admit(self, sid: str) -> Flight:
         s = self.s
         t0 = time.perf_counter()
-        if sid not in s.opened:
-            try:
-                await s.db(s.store.open_session(sid, self.owner))
-            except SessionExists:
-                pass
-            s.opened[sid] = None
-            if len(s.opened) > OPENED_CACHE:
-                s.opened.popitem(last=False)
         phase = asyncio.ensure_future(
             asyncio.gather(
                 s.db(s.prompts.prepare(sid, self.req)),
@@ -178,6 +170,23 @@ class Turn:
         self.prep = prep
         self.flight = Flight(new_id("req-"), sid, s.engines[str(entry)], lease)
         return self.flight
+
+    async def _open(self, sid: str) -> None:
+        """Open the session for its owner the first time this process records a turn of it (a
+        request refused earlier opens nothing; an open session is left as it is)."""
+        s = self.s
+        if sid in s.opened:
+            return
+        t0 = time.perf_counter()
+        try:
+            await s.db(s.store.open_session(sid, self.owner))
+        except SessionExists:
+            pass
+        finally:
+            self.timing.store_s += time.perf_counter() - t0
+        s.opened[sid] = None
+        if len(s.opened) > OPENED_CACHE:
+            s.opened.popitem(last=False)
 
     async def _settle_phase(self, phase: asyncio.Future[Any]) -> None:
         """After a cancelled admission phase: settle its lease, if one was admitted."""
@@ -345,7 +354,8 @@ class Turn:
         flight, prep, s = self.flight, self.prep, self.s
         if prep is None:  # a plain proxy request records nothing
             return
-        assert flight is not None and flight.lease is not None
+        assert flight is not None and flight.lease is not None and self.sid is not None
+        await self._open(self.sid)
         experts = await s.prompts.put_experts(prep, gen.output())
         versions = gen.versions if len(gen.distinct_versions) > 1 else None
         t0 = time.perf_counter()
