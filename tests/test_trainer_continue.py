@@ -18,7 +18,16 @@ routed experts (rows of the first part from the first call, the rest from
 the resumed call). Staleness follows: the group's ``min_version`` is the
 oldest token's, ``stale_mask`` marks the old part. In ``abort`` mode the
 stopped turns are thrown away: their tokens are counted discarded and
-nothing of them is recorded.
+nothing of them is recorded. With ``--agents http`` the gateway holds the
+turn and the trainer reads the gateway's counters.
+
+Whole runs (``tracestore train``, disaggregated, with
+``update_mid_generation_s`` so that every weight update stops a worker right
+after a token): in continue mode nothing is discarded, no episode is cut
+(no aborted group, nothing claimed back) and nothing leaks; in abort mode,
+side by side, tokens are discarded and cut episodes are claimed back. (A
+worker that left its last leases to the producer deadlocked the drain of a
+continue-mode run: ``GatePoisoned`` once those leases expired.)
 """
 
 from __future__ import annotations
@@ -36,10 +45,12 @@ import pytest
 import ray
 import torch
 
+from tests.test_trainer_e2e import FAST, _check_nothing_leaked
 from tracestore import Group, Trace, TraceStore
 from tracestore.ray import expert_values
 from tracestore.trainer.actors import kill, remote
 from tracestore.trainer.config import TASK, TrainConfig
+from tracestore.trainer.loop import run as train
 from tracestore.trainer.policy import MoEPolicy, new_policy, state_to_numpy
 from tracestore.trainer.rollout import PolicyCall, RolloutWorker, WorkerStats
 from tracestore.trainer.sample import Sample
@@ -275,3 +286,39 @@ def test_http_agents_the_gateway_holds_and_the_report_reads_its_counters(
         kill(handles)
         store.release_owner(OWNER, "test-end")
         store.close()
+
+
+# -- whole runs (tracestore train) ------------------------------------------------------------
+
+
+def _run(url: str, tmp: Any, mode: str, on_weight_update: str) -> Any:
+    cfg = TrainConfig(
+        mode=mode, url=url, run=f"t-{uuid.uuid4().hex[:10]}", out=str(tmp), on_weight_update=on_weight_update,
+        # each weight update stops a worker right after its next token: it lands mid-generation
+        update_mid_generation_s=5.0, **FAST,
+    )
+    return train(cfg)
+
+
+@pytest.mark.parametrize("server", ["standalone", "cluster"])
+def test_a_disaggregated_run_in_continue_mode_discards_nothing(
+    request: pytest.FixtureRequest, tmp_path: Any, server: str
+) -> None:
+    url = request.getfixturevalue(f"{server}_url")
+    report = _run(url, tmp_path, "disaggregated", "continue")
+    _check_nothing_leaked(report, url)
+    assert report.on_weight_update == "continue" and report.gate_cycles == 4
+    assert report.aborted_requests > 0  # the updates stopped generations in flight ...
+    assert report.turns_continued > 0  # ... which went on under the new weights
+    assert report.tokens_discarded == 0 < report.tokens_generated
+    # no episode was cut: no aborted group, nothing to claim back
+    assert report.aborted_groups_claimed == 0 and "aborted" not in report.groups
+    assert report.routing_replay_fallbacks == 0
+
+
+def test_abort_mode_side_by_side_throws_tokens_away(standalone_url: str, tmp_path: Any) -> None:
+    report = _run(standalone_url, tmp_path, "disaggregated", "abort")
+    _check_nothing_leaked(report, standalone_url)
+    assert report.on_weight_update == "abort"
+    assert report.tokens_discarded > 0 and report.turns_continued == 0
+    assert report.aborted_groups_claimed > 0  # the cut episodes came back to be redone
