@@ -27,7 +27,7 @@ from tracestore import TraceStore
 from tracestore.cli import main as cli
 from tracestore.servers import EmbeddedServer
 from tracestore.trainer.checkpoint import load_state
-from tracestore.trainer.config import TrainConfig
+from tracestore.trainer.config import ConfigError, TrainConfig
 from tracestore.trainer.housekeeping import store_counts
 from tracestore.trainer.loop import SimulatedCrash, run
 from tracestore.trainer.report import Report
@@ -311,3 +311,7 @@ def test_bad_configuration_is_refused_with_a_clear_message(tmp_path: Any) -> Non
     assert r.exit_code == 2 and "--sync-every must be at least 1" in r.output
     r = _cli("--resume", "--out", str(tmp_path / "nothing"))
     assert r.exit_code == 2 and "no checkpoint" in r.output
+    r = _cli("--on-weight-update", "drop")
+    assert r.exit_code == 2 and "'drop' is not one of 'continue', 'abort'" in r.output
+    with pytest.raises(ConfigError, match="unknown --on-weight-update 'drop'"):
+        TrainConfig(on_weight_update="drop").validate()

@@ -6,7 +6,11 @@ once, with one batched store call per step instead of one per turn: admit
 their gate leases (``admit_many``), render and look up the stored prefixes
 (``TurnRecorder.prepare_many``), generate each, record the turns with their
 routed experts (``after_response_many``), settle the leases (``settle_many``
-per outcome, pipelined). :class:`RolloutWorker` (a Ray actor) drives the
+per outcome, pipelined). A weight update that stops a generation either
+throws it away (``--on-weight-update abort``) or holds it and continues it
+under the new weights, one recorded turn with the version of each token
+(``continue``, the default; :meth:`LocalModel.turns`,
+:mod:`~tracestore.trainer.continuation`). :class:`RolloutWorker` (a Ray actor) drives the
 calculator agents (:mod:`~tracestore.trainer.agent`) of the samples it is
 given over it, round by round, and keeps the sessions' routed experts in its
 ``RefHolder`` until they are released (one ``put_many`` per round: the
@@ -475,7 +479,8 @@ class RolloutWorker:
         return str(self._server.url)
 
     def run(self, samples: list[Sample], temperature: float = 1.0) -> list[Sample]:
-        """Continue every unfinished sample until it ends, aborts (gate sealed) or fails.
+        """Continue every unfinished sample until it ends, aborts (a weight update, in ``abort``
+        mode) or fails.
 
         The samples' turns are served in rounds (:func:`~.agent.drive_many`),
         so that each round's store calls are batched.
