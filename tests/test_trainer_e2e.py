@@ -27,7 +27,7 @@ from tracestore import TraceStore
 from tracestore.cli import main as cli
 from tracestore.servers import EmbeddedServer
 from tracestore.trainer.checkpoint import load_state
-from tracestore.trainer.config import TrainConfig
+from tracestore.trainer.config import ConfigError, TrainConfig
 from tracestore.trainer.housekeeping import store_counts
 from tracestore.trainer.loop import SimulatedCrash, run
 from tracestore.trainer.report import Report
@@ -117,6 +117,11 @@ def test_short_run_leaks_nothing(
     assert report.gate_cycles == 4 and len(report.history) == 4
     if mode == "disaggregated":  # buffered groups' experts were in the object store mid-run
         assert report.object_store_bytes_max_seen > 0
+    # continue mode (the default): no token thrown away, no episode cut by a weight update
+    assert report.on_weight_update == "continue" and report.tokens_discarded == 0
+    assert report.aborted_groups_claimed == 0 and "aborted" not in report.groups
+    if mode == "colocated":  # nothing is in flight during a weight update
+        assert report.aborted_requests == report.turns_continued == 0
     # routed experts came back from the holders for every sample (no fallback)
     assert report.routing_replay_fallbacks == 0
     assert os.path.exists(tmp_path / "report.png")
@@ -136,6 +141,8 @@ def test_http_agents_through_the_gateway_leak_nothing(
     # every turn went through the gateway (evaluation too), none was given up
     assert report.gateway_requests is not None and report.gateway_requests >= report.turns > 0
     assert report.agent_turns_given_up == 0 and report.gateway_410s == 0
+    # continue mode (the default): the gateway threw no token away, no episode was cut
+    assert report.tokens_discarded == 0 and report.aborted_groups_claimed == 0
     assert report.gateway_overhead_p50_ms is not None and report.gateway_overhead_p50_ms > 0
     # the gateway's holder kept every turn's routed experts, and replaying them reproduces
     # the rollout log-probabilities of the engines' traces
@@ -304,3 +311,7 @@ def test_bad_configuration_is_refused_with_a_clear_message(tmp_path: Any) -> Non
     assert r.exit_code == 2 and "--sync-every must be at least 1" in r.output
     r = _cli("--resume", "--out", str(tmp_path / "nothing"))
     assert r.exit_code == 2 and "no checkpoint" in r.output
+    r = _cli("--on-weight-update", "drop")
+    assert r.exit_code == 2 and "'drop' is not one of 'continue', 'abort'" in r.output
+    with pytest.raises(ConfigError, match="unknown --on-weight-update 'drop'"):
+        TrainConfig(on_weight_update="drop").validate()

@@ -15,12 +15,16 @@ MODES = ("colocated", "disaggregated")
 AGENTS = ("local", "http")
 #: How rollout workers go over the Ray cluster's nodes (:func:`tracestore.trainer.actors.plan`).
 PLACEMENTS = ("spread", "pack")
+#: What becomes of a generation a weight update stops (DESIGN section 15): ``continue`` (its
+#: tokens are kept and it resumes under the new weights) or ``abort`` (it is thrown away and redone).
+ON_WEIGHT_UPDATE = ("continue", "abort")
 TASK = "calc"
 #: Options of ``tracestore train`` (the others are set from Python only).
 CLI_OPTIONS = frozenset(
     {
         "mode", "agents", "steps", "url", "run", "out", "resume", "seed", "workers", "sync_every",
         "checkpoint_every", "ray_address", "placement", "worker_resources", "learner_resources",
+        "on_weight_update",
     }
 )
 _RESOURCE = re.compile(r"([A-Za-z_][A-Za-z0-9_.:-]*)=([0-9]*\.?[0-9]+)\Z")
@@ -77,6 +81,13 @@ class TrainConfig:
     holder_drain_s: float = 15.0
     #: HTTP agents: SDK retries of a request answered 503 (a weight update under way).
     http_retries: int = 30
+    #: A generation a weight update stops: ``continue`` (kept, resumed under the new weights
+    #: from prompt + kept tokens, one turn recorded with per-token versions) or ``abort``
+    #: (thrown away; the turn's episode comes back ``aborted`` and is redone after the update).
+    on_weight_update: str = "continue"
+    #: Continue mode: how long a stopped generation waits for the update to end before it is
+    #: given up as in ``abort`` mode (the gateway's ``--hold-timeout`` with ``--agents http``).
+    hold_timeout_s: float = 600.0
     #: Rollout workers heartbeat their owner tags with this TTL: when a worker (or its
     #: node) dies, gc declares its tag lost this long after its last heartbeat.
     owner_ttl_s: float = 30.0
@@ -94,6 +105,9 @@ class TrainConfig:
     lock_ttl_s: float = 30.0
     #: Tests: after the checkpoint of this step, kill every actor without cleanup.
     crash_after_step: int | None = None
+    #: Tests: each weight update waits up to this long for a rollout worker's next token and
+    #: stops its generation right after it (local agents), so updates land mid-generation (0: off).
+    update_mid_generation_s: float = 0.0
 
     def validate(self) -> TrainConfig:
         """Check the options; raise :class:`ConfigError` with a readable message."""
@@ -106,6 +120,12 @@ class TrainConfig:
             validate_run(self.run)
         except InvalidId as exc:
             raise ConfigError(f"--run {self.run!r} is not a run id: {exc.rule}") from None
+        if self.on_weight_update not in ON_WEIGHT_UPDATE:
+            raise ConfigError(
+                f"unknown --on-weight-update {self.on_weight_update!r}: choose one of {', '.join(ON_WEIGHT_UPDATE)}"
+            )
+        if not self.hold_timeout_s > 0:
+            raise ConfigError(f"hold_timeout_s must be positive, got {self.hold_timeout_s}")
         if self.agents not in AGENTS:
             raise ConfigError(f"unknown agents {self.agents!r}: choose one of {', '.join(AGENTS)}")
         if self.steps < 1:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tracestore import TraceStore
-from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
+from tracestore.gateway import GATEWAY, Gateway, GatewayConfig, start_gateway
 from tracestore.gateway.server import GatewayStats
 from tracestore.ray import HolderStats, RefHolder
 
@@ -23,10 +23,19 @@ from .config import TrainConfig
 
 @dataclass(frozen=True)
 class GatewayActorStats:
-    """The gateway's request counters and its holder."""
+    """The gateway's request counters and its holder; from its Prometheus metrics, the tokens
+    it discarded (``tracestore_gateway_tokens_total{kind="discarded"}``) and the turns it held
+    across a weight update and continued (``tracestore_gateway_held_total{event="continued"}``)."""
 
     gateway: GatewayStats
     holder: HolderStats
+    tokens_discarded: int = 0
+    turns_continued: int = 0
+
+
+def _counter(gw: Gateway, name: str, labels: dict[str, str]) -> int:
+    """The value of counter ``name`` (with ``labels``) in ``gw``'s metrics; 0 before its first count."""
+    return int(gw.metrics.registry.get_sample_value(name, labels) or 0)
 
 
 class GatewayActor:
@@ -42,6 +51,8 @@ class GatewayActor:
             owner="rollout:gateway",
             name="gateway",
             lease_ttl_s=cfg.lease_ttl_s,
+            on_weight_update=cfg.on_weight_update,
+            hold_timeout_s=cfg.hold_timeout_s,
         )
         self.server = start_gateway(config, holder=self.holder, host=serve_host(cfg))
 
@@ -60,7 +71,13 @@ class GatewayActor:
     def stats(self) -> GatewayActorStats:
         """The gateway's counters and its holder's."""
         assert self.server.app is not None
-        return GatewayActorStats(self.server.app[GATEWAY].stats(), self.holder.stats())
+        gw = self.server.app[GATEWAY]
+        return GatewayActorStats(
+            gw.stats(),
+            self.holder.stats(),
+            tokens_discarded=_counter(gw, "tracestore_gateway_tokens_total", {"kind": "discarded"}),
+            turns_continued=_counter(gw, "tracestore_gateway_held_total", {"event": "continued"}),
+        )
 
     def close(self) -> None:
         """Stop serving, stop the holder (its consumer group removed), close the store."""

@@ -209,7 +209,7 @@ class Learner:
     def _weight_update(self, new: int) -> None:
         """Abort generation in flight, then seal, drain, push the weights, install, reopen."""
         # like an engine pause: abort generation in flight, so the drain is short
-        self.pool.call("abort_requests")
+        self.pool.call("abort_requests", self.cfg.update_mid_generation_s)
         t0 = time.perf_counter()
         with self.store.gate.weight_update(new, self.cfg.drain_timeout_s):
             t1 = time.perf_counter()

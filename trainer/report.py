@@ -123,6 +123,14 @@ class Report:
     aborted_groups_claimed: int
     aborted_requests: int
     invalid_responses: int
+    #: Weight updates and generations in flight (DESIGN section 15): ``continue`` or ``abort``;
+    #: tokens generated and then thrown away (0 in ``continue`` mode unless a turn was held past
+    #: ``hold_timeout_s``); turns a weight update stopped that were continued and recorded once.
+    #: With ``--agents http`` these count the gateway's too (its Prometheus counters).
+    on_weight_update: str
+    tokens_generated: int
+    tokens_discarded: int
+    turns_continued: int
     # HTTP agents (None with local agents)
     gateway_requests: int | None
     gateway_503s_retried: int | None
@@ -222,6 +230,10 @@ def build_report(
         aborted_groups_claimed=end.producer.claimed,
         aborted_requests=sum(w.aborted_requests for w in end.workers),
         invalid_responses=sum(w.invalid for w in end.workers),
+        on_weight_update=cfg.on_weight_update,
+        tokens_generated=sum(w.tokens_generated for w in end.workers),
+        tokens_discarded=sum(w.tokens_discarded for w in end.workers) + (gw.tokens_discarded if gw is not None else 0),
+        turns_continued=sum(w.turns_continued for w in end.workers) + (gw.turns_continued if gw is not None else 0),
         gateway_requests=gw.gateway.requests if gw is not None else None,
         gateway_503s_retried=(by_status.get("503", 0) - http.gave_up) if gw is not None and http is not None else None,
         gateway_410s=by_status.get("410", 0) if gw is not None else None,
@@ -300,7 +312,11 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("  of which expert puts (ray.put)", "expert_put_time_share"),
     ("  by role: workers / producer / learner", "tracestore_time_share_by_role"),
     ("routing replay max |dlogp|", "replay_max_abs_diff"),
+    ("on weight update", "on_weight_update"),
     ("requests aborted in flight", "aborted_requests"),
+    ("tokens generated", "tokens_generated"),
+    ("tokens discarded (generated, then thrown away)", "tokens_discarded"),
+    ("turns continued across a weight update", "turns_continued"),
     ("aborted groups claimed back", "aborted_groups_claimed"),
     ("agents", "agents"),
     ("gateway requests", "gateway_requests"),

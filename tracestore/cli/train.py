@@ -294,6 +294,14 @@ def train_options(f: Any) -> Any:
             help="Weight sync through the gate every N steps (default 1).",
         ),
         click.option(
+            "--on-weight-update",
+            type=click.Choice(["continue", "abort"]),
+            default=None,
+            help="What a weight update does to generations in flight: continue (the default: "
+            "their tokens are kept and they resume under the new weights, one turn recorded with "
+            "the version of each token) or abort (they are thrown away and the turn is redone).",
+        ),
+        click.option(
             "--checkpoint-every",
             type=int,
             default=None,
