@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import SessionExists
 from ..router import AsyncRouter
 from ..store import AsyncTraceStore
 from .admission import Admission, Flight
@@ -55,6 +56,19 @@ class Services:
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.tok.stop_token_ids)
+
+    async def open_once(self, sid: str, owner: str) -> None:
+        """Open the session for ``owner`` the first time this process records a turn of it (a
+        request refused earlier opens nothing; an open session is left as it is)."""
+        if sid in self.opened:
+            return
+        try:
+            await self.db(self.store.open_session(sid, owner))
+        except SessionExists:
+            pass
+        self.opened[sid] = None
+        if len(self.opened) > OPENED_CACHE:
+            self.opened.popitem(last=False)
 
     def sampling(self, req: ChatRequest, max_tokens: int) -> Sampling:
         """The engine's sampling parameters for ``req`` with a budget of ``max_tokens``."""

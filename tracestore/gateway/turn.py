@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..errors import GateSealed, SessionExists, TracestoreError
+from ..errors import GateSealed, TracestoreError
 from ..gate import Lease
 from .admission import Flight
 from .chat import Answer, ApiError, ChatRequest, Wire, invalid, new_id
@@ -48,7 +48,7 @@ from .failures import Failure, TurnAborted, classify, first
 from .generation import Generation
 from .metrics import Timing
 from .prompts import Prepared
-from .services import OPENED_CACHE, Services, build_answer
+from .services import Services, build_answer
 from .stream import TextStream
 from .tracing import turn_attributes
 
@@ -170,23 +170,6 @@ class Turn:
         self.prep = prep
         self.flight = Flight(new_id("req-"), sid, s.engines[str(entry)], lease)
         return self.flight
-
-    async def _open(self, sid: str) -> None:
-        """Open the session for its owner the first time this process records a turn of it (a
-        request refused earlier opens nothing; an open session is left as it is)."""
-        s = self.s
-        if sid in s.opened:
-            return
-        t0 = time.perf_counter()
-        try:
-            await s.db(s.store.open_session(sid, self.owner))
-        except SessionExists:
-            pass
-        finally:
-            self.timing.store_s += time.perf_counter() - t0
-        s.opened[sid] = None
-        if len(s.opened) > OPENED_CACHE:
-            s.opened.popitem(last=False)
 
     async def _settle_phase(self, phase: asyncio.Future[Any]) -> None:
         """After a cancelled admission phase: settle its lease, if one was admitted."""
@@ -355,7 +338,9 @@ class Turn:
         if prep is None:  # a plain proxy request records nothing
             return
         assert flight is not None and flight.lease is not None and self.sid is not None
-        await self._open(self.sid)
+        t0 = time.perf_counter()
+        await s.open_once(self.sid, self.owner)
+        self.timing.store_s += time.perf_counter() - t0
         experts = await s.prompts.put_experts(prep, gen.output())
         versions = gen.versions if len(gen.distinct_versions) > 1 else None
         t0 = time.perf_counter()
