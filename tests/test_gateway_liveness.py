@@ -1,0 +1,104 @@
+"""Operating the gateway when things go wrong (issue 31): a store that lost the run, an engine that is
+gone, an owner tag nothing heart-beats. A real gateway, a real engine, a real server of the test's own
+(it is flushed), and the official SDK with its default retries."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests._gateway import CliServer
+from tests.test_gateway import MODEL
+from tracestore import TraceStore
+from tracestore.servers import EmbeddedServer
+
+
+@pytest.fixture
+def own_server() -> Iterator[EmbeddedServer]:
+    s = EmbeddedServer().start()
+    yield s
+    s.stop()
+
+
+def _wait(pred, timeout_s: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_gateway_whose_store_lost_the_run_records_nothing_and_says_so(own_server: EmbeddedServer) -> None:
+    engine = CliServer("engine", "--port", "0").start()
+    run = f"live-{uuid.uuid4().hex[:8]}"
+    gw = CliServer("gateway", "--engine", engine.url, "--url", own_server.url, "--run", run, "--port", "0").start()
+    st = TraceStore.connect(own_server.url, run=run)
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused")  # default retries
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Session-Id": "a-1"})
+        assert gw.get("/health").status == 200 and gw.get("/ready").status == 200
+        st.redis.flushall()  # type: ignore[union-attr]  # the server restarted without its data
+        assert _wait(lambda: gw.get("/health").status == 503)
+        h = gw.get("/health").json()
+        assert h["status"] == "unhealthy" and any("lost run" in p for p in h["problems"]) and gw.get("/ready").status == 503
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as ei:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Session-Id": "a-2"})
+        assert ei.value.status_code == 503 and ei.value.body["code"] == "run_lost"  # type: ignore[index]
+        assert ei.value.response.headers["x-should-retry"] == "false" and time.monotonic() - t0 < 5  # no retry storm
+        assert list(st.redis.scan_iter(match=f"ts:{{{run}*")) == []  # type: ignore[union-attr]  # no orphan keys
+    finally:
+        gw.stop()
+        engine.stop()
+        st.close()
+
+
+def test_a_dead_engine_makes_the_gateway_unhealthy_and_sdk_calls_fail_fast(standalone_url: str) -> None:
+    engine = CliServer("engine", "--port", "0").start()
+    run = f"live-{uuid.uuid4().hex[:8]}"
+    gw = CliServer("gateway", "--engine", engine.url, "--url", standalone_url, "--run", run, "--port", "0").start()
+    try:
+        assert gw.get("/health").json()["checks"]["engines"] == {engine.url: True}
+        engine.kill()
+        assert _wait(lambda: gw.get("/health").status == 503)
+        assert gw.get("/health").json()["checks"]["engines"] == {engine.url: False}
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused")  # default retries (2)
+        before = gw.metric("tracestore_gateway_requests_total", route="chat_completions", status="502")
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as ei:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Session-Id": "b-1"})
+        assert ei.value.status_code == 502 and ei.value.body["code"] == "engine_unreachable"  # type: ignore[index]
+        assert time.monotonic() - t0 < 5
+        assert gw.metric("tracestore_gateway_requests_total", route="chat_completions", status="502") - before == 1  # not retried
+    finally:
+        gw.stop()
+        engine.stop()
+
+
+def test_the_gateways_default_owner_is_heart_beaten_and_released_by_gc_once_it_is_gone(standalone_url: str) -> None:
+    engine = CliServer("engine", "--port", "0").start()
+    run = f"live-{uuid.uuid4().hex[:8]}"
+    gw = CliServer("gateway", "--engine", engine.url, "--url", standalone_url, "--run", run, "--port", "0").start()
+    st = TraceStore.connect(standalone_url, run=run)
+    try:
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="unused").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Session-Id": "c-1"}
+        )
+        owner = st.owner_of("c-1")
+        assert owner is not None and owner.startswith("gateway:")
+        assert _wait(lambda: {o.owner: o.deadline_ms for o in st.owners()}.get(owner) is not None)
+        gw.kill()  # gone: nothing heart-beats its tag any more
+        assert st.gate.drain(10).drained
+        released: list[str] = []
+        # the tag's heartbeat deadline (30 s) passes, then gc releases what it owned
+        assert _wait(lambda: bool(released.extend(st.gc(scan_data=False).sessions_released) or released), timeout_s=90)
+        assert "c-1" in released and st.owner_of("c-1") is None
+    finally:
+        gw.stop()
+        engine.stop()
+        st.close()
