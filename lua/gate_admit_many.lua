@@ -5,23 +5,29 @@
 -- generated once per call by the client, and a retry that finds the first
 -- lease already recorded returns the recorded admission. A lease id that
 -- gate_settle fenced (settled before it was admitted: the recovery of a lost
--- admit) refuses the whole call, nothing admitted.
--- KEYS: 3+
+-- admit) refuses the whole call, nothing admitted. Each lease may name the
+-- engine (base URL) and the engine request id serving it, so that the leases
+-- of a holder whose heartbeat stopped can be resolved (abort at the engine,
+-- then gate_settle in mode 'dead'); every lease joins its holder's entries in
+-- the held index.
+-- KEYS: 4+
 -- CHUNK: 1000
 -- KEYS[1] = ts:{R}:gate            hash: state, version, retry_ms
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms
 -- KEYS[3] = ts:{R}:released        zset: released sids (a released session gets no more requests)
--- KEYS[4..n+3] = ts:{R}:gate:l:<lease>  hash of each lease: sid, holder, version, admitted_ms, ttl_ms, deadline_ms
+-- KEYS[4] = ts:{R}:gate:held       zset (scores 0): '<holder> <lease id>' of every unsettled lease
+-- KEYS[5..n+4] = ts:{R}:gate:l:<lease>  hash of each lease: sid, holder, version, admitted_ms, ttl_ms, deadline_ms[, engine, request]
 -- ARGV[1] = ttl (ms, > 0)
--- ARGV[2..3n+1] = lease id, session id, holder of each lease, in the order of KEYS[4..]
+-- ARGV[2..5n+1] = lease id, session id, holder, engine ('' none), engine request id ('' none) of each lease, in the order of KEYS[5..]
 -- returns: {0, version (int), deadline_ms (int), replayed (0|1)}
 -- errors: GATE_SEALED (version, retry_after_ms), SESSION_RELEASED (sid, detail), LEASE_FENCED (lease id): nothing admitted
 -- include: clock
 -- include: gate
-local gate, leases, released = KEYS[1], KEYS[2], KEYS[3]
+local gate, leases, released, held = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ttl = tonumber(ARGV[1])
-if #KEYS > 3 then
-  local prior = redis.call('HMGET', KEYS[4], 'version', 'deadline_ms', 'fenced')
+local FIRST, PER = 5, 5
+if #KEYS >= FIRST then
+  local prior = redis.call('HMGET', KEYS[FIRST], 'version', 'deadline_ms', 'fenced')
   if prior[3] then
     return {1, 'LEASE_FENCED', ARGV[2]}
   end
@@ -35,21 +41,25 @@ local version = tonumber(g[2] or '0')
 if g[1] == 'sealed' then
   return {1, 'GATE_SEALED', version, tonumber(g[3] or '500')}
 end
-for i = 4, #KEYS do
-  local a = 2 + 3 * (i - 4)
+for i = FIRST, #KEYS do
+  local a = 2 + PER * (i - FIRST)
   if redis.call('ZSCORE', released, ARGV[a + 1]) then
     return {1, 'SESSION_RELEASED', ARGV[a + 1], 'released; it is admitted no more requests'}
   end
-  if i > 4 and redis.call('HEXISTS', KEYS[i], 'fenced') == 1 then
+  if i > FIRST and redis.call('HEXISTS', KEYS[i], 'fenced') == 1 then
     return {1, 'LEASE_FENCED', ARGV[a]}
   end
 end
 local now = now_ms()
 local deadline = now + ttl
-for i = 4, #KEYS do
-  local a = 2 + 3 * (i - 4)
-  redis.call('ZADD', leases, deadline, ARGV[a])
-  redis.call('HSET', KEYS[i], 'sid', ARGV[a + 1], 'holder', ARGV[a + 2], 'version', version,
+for i = FIRST, #KEYS do
+  local a = 2 + PER * (i - FIRST)
+  local id, holder = ARGV[a], ARGV[a + 2]
+  redis.call('ZADD', leases, deadline, id)
+  redis.call('HSET', KEYS[i], 'sid', ARGV[a + 1], 'holder', holder, 'version', version,
     'admitted_ms', now, 'ttl_ms', ttl, 'deadline_ms', deadline)
+  if ARGV[a + 3] ~= '' then redis.call('HSET', KEYS[i], 'engine', ARGV[a + 3]) end
+  if ARGV[a + 4] ~= '' then redis.call('HSET', KEYS[i], 'request', ARGV[a + 4]) end
+  redis.call('ZADD', held, 0, holder .. ' ' .. id)
 end
 return {0, version, deadline, 0}

@@ -38,18 +38,18 @@ LUA = (
     "del", "exists", "get", "hdel", "hexists", "hget", "hgetall", "hincrby", "hkeys", "hlen",
     "hmget", "hscan", "hset", "hsetnx", "hvals", "incr", "llen", "pexpire", "pttl", "rpush", "sadd", "scard",
     "set", "smismember", "srem", "time", "xadd", "zadd", "zcard", "zcount", "zincrby", "zmscore", "zrange",
-    "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
+    "zrangebylex", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
 )
 #: Commands called by the ``no-writes`` scripts (observer).
 LUA_RO = (
-    "exists", "hget", "hgetall", "hlen", "hmget", "hscan", "hvals", "time", "zcount", "zrange", "zrangebyscore",
-    "zscore",
+    "exists", "hexists", "hget", "hgetall", "hlen", "hmget", "hscan", "hvals", "time", "zcount", "zrange",
+    "zrangebylex", "zrangebyscore", "zscore",
 )
 
 #: Commands the client sends itself (writer): reads, purges, the release event
 #: consumer (RefHolder), gc, checkpoint and restore, run listing and deletion.
 CLIENT = (
-    "blpop", "del", "exists", "get", "hget", "hgetall", "hlen", "hmget", "hset", "incrby", "lrange",
+    "blpop", "del", "exists", "get", "hdel", "hget", "hgetall", "hlen", "hmget", "hset", "incrby", "lrange",
     "memory|usage", "mget", "mset", "pexpire", "pttl", "rpush", "sadd", "scan", "scard", "set", "smembers",
     "sscan", "time", "type",
     "unlink", "xack", "xadd", "xgroup|create", "xgroup|createconsumer", "xgroup|destroy",

@@ -218,6 +218,24 @@ class NotDrained(TracestoreError):
         )
 
 
+class HolderNotDead(TracestoreError):
+    """``settle_dead`` of a lease whose holder is heart-beating (it came back), or never heart-beat.
+
+    Nothing was written: the lease stays its holder's to settle.
+    ``deadline_ms``: the holder's heartbeat deadline (server clock), None
+    when it never heart-beat (its leases are left to their own deadlines).
+    """
+
+    def __init__(self, lease_id: str, holder: str, deadline_ms: int | None) -> None:
+        self.lease_id = lease_id
+        self.holder = holder
+        self.deadline_ms = deadline_ms
+        why = "never heart-beat" if deadline_ms is None else f"heart-beats (deadline {deadline_ms} ms)"
+        super().__init__(
+            f"lease {lease_id!r} was not settled: its holder {holder!r} {why}; it is the holder's to settle"
+        )
+
+
 class StaleVersion(TracestoreError):
     """``install`` of a version not larger than the current one."""
 
@@ -548,6 +566,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise UnknownLease(str(f[0]))
     if code == "LEASE_FENCED":
         raise LeaseFenced(str(f[0]))
+    if code == "HOLDER_NOT_DEAD":
+        raise HolderNotDead(str(f[0]), str(f[1]), None if int(f[2]) < 0 else int(f[2]))
     if code == "GROUP_EXISTS":
         raise GroupExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
     if code == "CORRUPT":
@@ -578,6 +598,7 @@ __all__ = [
     "GateSealed",
     "GatePoisoned",
     "NotDrained",
+    "HolderNotDead",
     "StaleVersion",
     "SessionRetired",
     "UnknownLease",

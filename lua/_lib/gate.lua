@@ -54,3 +54,25 @@ local function gate_status_reply(gate, leases, poison, cap)
   for i = 1, #overdue do out[#out + 1] = overdue[i] end
   return out
 end
+
+-- The unsettled leases of `holder` in the held index ts:{R}:gate:held, whose
+-- members are '<holder> <lease id>' (scores 0): a holder tag holds no
+-- whitespace, so the lexicographic range ['<holder> ', '<holder>!') is
+-- exactly its members. O(log n + k).
+local function gate_held_of(held_key, holder)
+  local members = redis.call('ZRANGEBYLEX', held_key, '[' .. holder .. ' ', '(' .. holder .. '!')
+  local out, n = {}, #holder + 2
+  for i = 1, #members do out[i] = string.sub(members[i], n) end
+  return out
+end
+
+-- Holders of ts:{R}:gate:holders whose heartbeat deadline passed (server
+-- clock): a flat list {holder, deadline, ...}, oldest deadline first, at most `cap`
+-- holders (-1 for all). A holder that never heart-beat is not in the zset.
+local function gate_dead_holders(holders_key, now, cap)
+  if cap and cap >= 0 then
+    return redis.call('ZRANGEBYSCORE', holders_key, '-inf', '(' .. now, 'WITHSCORES', 'LIMIT', 0, cap)
+  end
+  return redis.call('ZRANGEBYSCORE', holders_key, '-inf', '(' .. now, 'WITHSCORES')
+end
+

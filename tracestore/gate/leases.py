@@ -3,7 +3,9 @@
 Every call is one atomic script on the run's control-plane slot
 (``lua/gate_admit_many.lua``, ``gate_renew``, ``gate_settle``,
 ``gate_clear_poison``); a lease id is chosen before the call, so an admit
-whose reply was lost can be settled or replayed by its id.
+whose reply was lost can be settled or replayed by its id, and a settle
+whose reply was lost can be sent again (the lease id is its idempotency
+key).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from ..context import Context, OpId, guarded, mutating
 from ..errors import InvalidInput, StateRolledBack
 from ..replies import Reply, field_map, stored, text
 from ..scripts import Batch, Cmd, Eval, Op, script
-from ..validate import duration_ms, one_of, validate_id, validate_ids
-from .types import OUTCOMES, Lease, LeaseRecord, SettlementReceipt
+from ..validate import duration_ms, http_url, one_of, validate_id, validate_ids
+from .types import MAX_ENGINE_URL, OUTCOMES, AdmitRequest, Lease, LeaseRecord, SettlementReceipt
 
 # -- validation (before any I/O) --------------------------------------------------------------
 
@@ -30,50 +32,95 @@ def _one(request: Eval) -> Op[Any]:
     return (yield request)
 
 
+def _request(sid: str, holder: str, engine: str | None, request: str | None) -> AdmitRequest:
+    """One admission, validated: ids (InvalidId), the engine URL and request id (InvalidInput/InvalidId)."""
+    return AdmitRequest(
+        validate_id("session id", sid),
+        validate_id("holder", holder),
+        None if engine is None else http_url("engine", engine, MAX_ENGINE_URL),
+        None if request is None else validate_id("engine request id", request),
+    )
+
+
+def _requests(requests: object, most: int) -> list[AdmitRequest]:
+    """``admit_many``'s requests (``(sid, holder)`` pairs or AdmitRequests), validated."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise InvalidInput("requests", f"must be a list of (sid, holder) pairs, got {type(requests).__name__}")
+    if len(requests) > most:
+        raise InvalidInput("requests", f"at most {most} per call, got {len(requests)}")
+    items = []
+    for r in requests:
+        if isinstance(r, (str, bytes)) or not isinstance(r, Sequence) or not 2 <= len(r) <= 4:
+            raise InvalidInput(
+                "requests", f"each request must be a (sid, holder[, engine, request]) tuple, got {r!r:.80}"
+            )
+        items.append(_request(*r, *(None,) * (4 - len(r))))
+    return items
+
+
 # -- operations ------------------------------------------------------------------------------
 
 
 @mutating
-def admit(ctx: Context, sid: str, holder: str, ttl_s: float, *, op_id: str | None = None) -> Op[Lease]:
+def admit(
+    ctx: Context,
+    sid: str,
+    holder: str,
+    ttl_s: float,
+    *,
+    engine: str | None = None,
+    request: str | None = None,
+    op_id: str | None = None,
+) -> Op[Lease]:
     """Admit a request of session ``sid`` served by ``holder``; return its :class:`Lease`.
 
     The lease carries the gate's current weight version and a deadline
     ``ttl_s`` seconds from now (server clock); past it, the lease is poisoned
-    unless renewed or settled. Raises GateSealed (with ``retry_after_ms``)
-    while a weight update holds the gate, SessionReleased when ``sid`` was
-    released (a worker must not generate for it), StateRolledBack when the
-    version is lower than one this store saw (the lease is settled
-    ``aborted`` first, one more round trip), InvalidId/InvalidInput
-    before any I/O, and OutcomeUnknown when the reply was lost: its
-    ``lease_id`` is the lease's id, chosen before the call (the ``op_id``
-    when given), so the caller can settle it (whether the admit ran or not:
-    a lease never admitted is fenced by its settle), or call ``admit`` again
-    with ``op_id=err.op_id`` to get the lease the first call admitted (else
-    it admits now). LeaseFenced when that lease id was settled before it was
-    admitted (nothing admitted). One round trip.
+    unless renewed or settled. ``engine`` (the engine's base URL, http(s),
+    at most 256 characters) and ``request`` (the engine's request id) are
+    kept on the lease record, so that if ``holder`` stops heart-beating
+    (:meth:`Gate.heartbeat`) anyone can abort the request at its engine and
+    settle the lease (:meth:`Gate.resolve_dead_holders`). Raises GateSealed
+    (with ``retry_after_ms``, the wait the seal is expected to last) while a
+    weight update holds the gate, SessionReleased when ``sid`` was released
+    (a worker must not generate for it), StateRolledBack when the version
+    is lower than one this store saw (the lease is settled ``aborted``
+    first, one more round trip), InvalidId/InvalidInput before any I/O, and
+    OutcomeUnknown when the reply was lost or not confirmed at the store's
+    durability (DurabilityUnconfirmed): its ``lease_id`` is the lease's id,
+    chosen before the call (the ``op_id`` when given), so the caller can
+    settle it (whether the admit ran or not: a lease never admitted is
+    fenced by its settle), or call ``admit`` again with ``op_id=err.op_id``
+    to get the lease the first call admitted (else it admits now).
+    LeaseFenced when that lease id was settled before it was admitted
+    (nothing admitted). One round trip.
     """
-    validate_id("session id", sid)
-    validate_id("holder", holder)
+    item = _request(sid, holder, engine, request)
     ttl_ms = duration_ms("ttl_s", ttl_s)
     op = ctx.op(op_id, "admit")
-    (lease,) = yield from _admit(ctx, [(sid, holder)], ttl_ms, op, [op.id])
+    (lease,) = yield from _admit(ctx, [item], ttl_ms, op, [op.id])
     return lease
 
 
 @mutating
 def admit_many(
-    ctx: Context, requests: Sequence[tuple[str, str]], ttl_s: float, *, op_id: str | None = None
+    ctx: Context,
+    requests: Sequence[tuple[str, str] | AdmitRequest],
+    ttl_s: float,
+    *,
+    op_id: str | None = None,
 ) -> Op[list[Lease]]:
     """Admit several requests at once: all of them, or none while sealed.
 
-    ``requests`` are ``(sid, holder)`` pairs, at most 1,000 per call (one
-    atomic script, so a seal cannot split the batch). Every lease gets the
-    gate's current version and the same deadline. Raises GateSealed or
-    SessionReleased or LeaseFenced (one of the lease ids was settled before
-    it was admitted; nothing admitted), InvalidId/InvalidInput before any
-    I/O, OutcomeUnknown (reply lost; ``lease_ids`` are the leases' ids:
-    ``<op_id>#<i>`` for request ``i``; settle them, or call again with
-    ``op_id=err.op_id`` to get them). One round trip for the whole batch; pair it with
+    ``requests`` are ``(sid, holder)`` pairs or :class:`AdmitRequest`
+    (``(sid, holder, engine, request)``: see :func:`admit`), at most 1,000
+    per call (one atomic script, so a seal cannot split the batch). Every
+    lease gets the gate's current version and the same deadline. Raises
+    GateSealed or SessionReleased or LeaseFenced (one of the lease ids was
+    settled before it was admitted; nothing admitted), InvalidId/InvalidInput
+    before any I/O, OutcomeUnknown (reply lost or unconfirmed; ``lease_ids``
+    are the leases' ids: ``<op_id>#<i>`` for request ``i``; settle them, or
+    call again with ``op_id=err.op_id`` to get them). One round trip for the whole batch; pair it with
     :func:`settle_many` to serve bursts of requests.
     """
     ttl_ms = duration_ms("ttl_s", ttl_s)
@@ -85,24 +132,8 @@ def admit_many(
     return (yield from _admit(ctx, items, ttl_ms, op, [op.part(i) for i in range(len(items))]))
 
 
-def _requests(requests: object, most: int) -> list[tuple[str, str]]:
-    """``admit_many``'s ``(sid, holder)`` pairs, validated (InvalidInput/InvalidId)."""
-    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
-        raise InvalidInput("requests", f"must be a list of (sid, holder) pairs, got {type(requests).__name__}")
-    if len(requests) > most:
-        raise InvalidInput("requests", f"at most {most} per call, got {len(requests)}")
-    items = []
-    for pair in requests:
-        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
-            raise InvalidInput("requests", f"each request must be a (sid, holder) pair, got {pair!r:.80}")
-        items.append((validate_id("session id", pair[0]), validate_id("holder", pair[1])))
-    return items
-
-
-def _admit(
-    ctx: Context, items: Sequence[tuple[str, str]], ttl_ms: int, op: OpId, lids: list[str]
-) -> Op[list[Lease]]:
-    """Admit validated ``(sid, holder)`` pairs (1..1,000) as leases ``lids``, in one call.
+def _admit(ctx: Context, items: Sequence[AdmitRequest], ttl_ms: int, op: OpId, lids: list[str]) -> Op[list[Lease]]:
+    """Admit validated requests (1..1,000) as leases ``lids``, in one call.
 
     The lease ids are chosen before the call (a retry finds the first lease
     recorded and replays the admission); an error whose outcome is unknown
@@ -110,11 +141,11 @@ def _admit(
     """
     k = ctx.keys
     args: list[Any] = [ttl_ms]
-    for lid, (sid, holder) in zip(lids, items, strict=True):
-        args += (lid, sid, holder)
+    for lid, it in zip(lids, items, strict=True):
+        args += (lid, it.sid, it.holder, it.engine or "", it.request or "")
     call = Eval(
         script("gate_admit_many"),
-        (k.gate, k.gate_leases, k.released, *(k.gate_lease(x) for x in lids)),
+        (k.gate, k.gate_leases, k.released, k.gate_held, *(k.gate_lease(x) for x in lids)),
         tuple(args),
         op_id=op.id,
     )
@@ -129,7 +160,7 @@ def _admit(
         oid = ctx.op(None, "settle").id
         yield Batch(tuple(_settle_eval(ctx, lid, "aborted", oid) for lid in lids))
         raise
-    return [Lease(lid, version, sid, deadline) for lid, (sid, _) in zip(lids, items, strict=True)]
+    return [Lease(lid, version, it.sid, deadline) for lid, it in zip(lids, items, strict=True)]
 
 
 @mutating
@@ -160,7 +191,12 @@ def renew(
 
 @mutating
 def settle(
-    ctx: Context, lease: Lease | str, outcome: str, *, op_id: str | None = None
+    ctx: Context,
+    lease: Lease | str,
+    outcome: str,
+    *,
+    resolution: str | None = None,
+    op_id: str | None = None,
 ) -> Op[SettlementReceipt]:
     """Settle a lease with ``outcome`` (completed, aborted, failed or unknown).
 
@@ -173,45 +209,53 @@ def settle(
     ``admitted=False`` (``version`` -1), and an admit with that id is
     refused (LeaseFenced) for the receipt retention (``op_ttl_s``), so the
     lost admit cannot arrive later and leave a lease nobody serves; nothing
-    else changes. Raises InvalidInput (bad outcome) or InvalidId before I/O,
+    else changes. ``resolution`` (an id: 1..200 printable characters, e.g.
+    ``engine-restarted``) is kept on the receipt. Raises InvalidInput (bad outcome) or InvalidId before I/O,
     OutcomeUnknown (settle again: the lease's first receipt; ``op_id`` only
     names the call, the lease id is the idempotency key of a settlement).
     One round trip.
     """
     lid = _lease_id(lease)
     one_of("outcome", outcome, OUTCOMES)
-    reply = yield _settle_eval(ctx, lid, outcome, ctx.op(op_id, "settle").id)
+    note = "" if resolution is None else validate_id("resolution", resolution)
+    reply = yield _settle_eval(ctx, lid, outcome, ctx.op(op_id, "settle").id, resolution=note)
     return _receipt(reply)
 
 
 @mutating
 def settle_many(
-    ctx: Context, leases: Sequence[Lease | str], outcome: str, *, op_id: str | None = None
+    ctx: Context,
+    leases: Sequence[Lease | str],
+    outcome: str,
+    *,
+    resolution: str | None = None,
+    op_id: str | None = None,
 ) -> Op[list[SettlementReceipt]]:
     """Settle several leases with one ``outcome``; their receipts, in order.
 
     Each settlement is its own atomic script (as :func:`settle`), pipelined:
     one round trip per call; a lease never admitted is fenced (as
     :func:`settle`). Settling again returns the first receipts.
-    InvalidId/InvalidInput before any I/O; OutcomeUnknown as :func:`settle`.
+    ``resolution`` as :func:`settle`. InvalidId/InvalidInput before any I/O; OutcomeUnknown as :func:`settle`.
     """
     one_of("outcome", outcome, OUTCOMES)
     if isinstance(leases, (str, bytes)) or not isinstance(leases, Sequence):
         raise InvalidInput("leases", f"must be a list of leases or lease ids, got {type(leases).__name__}")
     lids = [_lease_id(x) for x in leases]
+    note = "" if resolution is None else validate_id("resolution", resolution)
     if not lids:
         return []
     oid = ctx.op(op_id, "settle").id
-    replies = yield Batch(tuple(_settle_eval(ctx, x, outcome, oid) for x in lids))
+    replies = yield Batch(tuple(_settle_eval(ctx, x, outcome, oid, resolution=note) for x in lids))
     return [_receipt(r) for r in replies]
 
 
-def _settle_eval(ctx: Context, lid: str, outcome: str, op_id: str) -> Eval:
+def _settle_eval(ctx: Context, lid: str, outcome: str, op_id: str, *, mode: str = "", resolution: str = "") -> Eval:
     k = ctx.keys
     return Eval(
         script("gate_settle"),
-        (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(lid)),
-        (lid, outcome, ctx.op_ttl_ms),
+        (k.gate_leases, k.gate_poison, k.gate_signal, k.gate_lease(lid), k.gate_holders, k.gate_held),
+        (lid, outcome, ctx.op_ttl_ms, mode, resolution),
         op_id=op_id,
     )
 
@@ -227,6 +271,7 @@ def _receipt(reply: list[Any]) -> SettlementReceipt:
         poisoned=r.flag(),
         replayed=not r.flag(),
         admitted=r.flag(),
+        resolution=r.text() or None,
     )
 
 
@@ -251,7 +296,7 @@ def clear_poison(
     evals = ctx.op_evals(
         "gate_clear_poison",
         ids,
-        lambda op_key, part: (k.gate_leases, k.gate_poison, op_key, *(k.gate_lease(x) for x in part)),
+        lambda op_key, part: (k.gate_leases, k.gate_poison, op_key, k.gate_held, *(k.gate_lease(x) for x in part)),
         lambda part: (ctx.op_ttl_ms, resolution, ctx.op_ttl_ms, *part),
         op=ctx.op(op_id, "clear"),
     )
@@ -269,11 +314,11 @@ def lease_records(ctx: Context, lease_ids: Sequence[str]) -> Op[list[LeaseRecord
     out: list[LeaseRecord | None] = []
     for lid, raw in zip(ids, replies, strict=True):
         with stored(k.gate_lease(lid)):
-            out.append(_lease_record(lid, {f: text(v) for f, v in field_map(raw).items()}))
+            out.append(lease_record(lid, {f: text(v) for f, v in field_map(raw).items()}))
     return out
 
 
-def _lease_record(lid: str, h: dict[str, str]) -> LeaseRecord | None:
+def lease_record(lid: str, h: dict[str, str]) -> LeaseRecord | None:
     """A lease hash (HGETALL, decoded) as its record; None when empty (ValueError when malformed)."""
     if not h:
         return None
@@ -287,4 +332,6 @@ def _lease_record(lid: str, h: dict[str, str]) -> LeaseRecord | None:
         outcome=h.get("outcome"),
         settled_ms=int(h["settled_ms"]) if "settled_ms" in h else None,
         resolution=h.get("resolution"),
+        engine=h.get("engine"),
+        request=h.get("request"),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 #: Outcomes a lease can be settled with; ``unknown`` poisons the lease.
 OUTCOMES = ("completed", "aborted", "failed", "unknown")
@@ -15,6 +16,25 @@ MAX_BLOCK_S = 5.0
 MAX_IDS = 100
 #: Entries the gate's log ``ts:{R}:gate:log`` keeps (seal, install, reopen; :mod:`tracestore.gate_log`).
 LOG_ENTRIES = 1000
+#: Longest engine base URL a lease records (``admit(..., engine=)``).
+MAX_ENGINE_URL = 256
+#: The resolution written on leases settled because their holder stopped heart-beating.
+HOLDER_DEAD = "holder-dead"
+
+
+class AdmitRequest(NamedTuple):
+    """One request of :meth:`Gate.admit_many`: its session, holder and, optionally, where it runs.
+
+    ``engine`` (the engine's base URL) and ``request`` (the engine's request
+    id) let anyone abort the request at its engine if the holder dies
+    (:meth:`Gate.dead_holder_leases`). A plain ``(sid, holder)`` pair is the
+    same as ``AdmitRequest(sid, holder)``.
+    """
+
+    sid: str
+    holder: str
+    engine: str | None = None
+    request: str | None = None
 
 
 # -- results -------------------------------------------------------------------------------
@@ -45,7 +65,9 @@ class SettlementReceipt:
     ``admitted``: False when the server never admitted the lease (its admit's
     reply was lost and it never ran): this settlement fenced the id, an admit
     with it is refused (LeaseFenced) for the receipt retention, and
-    ``version`` is -1.
+    ``version`` is -1. ``resolution``: the note the first settlement carried
+    (``holder-dead`` for a lease resolved after its holder stopped
+    heart-beating), else None.
     """
 
     lease_id: str
@@ -56,6 +78,7 @@ class SettlementReceipt:
     poisoned: bool
     replayed: bool = field(default=False, compare=False)
     admitted: bool = True
+    resolution: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +153,13 @@ class DrainResult:
 
 @dataclass(frozen=True)
 class LeaseRecord:
-    """The stored record of one lease (operators: who held a poisoned lease)."""
+    """The stored record of one lease (operators: who held a poisoned lease).
+
+    ``engine`` and ``request``: where the request ran, when the admit said
+    (None otherwise, and once settled with a definite outcome: a receipt
+    keeps only ``sid``, ``version``, ``outcome``, ``settled_ms``, ``late``
+    and ``resolution``).
+    """
 
     lease_id: str
     sid: str
@@ -141,3 +170,50 @@ class LeaseRecord:
     outcome: str | None
     settled_ms: int | None
     resolution: str | None
+    engine: str | None = None
+    request: str | None = None
+
+
+@dataclass(frozen=True)
+class DeadLease:
+    """An unsettled lease whose holder stopped heart-beating (:meth:`Gate.dead_holder_leases`).
+
+    ``state``: ``live`` (within its deadline), ``overdue`` (past it) or
+    ``poisoned`` (expired into the poison set). ``engine`` and ``request``
+    say where to abort it (None when the admit did not say: such a lease
+    cannot be aborted, only waited for). ``holder_deadline_ms``: when the
+    holder's last heartbeat ran out (server clock); ``server_ms``: the
+    server clock when it was listed.
+    """
+
+    lease_id: str
+    sid: str
+    holder: str
+    version: int
+    state: str
+    engine: str | None
+    request: str | None
+    admitted_ms: int
+    deadline_ms: int
+    holder_deadline_ms: int
+    server_ms: int
+
+
+@dataclass(frozen=True)
+class HealReport:
+    """What :meth:`Gate.resolve_dead_holders` did.
+
+    ``found``: the leases of dead holders it listed. ``settled``: the
+    receipts of those it aborted at their engines and settled.
+    ``unresolved``: ids of those whose abort was not confirmed (the engine
+    did not answer, or the lease names no engine): left live (or poisoned),
+    nothing settled. ``holder_back``: ids of those it aborted but did not
+    settle because their holder heart-beat again meanwhile (its own to
+    settle). ``dead_holders``: the dead holders listed, with or without leases.
+    """
+
+    found: tuple[DeadLease, ...] = ()
+    settled: tuple[SettlementReceipt, ...] = ()
+    unresolved: tuple[str, ...] = ()
+    holder_back: tuple[str, ...] = ()
+    dead_holders: tuple[str, ...] = ()
