@@ -9,10 +9,11 @@
 -- engine (base URL) and the engine request id serving it, so that the leases
 -- of a holder whose heartbeat stopped can be resolved (abort at the engine,
 -- then gate_settle in mode 'dead'); every lease joins its holder's entries in
--- the held index.
+-- the held index. A refusal while sealed carries the retry hint of
+-- gate_retry_hint (the wait the seal is expected to last).
 -- KEYS: 4+
 -- CHUNK: 1000
--- KEYS[1] = ts:{R}:gate            hash: state, version, retry_ms
+-- KEYS[1] = ts:{R}:gate            hash: state, version, retry_ms, sealed_ms, sealed_by, drain_by_ms, drained_ms, cycle_ms
 -- KEYS[2] = ts:{R}:gate:leases     zset: lease id -> deadline ms
 -- KEYS[3] = ts:{R}:released        zset: released sids (a released session gets no more requests)
 -- KEYS[4] = ts:{R}:gate:held       zset (scores 0): '<holder> <lease id>' of every unsettled lease
@@ -36,10 +37,10 @@ if #KEYS >= FIRST then
     return {0, tonumber(prior[1]), tonumber(prior[2] or '0'), 1}
   end
 end
-local g = redis.call('HMGET', gate, 'state', 'version', 'retry_ms')
+local g = redis.call('HMGET', gate, 'state', 'version')
 local version = tonumber(g[2] or '0')
 if g[1] == 'sealed' then
-  return {1, 'GATE_SEALED', version, tonumber(g[3] or '500')}
+  return {1, 'GATE_SEALED', version, gate_retry_hint(gate, now_ms())}
 end
 for i = FIRST, #KEYS do
   local a = 2 + PER * (i - FIRST)

@@ -208,11 +208,27 @@ class GatePoisoned(TracestoreError):
 
 
 class NotDrained(TracestoreError):
-    """``install`` while the gate is open or leases are still live."""
+    """``install`` while the gate is open or leases are still live.
 
-    def __init__(self, state: str, live: int) -> None:
+    From ``weight_update``: ``lease_ids`` are (the first 100 of) the live
+    leases it gave up on, and ``dead_held`` how many of them are held by
+    holders whose heartbeat stopped (nobody settles those but a resolver:
+    ``gate.resolve_dead_holders`` or ``tracestore gc``).
+    """
+
+    def __init__(self, state: str, live: int, lease_ids: Sequence[str] = (), dead_held: int = 0) -> None:
         self.state = state
         self.live = live
+        self.lease_ids = list(lease_ids)
+        self.dead_held = dead_held
+        if dead_held:
+            shown = ", ".join(self.lease_ids[:5]) + (" ..." if len(self.lease_ids) > 5 else "")
+            super().__init__(
+                f"cannot install: gate is {state} with {live} live lease(s), {dead_held} of them held by "
+                f"holders whose heartbeat stopped ({shown}); abort them at their engines and settle them "
+                "(gate.resolve_dead_holders, or `tracestore gc`), or wait for their deadlines"
+            )
+            return
         super().__init__(
             f"cannot install: gate is {state} with {live} live lease(s); seal() and drain() first"
         )

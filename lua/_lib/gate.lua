@@ -76,3 +76,20 @@ local function gate_dead_holders(holders_key, now, cap)
   return redis.call('ZRANGEBYSCORE', holders_key, '-inf', '(' .. now, 'WITHSCORES')
 end
 
+-- The retry hint (ms) of an admission refused by a sealed gate, from the gate
+-- hash: an operator's seal (sealed_by empty) gives its own hint (retry_ms). A
+-- weight update's seal gives the wait it expects: the last weight-update
+-- cycle's sealed time (cycle_ms) minus the time sealed so far; without one,
+-- or once past it, as long again as it has been sealed; never past the drain
+-- deadline (drain_by_ms, while not drained: the update fails and reopens
+-- then). Bounded by retry_ms below and 60 s above (what SDKs honour).
+local function gate_retry_hint(gate, now)
+  local g = redis.call('HMGET', gate, 'retry_ms', 'sealed_ms', 'sealed_by', 'drain_by_ms', 'drained_ms', 'cycle_ms')
+  local floor = tonumber(g[1] or '500')
+  if (g[3] or '') == '' then return floor end
+  local elapsed = math.max(0, now - tonumber(g[2] or now))
+  local est = elapsed
+  if g[6] and tonumber(g[6]) > elapsed then est = tonumber(g[6]) - elapsed end
+  if g[4] and not g[5] then est = math.min(est, tonumber(g[4]) - now) end
+  return math.max(floor, math.min(est, 60000))
+end

@@ -48,6 +48,7 @@ from .cycle import drain, install, reopen, seal, status, weight_update
 from .holders import dead_holder_leases, heartbeat, holder_done, resolve_dead_holders, settle_dead
 from .leases import admit, admit_many, clear_poison, lease_records, renew, settle, settle_many
 from .types import (
+    DEAD_HOLDER_WAIT_S,
     DEFAULT_RETRY_AFTER_MS,
     HOLDER_DEAD,
     LOG_ENTRIES,
@@ -127,6 +128,7 @@ class GateOps(GateMethods, OpBuilder[Context]):
 
 
 __all__ = [
+    "DEAD_HOLDER_WAIT_S",
     "DEFAULT_RETRY_AFTER_MS",
     "HOLDER_DEAD",
     "MAX_BLOCK_S",

@@ -18,6 +18,9 @@ MAX_IDS = 100
 LOG_ENTRIES = 1000
 #: Longest engine base URL a lease records (``admit(..., engine=)``).
 MAX_ENGINE_URL = 256
+#: How long ``weight_update`` waits, by default, for someone to resolve live leases whose
+#: holders stopped heart-beating before it gives up (NotDrained) and reopens.
+DEAD_HOLDER_WAIT_S = 5.0
 #: The resolution written on leases settled because their holder stopped heart-beating.
 HOLDER_DEAD = "holder-dead"
 
@@ -133,7 +136,9 @@ class DrainResult:
     ``poisoned``/``poisoned_ids``: the poison set (count, first 100 ids).
     ``newly_poisoned``: leases this drain moved to poison (deadline passed).
     ``waited_s``: time spent in drain. ``ok``: install would not be refused
-    for live or poisoned leases.
+    for live or poisoned leases. ``dead_held``: how many of the live leases
+    are held by holders whose heartbeat stopped (nobody but a resolver will
+    settle them); ``dead_held_ids``: the first 100 of them.
     """
 
     drained: bool
@@ -144,6 +149,8 @@ class DrainResult:
     state: str
     version: int
     waited_s: float
+    dead_held: int = 0
+    dead_held_ids: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
