@@ -44,7 +44,7 @@ from __future__ import annotations
 from .. import validate
 from ..context import Context
 from ..twin import AsyncPart, OpBuilder, SyncPart, op, scoped
-from .cycle import drain, install, reopen, seal, status, weight_update
+from .cycle import drain, install, poisoned_leases, reopen, seal, status, weight_update
 from .holders import dead_holder_leases, heartbeat, holder_done, resolve_dead_holders, settle_dead
 from .leases import admit, admit_many, clear_poison, lease_records, renew, settle, settle_many
 from .types import (
@@ -63,6 +63,7 @@ from .types import (
     Lease,
     LeaseRecord,
     PoisonedLease,
+    PoisonEntry,
     SettlementReceipt,
 )
 
@@ -86,6 +87,7 @@ class GateMethods:
     status = op(status)
     clear_poison = op(clear_poison)
     lease_records = op(lease_records)
+    poisoned_leases = op(poisoned_leases)
     heartbeat = op(heartbeat)
     holder_done = op(holder_done)
     dead_holder_leases = op(dead_holder_leases)
@@ -147,6 +149,7 @@ __all__ = [
     "Lease",
     "LeaseRecord",
     "PoisonedLease",
+    "PoisonEntry",
     "SettlementReceipt",
     "admit",
     "admit_many",
@@ -157,6 +160,7 @@ __all__ = [
     "holder_done",
     "install",
     "lease_records",
+    "poisoned_leases",
     "renew",
     "reopen",
     "resolve_dead_holders",

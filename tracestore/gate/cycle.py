@@ -25,10 +25,11 @@ from ..errors import (
     StateRolledBack,
     TracestoreError,
 )
-from ..replies import Reply, text
-from ..scripts import Cmd, Eval, Op, script
+from ..replies import Reply, field_map, pairs, stored, text
+from ..scripts import Batch, Cmd, Eval, Op, ServerTime, script
 from ..twin import Body, Scoped
 from ..validate import duration_ms, int_in
+from .leases import lease_records
 from .types import (
     DEAD_HOLDER_WAIT_S,
     DEFAULT_RETRY_AFTER_MS,
@@ -38,6 +39,7 @@ from .types import (
     DrainResult,
     GateStatus,
     PoisonedLease,
+    PoisonEntry,
 )
 
 
@@ -72,6 +74,39 @@ def _decode_status(reply: list[Any]) -> GateStatus:
         server_ms=now,
         poison=tuple(poison[:MAX_IDS]),
     )
+
+
+def poisoned_leases(ctx: Context) -> Op[list[PoisonEntry]]:
+    """Every poisoned lease (and every overdue one) with its record: session, holder, engine, request.
+
+    What ``tracestore gate status`` prints, one line each. Read-only (an
+    observer may call it; no script). Three round trips.
+    """
+    k = ctx.keys
+    now = yield ServerTime(key=k.gate)
+    poison, overdue = yield Batch(
+        (
+            Cmd(("HGETALL", k.gate_poison), key=k.gate_poison),
+            Cmd(("ZRANGE", k.gate_leases, "-inf", f"({now}", "BYSCORE", "WITHSCORES"), key=k.gate_leases),
+        )
+    )
+    found: list[tuple[str, str, int | None]] = []
+    for lid, raw in field_map(poison).items():
+        with stored(k.gate_poison, lid):
+            info = orjson.loads(raw)
+        reason = str(info.get("reason", "?"))
+        since = info.get("at_ms") if reason == "unknown" else info.get("deadline_ms", info.get("at_ms"))
+        found.append((lid, reason, int(since) if isinstance(since, (int, float)) else None))
+    found += [(text(lid), "overdue", int(float(score))) for lid, score in pairs(overdue)]
+    if not found:
+        return []
+    records = yield from lease_records(ctx, [lid for lid, _, _ in found])
+    return [
+        PoisonEntry(lid, reason, since, now, *(
+            (rec.sid, rec.holder or None, rec.engine, rec.request, rec.version) if rec else ()
+        ))
+        for (lid, reason, since), rec in zip(found, records, strict=True)
+    ]
 
 
 def _observed(ctx: Context, st: GateStatus) -> GateStatus:

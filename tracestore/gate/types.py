@@ -99,6 +99,32 @@ class PoisonedLease:
 
 
 @dataclass(frozen=True)
+class PoisonEntry:
+    """One poisoned lease with what its record says: who held it and where it ran.
+
+    ``reason``: ``expired``, ``unknown`` or ``overdue`` (as :class:`PoisonedLease`).
+    ``since_ms``: when its outcome became unknown (its deadline, or its
+    ``unknown`` settlement; server clock); ``server_ms``: the server clock
+    when it was read. The record's fields are None when the record is gone.
+    """
+
+    lease_id: str
+    reason: str
+    since_ms: int | None
+    server_ms: int
+    sid: str | None = None
+    holder: str | None = None
+    engine: str | None = None
+    request: str | None = None
+    version: int | None = None
+
+    @property
+    def ago_ms(self) -> int | None:
+        """How long ago its outcome became unknown (ms), when known."""
+        return None if self.since_ms is None else max(0, self.server_ms - self.since_ms)
+
+
+@dataclass(frozen=True)
 class GateStatus:
     """A snapshot of the gate (see :meth:`Gate.status`).
 
