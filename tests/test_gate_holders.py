@@ -81,6 +81,10 @@ def test_a_lease_records_its_engine_and_request(store: TraceStore) -> None:
         g.admit("s5", "gw-1", 30, engine=ENGINE, request="has space")
     with pytest.raises(InvalidInput, match="requests"):
         g.admit_many([("s5", "gw-1", ENGINE, "r", "extra")], 30)  # type: ignore[list-item]
+    with pytest.raises(InvalidInput, match="on_unconfirmed"):
+        g.admit("s5", "gw-1", 30, on_unconfirmed="ignore")
+    with pytest.raises(InvalidInput, match="retry_until_s"):
+        g.settle_many([plain], "completed", retry_until_s=-1)
     assert dump_run(store) == before  # bad input writes nothing
     # settled with a definite outcome, a lease keeps only its receipt (engine and request go)
     g.settle(one, "completed", resolution="engine-restarted")

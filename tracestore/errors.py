@@ -436,7 +436,10 @@ class OutcomeUnknown(StorageError):
     ``lease_ids`` are the lease ids an ``admit``/``admit_many`` chose before
     the call (``lease_id``: the first; None for other calls): call ``admit``
     again with ``op_id`` to learn the lease, or settle them (``aborted``) so
-    that no lease is left live. Subclasses name more specific causes.
+    that no lease is left live. ``leases_settled``: None, unless the admit
+    was called with ``on_unconfirmed="settle"``: then True when it settled
+    those leases itself, False when that settle did not land either (settle
+    them again). Subclasses name more specific causes.
     """
 
     def __init__(self, message: str, *, op_id: str, lease_ids: Sequence[str] = ()) -> None:
@@ -444,6 +447,7 @@ class OutcomeUnknown(StorageError):
         self.op_id = op_id
         self.lease_ids = tuple(lease_ids)
         self.lease_id = self.lease_ids[0] if self.lease_ids else None
+        self.leases_settled: bool | None = None
         super().__init__(message)
 
     def __str__(self) -> str:
@@ -452,6 +456,8 @@ class OutcomeUnknown(StorageError):
         if self.lease_ids:
             more = f" (+{len(self.lease_ids) - 1} more)" if len(self.lease_ids) > 1 else ""
             hint += f", lease id {self.lease_ids[0]!r}{more}"
+        if self.leases_settled:
+            return f"{self.reason}; {hint}); the lease(s) were settled aborted: admit again"
         return f"{self.reason}; {hint}); call again with this op_id to learn the first reply"
 
 

@@ -4,21 +4,31 @@ Every call is one atomic script on the run's control-plane slot
 (``lua/gate_admit_many.lua``, ``gate_renew``, ``gate_settle``,
 ``gate_clear_poison``); a lease id is chosen before the call, so an admit
 whose reply was lost can be settled or replayed by its id, and a settle
-whose reply was lost can be sent again (the lease id is its idempotency
-key).
+whose reply was lost can be sent again until it lands (the lease id is its
+idempotency key: ``retry_until_s``).
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..context import Context, OpId, guarded, mutating
-from ..errors import InvalidInput, StateRolledBack
+from ..errors import InvalidInput, OutcomeUnknown, ScriptError, StateRolledBack, StorageError
 from ..replies import Reply, field_map, stored, text
-from ..scripts import Batch, Cmd, Eval, Op, script
-from ..validate import duration_ms, http_url, one_of, validate_id, validate_ids
+from ..scripts import Batch, Blocking, Cmd, Eval, Op, script
+from ..validate import MAX_DURATION_S, duration_ms, http_url, one_of, validate_id, validate_ids
 from .types import MAX_ENGINE_URL, OUTCOMES, AdmitRequest, Lease, LeaseRecord, SettlementReceipt
+
+#: What ``admit(..., on_unconfirmed=...)`` does when the admit's outcome is unknown.
+ON_UNCONFIRMED = ("raise", "settle")
+#: How long ``on_unconfirmed="settle"`` keeps sending its settle (s) before it gives up.
+SETTLE_RETRY_S = 30.0
+#: Backoff between the attempts of a settle sent again (``retry_until_s``): first and longest (s).
+RETRY_FIRST_S = 0.05
+RETRY_MOST_S = 1.0
 
 # -- validation (before any I/O) --------------------------------------------------------------
 
@@ -58,6 +68,12 @@ def _requests(requests: object, most: int) -> list[AdmitRequest]:
     return items
 
 
+def _retry_s(retry_until_s: float | None) -> float | None:
+    if retry_until_s is None:
+        return None
+    return duration_ms("retry_until_s", retry_until_s, allow_zero=True) / 1000
+
+
 # -- operations ------------------------------------------------------------------------------
 
 
@@ -70,6 +86,7 @@ def admit(
     *,
     engine: str | None = None,
     request: str | None = None,
+    on_unconfirmed: str = "raise",
     op_id: str | None = None,
 ) -> Op[Lease]:
     """Admit a request of session ``sid`` served by ``holder``; return its :class:`Lease`.
@@ -91,14 +108,18 @@ def admit(
     chosen before the call (the ``op_id`` when given), so the caller can
     settle it (whether the admit ran or not: a lease never admitted is
     fenced by its settle), or call ``admit`` again with ``op_id=err.op_id``
-    to get the lease the first call admitted (else it admits now).
-    LeaseFenced when that lease id was settled before it was admitted
-    (nothing admitted). One round trip.
+    to get the lease the first call admitted (else it admits now). With
+    ``on_unconfirmed="settle"`` the admit does that settle itself (``aborted``,
+    sent again until it lands, for up to 30 s) before it raises: the error's
+    ``leases_settled`` says whether it landed; no lease is left to expire
+    into poison. LeaseFenced when that lease id was settled before it was
+    admitted (nothing admitted). One round trip (more when settling).
     """
     item = _request(sid, holder, engine, request)
     ttl_ms = duration_ms("ttl_s", ttl_s)
+    one_of("on_unconfirmed", on_unconfirmed, ON_UNCONFIRMED)
     op = ctx.op(op_id, "admit")
-    (lease,) = yield from _admit(ctx, [item], ttl_ms, op, [op.id])
+    (lease,) = yield from _admit(ctx, [item], ttl_ms, op, [op.id], on_unconfirmed)
     return lease
 
 
@@ -108,6 +129,7 @@ def admit_many(
     requests: Sequence[tuple[str, str] | AdmitRequest],
     ttl_s: float,
     *,
+    on_unconfirmed: str = "raise",
     op_id: str | None = None,
 ) -> Op[list[Lease]]:
     """Admit several requests at once: all of them, or none while sealed.
@@ -120,24 +142,29 @@ def admit_many(
     settled before it was admitted; nothing admitted), InvalidId/InvalidInput
     before any I/O, OutcomeUnknown (reply lost or unconfirmed; ``lease_ids``
     are the leases' ids: ``<op_id>#<i>`` for request ``i``; settle them, or
-    call again with ``op_id=err.op_id`` to get them). One round trip for the whole batch; pair it with
+    call again with ``op_id=err.op_id`` to get them; ``on_unconfirmed`` as
+    :func:`admit`). One round trip for the whole batch; pair it with
     :func:`settle_many` to serve bursts of requests.
     """
     ttl_ms = duration_ms("ttl_s", ttl_s)
+    one_of("on_unconfirmed", on_unconfirmed, ON_UNCONFIRMED)
     sc = script("gate_admit_many")
     items = _requests(requests, sc.chunk)
     if not items:
         return []
     op = ctx.op(op_id, "admit")
-    return (yield from _admit(ctx, items, ttl_ms, op, [op.part(i) for i in range(len(items))]))
+    return (yield from _admit(ctx, items, ttl_ms, op, [op.part(i) for i in range(len(items))], on_unconfirmed))
 
 
-def _admit(ctx: Context, items: Sequence[AdmitRequest], ttl_ms: int, op: OpId, lids: list[str]) -> Op[list[Lease]]:
+def _admit(
+    ctx: Context, items: Sequence[AdmitRequest], ttl_ms: int, op: OpId, lids: list[str], on_unconfirmed: str
+) -> Op[list[Lease]]:
     """Admit validated requests (1..1,000) as leases ``lids``, in one call.
 
     The lease ids are chosen before the call (a retry finds the first lease
     recorded and replays the admission); an error whose outcome is unknown
-    carries them.
+    carries them, and with ``on_unconfirmed="settle"`` they are settled
+    ``aborted`` before it is raised.
     """
     k = ctx.keys
     args: list[Any] = [ttl_ms]
@@ -149,7 +176,17 @@ def _admit(ctx: Context, items: Sequence[AdmitRequest], ttl_ms: int, op: OpId, l
         tuple(args),
         op_id=op.id,
     )
-    reply = yield from guarded(op, _one(call), lids)
+    try:
+        reply = yield from guarded(op, _one(call), lids)
+    except OutcomeUnknown as err:
+        if on_unconfirmed == "settle":
+            oid = ctx.op(None, "settle").id
+            try:
+                yield from _settled(ctx, lids, "aborted", oid, "", SETTLE_RETRY_S)
+                err.leases_settled = True
+            except StorageError:
+                err.leases_settled = False  # gave up: the error names the lease ids to settle
+        raise
     r = Reply(reply, "gate_admit_many")
     version, deadline = r.int(), r.int()
     try:
@@ -196,6 +233,7 @@ def settle(
     outcome: str,
     *,
     resolution: str | None = None,
+    retry_until_s: float | None = None,
     op_id: str | None = None,
 ) -> Op[SettlementReceipt]:
     """Settle a lease with ``outcome`` (completed, aborted, failed or unknown).
@@ -210,16 +248,21 @@ def settle(
     refused (LeaseFenced) for the receipt retention (``op_ttl_s``), so the
     lost admit cannot arrive later and leave a lease nobody serves; nothing
     else changes. ``resolution`` (an id: 1..200 printable characters, e.g.
-    ``engine-restarted``) is kept on the receipt. Raises InvalidInput (bad outcome) or InvalidId before I/O,
+    ``engine-restarted``) is kept on the receipt. ``retry_until_s``: when the
+    settle fails with a StorageError (a lost reply, a failover, a durability
+    wait not confirmed), send it again, with backoff (50 ms doubling to 1 s),
+    until it lands or that many seconds passed; then raise the last error.
+    Raises InvalidInput (bad outcome) or InvalidId before I/O,
     OutcomeUnknown (settle again: the lease's first receipt; ``op_id`` only
     names the call, the lease id is the idempotency key of a settlement).
-    One round trip.
+    One round trip per attempt.
     """
     lid = _lease_id(lease)
     one_of("outcome", outcome, OUTCOMES)
     note = "" if resolution is None else validate_id("resolution", resolution)
-    reply = yield _settle_eval(ctx, lid, outcome, ctx.op(op_id, "settle").id, resolution=note)
-    return _receipt(reply)
+    until = _retry_s(retry_until_s)
+    (receipt,) = yield from _settled(ctx, [lid], outcome, ctx.op(op_id, "settle").id, note, until)
+    return receipt
 
 
 @mutating
@@ -229,6 +272,7 @@ def settle_many(
     outcome: str,
     *,
     resolution: str | None = None,
+    retry_until_s: float | None = None,
     op_id: str | None = None,
 ) -> Op[list[SettlementReceipt]]:
     """Settle several leases with one ``outcome``; their receipts, in order.
@@ -236,18 +280,40 @@ def settle_many(
     Each settlement is its own atomic script (as :func:`settle`), pipelined:
     one round trip per call; a lease never admitted is fenced (as
     :func:`settle`). Settling again returns the first receipts.
-    ``resolution`` as :func:`settle`. InvalidId/InvalidInput before any I/O; OutcomeUnknown as :func:`settle`.
+    ``resolution`` and ``retry_until_s`` as :func:`settle` (the whole batch
+    is sent again: the settled ones replay their receipts). Use
+    ``retry_until_s`` where a lost settle would leave a lease to expire into
+    poison (a gateway during a failover of the run's primary).
+    InvalidId/InvalidInput before any I/O; OutcomeUnknown as :func:`settle`.
     """
     one_of("outcome", outcome, OUTCOMES)
     if isinstance(leases, (str, bytes)) or not isinstance(leases, Sequence):
         raise InvalidInput("leases", f"must be a list of leases or lease ids, got {type(leases).__name__}")
     lids = [_lease_id(x) for x in leases]
     note = "" if resolution is None else validate_id("resolution", resolution)
+    until = _retry_s(retry_until_s)
     if not lids:
         return []
-    oid = ctx.op(op_id, "settle").id
-    replies = yield Batch(tuple(_settle_eval(ctx, x, outcome, oid, resolution=note) for x in lids))
-    return [_receipt(r) for r in replies]
+    return (yield from _settled(ctx, lids, outcome, ctx.op(op_id, "settle").id, note, until))
+
+
+def _settled(
+    ctx: Context, lids: Sequence[str], outcome: str, op_id: str, resolution: str, until_s: float | None
+) -> Op[list[SettlementReceipt]]:
+    """Settle ``lids`` (validated) in one round trip; with ``until_s``, again on StorageError until then."""
+    evals = tuple(_settle_eval(ctx, x, outcome, op_id, resolution=resolution) for x in lids)
+    req: Eval | Batch = evals[0] if len(evals) == 1 else Batch(evals)
+    deadline = None if until_s is None else time.monotonic() + min(until_s, MAX_DURATION_S)
+    delay = RETRY_FIRST_S
+    while True:
+        try:
+            reply = yield req
+            return [_receipt(reply)] if isinstance(req, Eval) else [_receipt(r) for r in reply]
+        except StorageError as exc:
+            if isinstance(exc, ScriptError) or deadline is None or time.monotonic() + delay > deadline:
+                raise
+        yield Blocking(functools.partial(time.sleep, delay))
+        delay = min(2 * delay, RETRY_MOST_S)
 
 
 def _settle_eval(ctx: Context, lid: str, outcome: str, op_id: str, *, mode: str = "", resolution: str = "") -> Eval:
