@@ -210,10 +210,9 @@ class GatePoisoned(TracestoreError):
 class NotDrained(TracestoreError):
     """``install`` while the gate is open or leases are still live.
 
-    From ``weight_update``: ``lease_ids`` are (the first 100 of) the live
-    leases it gave up on, and ``dead_held`` how many of them are held by
-    holders whose heartbeat stopped (nobody settles those but a resolver:
-    ``gate.resolve_dead_holders`` or ``tracestore gc``).
+    From ``weight_update``: ``dead_held`` live leases are held by holders whose
+    heartbeat stopped (``lease_ids``: the first 100), which only a resolver
+    settles (``gate.resolve_dead_holders``, ``tracestore gc``).
     """
 
     def __init__(self, state: str, live: int, lease_ids: Sequence[str] = (), dead_held: int = 0) -> None:
@@ -237,9 +236,8 @@ class NotDrained(TracestoreError):
 class HolderNotDead(TracestoreError):
     """``settle_dead`` of a lease whose holder is heart-beating (it came back), or never heart-beat.
 
-    Nothing was written: the lease stays its holder's to settle.
-    ``deadline_ms``: the holder's heartbeat deadline (server clock), None
-    when it never heart-beat (its leases are left to their own deadlines).
+    Nothing was written. ``deadline_ms``: the holder's heartbeat deadline
+    (server clock), None when it never heart-beat.
     """
 
     def __init__(self, lease_id: str, holder: str, deadline_ms: int | None) -> None:
@@ -466,11 +464,19 @@ class PermissionDenied(TracestoreError):
 
     ``what`` names the request. An observer (read-only) user gets it for
     every write; docs/security.md lists the grants of each role.
+    ``missing_patterns``: the key patterns of the request's keys the user may
+    not access, asked of the server (a user of an earlier version may lack
+    ``ts:{R|*``); empty when they are accessible (a command or write access
+    is missing) or that could not be told. ``tracestore acl R --check --user U``.
     """
 
-    def __init__(self, what: str, detail: str) -> None:
+    def __init__(self, what: str, detail: str, *, missing_patterns: Sequence[str] = (), hint: str = "") -> None:
         self.what = what
-        super().__init__(f"{what}: permission denied by the server's ACL ({detail}); see docs/security.md")
+        self.detail = detail
+        self.missing_patterns = tuple(missing_patterns)
+        super().__init__(
+            f"{what}: permission denied by the server's ACL ({detail}){hint}; see docs/security.md"
+        )
 
 
 class DurabilityUnconfirmed(OutcomeUnknown):
@@ -554,6 +560,7 @@ class ScriptError(StorageError):
 
     def __init__(self, script: str, detail: str) -> None:
         self.script = script
+        self.detail = detail
         super().__init__(f"script {script!r} failed: {detail}")
 
 
