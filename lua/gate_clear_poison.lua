@@ -32,8 +32,8 @@ for i = 5, #KEYS do
   if redis.call('HDEL', poison, id) == 1 then
     out[#out + 1] = id
     if redis.call('EXISTS', KEYS[i]) == 1 then
-      local holder = redis.call('HGET', KEYS[i], 'holder')
-      if holder then redis.call('ZREM', held, holder .. ' ' .. id) end
+      local h = redis.call('HMGET', KEYS[i], 'holder', 'held')
+      if h[2] then redis.call('ZREM', held, h[1] .. ' ' .. id) end
       redis.call('HSET', KEYS[i], 'resolution', ARGV[2], 'resolved_ms', now)
       redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[3]))
     end

@@ -7,8 +7,8 @@
 -- A definite settlement keeps only the receipt (sid, version, outcome,
 -- settled_ms, late when 1, resolution and resolved_ms when given) and expires
 -- after the retention; a poisoned lease keeps its whole record, without
--- expiry, until someone resolves it. Every first settlement removes the lease
--- from its holder's entries in the held index.
+-- expiry, until someone resolves it. Every first settlement of a lease in the
+-- held index (`held` 1) removes it from its holder's entries there.
 -- A lease id never admitted (an admit whose reply was lost and which never
 -- ran, or a lease whose receipt expired) is fenced: its record becomes a
 -- receipt with `fenced` 1 for the retention, and gate_admit_many refuses an
@@ -42,7 +42,7 @@
 local leases, poison, signal, lkey, holders, held = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local id, outcome, mode, resolution = ARGV[1], ARGV[2], ARGV[4], ARGV[5]
 local l = redis.call('HMGET', lkey, 'version', 'deadline_ms', 'outcome', 'settled_ms', 'late', 'rpoisoned', 'sid',
-  'fenced', 'holder', 'resolution')
+  'fenced', 'holder', 'resolution', 'held')
 if l[8] then
   redis.pcall('HSET', lkey, 'fenced', l[8])
   return {0, id, l[3], -1, tonumber(l[4]), 0, 0, 0, 0, l[10] or ''}
@@ -70,7 +70,7 @@ end
 local late = 0
 if now > tonumber(l[2]) then late = 1 end
 local removed = redis.call('ZREM', leases, id)
-redis.call('ZREM', held, holder .. ' ' .. id)
+if l[11] then redis.call('ZREM', held, holder .. ' ' .. id) end
 local poisoned = 0
 if outcome == 'unknown' then
   redis.call('HSET', poison, id, cjson.encode({ reason = 'unknown', at_ms = now }))

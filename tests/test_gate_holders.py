@@ -106,7 +106,10 @@ def test_only_the_leases_of_holders_whose_heartbeat_stopped_are_listed(store: Tr
     a2 = g.admit("a2", "gw-short", 120)  # no engine: listed, but nobody can abort it
     a3 = g.admit("a3", "gw-short", 120, engine=ENGINE, request="ra3")
     g.admit("b1", "gw-long", 120, engine=ENGINE, request="rb1")
-    g.admit("c1", "gw-never", 120, engine=ENGINE, request="rc1")  # never heart-beats: left to its deadline
+    c1 = g.admit("c1", "gw-never", 120, engine=ENGINE, request="rc1")  # never heart-beats: left to its deadline
+    held = store.redis.zrange(store.keys.gate_held, 0, -1)
+    assert f"gw-short {a1.id}".encode() in held and not any(m.startswith(b"gw-never ") for m in held)
+    assert store.redis.hget(store.keys.gate_lease(c1.id), "held") is None  # not indexed: costs nothing more
     g.settle(a3, "completed")  # settled by its holder before it stopped: not listed
     dead = wait_for(lambda: g.dead_holder_leases(), lambda d: len(d) == 2)
     by_id = {d.lease_id: d for d in dead}

@@ -4,9 +4,10 @@ A holder (a gateway process, a rollout worker) heart-beats its tag
 (:func:`heartbeat`, the zset ``ts:{R}:gate:holders``, beside the owners'
 heartbeats but apart from them: an owner that stops loses its sessions for
 good, a holder that stops only has its unsettled leases resolved, and may
-come back). Every lease joins its holder's entries in the held index
-``ts:{R}:gate:held`` when admitted and leaves it when first settled, so the
-leases of a holder are found without a scan.
+come back). The lease of a holder that heart-beats joins its holder's
+entries in the held index ``ts:{R}:gate:held`` when admitted and leaves it
+when first settled, so the leases of a holder are found without a scan
+(heart-beat before the first admit: earlier leases are not indexed).
 
 When a holder's heartbeat deadline passes (server clock), its leases are
 resolved in two steps, because the first one needs an HTTP client the store

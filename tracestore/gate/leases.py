@@ -172,7 +172,7 @@ def _admit(
         args += (lid, it.sid, it.holder, it.engine or "", it.request or "")
     call = Eval(
         script("gate_admit_many"),
-        (k.gate, k.gate_leases, k.released, k.gate_held, *(k.gate_lease(x) for x in lids)),
+        (k.gate, k.gate_leases, k.released, k.gate_held, k.gate_holders, *(k.gate_lease(x) for x in lids)),
         tuple(args),
         op_id=op.id,
     )
