@@ -306,7 +306,7 @@ def test_a_clean_run_leaves_its_data_and_counters_only(url: str, run_id: str) ->
         assert families <= {
             "meta", "stats", "released", "events", "gate", "gate:signal", "gate:log", "route:retired", "rb:seq",
             "rb:tasks", "rb:bytes",
-        }, families  # (gate:log: the capped history of weight-update cycles, kept on purpose)
+        }, families
         if "gate:signal" in families:  # a drain's wake-up token, gone within a minute
             assert 0 < r.pttl(k.gate_signal) <= 60_000
         data = {x.decode() for x in r.scan_iter(match=k.data_pattern, count=1000)}
