@@ -115,3 +115,45 @@ def test_clear_poison_all_clears_more_than_one_status_page(store: TraceStore, ur
     assert r.exit_code == 0, r.output
     assert "cleared 150 of 150 lease(s)" in r.output
     assert g.status().poisoned == 0
+
+
+def test_status_names_every_poisoned_lease_in_one_line(store: TraceStore, url: str) -> None:
+    """Issue 25 item 2: each poisoned lease in one line (id, why, how long ago, session,
+    holder, engine, request id), every one of them, not the first 100; --json the same."""
+    g = store.gate
+    engine = "http://10.0.0.7:30000"
+    unknown = g.admit("s-unknown", "gw-1", 60, engine=engine, request="rid-u")
+    g.settle(unknown, "unknown")
+    expired = g.admit("s-expired", "gw-2", 0.05, engine=engine, request="rid-e")
+    bulk = g.admit_many([(f"b-{i}", "gw-3") for i in range(110)], 60)
+    g.settle_many(bulk, "unknown")
+    g.heartbeat("gw-dead", 0.05)
+    orphan = g.admit("s-orphan", "gw-dead", 60, engine=engine, request="rid-o")
+    end = time.monotonic() + 30
+    while g.status().live != 1 or not g.dead_holder_leases():  # expired: past its deadline; gw-dead: stopped
+        assert time.monotonic() < end
+        time.sleep(0.02)
+
+    r = cli(url, store.run_id, "gate", "status")
+    assert r.exit_code == 0, r.output
+    lines = {ln.split()[2].rstrip(":"): ln for ln in r.output.splitlines() if ln.startswith("poisoned lease ")}
+    assert set(lines) == {unknown.id, expired.id, *(x.id for x in bulk)}  # 112: every one
+    u, e = lines[unknown.id], lines[expired.id]
+    assert "unknown" in u and " ago;" in u and "session s-unknown" in u and "holder gw-1" in u
+    assert f"engine {engine}" in u and "request rid-u" in u and "version 0" in u
+    assert "overdue" in e and "session s-expired" in e and "holder gw-2" in e and "request rid-e" in e
+    assert "engine -, request -" in lines[bulk[0].id]
+    dead = [ln for ln in r.output.splitlines() if ln.startswith("lease of a dead holder")]
+    assert len(dead) == 1 and orphan.id in dead[0] and "holder gw-dead" in dead[0] and "request rid-o" in dead[0]
+
+    r = cli(url, store.run_id, "gate", "status", "--json")
+    assert r.exit_code == 0, r.output
+    doc = orjson.loads(r.output)
+    by_id = {p["lease_id"]: p for p in doc["poisoned_leases"]}
+    assert len(by_id) == 112 and doc["poisoned"] == 112
+    p = by_id[unknown.id]
+    assert (p["reason"], p["sid"], p["holder"], p["engine"], p["request"]) == (
+        "unknown", "s-unknown", "gw-1", engine, "rid-u",
+    )
+    assert p["ago_ms"] >= 0 and p["since_ms"] <= p["server_ms"]
+    assert [d["lease_id"] for d in doc["dead_holder_leases"]] == [orphan.id]

@@ -208,13 +208,45 @@ class GatePoisoned(TracestoreError):
 
 
 class NotDrained(TracestoreError):
-    """``install`` while the gate is open or leases are still live."""
+    """``install`` while the gate is open or leases are still live.
 
-    def __init__(self, state: str, live: int) -> None:
+    From ``weight_update``: ``dead_held`` live leases are held by holders whose
+    heartbeat stopped (``lease_ids``: the first 100), which only a resolver
+    settles (``gate.resolve_dead_holders``, ``tracestore gc``).
+    """
+
+    def __init__(self, state: str, live: int, lease_ids: Sequence[str] = (), dead_held: int = 0) -> None:
         self.state = state
         self.live = live
+        self.lease_ids = list(lease_ids)
+        self.dead_held = dead_held
+        if dead_held:
+            shown = ", ".join(self.lease_ids[:5]) + (" ..." if len(self.lease_ids) > 5 else "")
+            super().__init__(
+                f"cannot install: gate is {state} with {live} live lease(s), {dead_held} of them held by "
+                f"holders whose heartbeat stopped ({shown}); abort them at their engines and settle them "
+                "(gate.resolve_dead_holders, or `tracestore gc`), or wait for their deadlines"
+            )
+            return
         super().__init__(
             f"cannot install: gate is {state} with {live} live lease(s); seal() and drain() first"
+        )
+
+
+class HolderNotDead(TracestoreError):
+    """``settle_dead`` of a lease whose holder is heart-beating (it came back), or never heart-beat.
+
+    Nothing was written. ``deadline_ms``: the holder's heartbeat deadline
+    (server clock), None when it never heart-beat.
+    """
+
+    def __init__(self, lease_id: str, holder: str, deadline_ms: int | None) -> None:
+        self.lease_id = lease_id
+        self.holder = holder
+        self.deadline_ms = deadline_ms
+        why = "never heart-beat" if deadline_ms is None else f"heart-beats (deadline {deadline_ms} ms)"
+        super().__init__(
+            f"lease {lease_id!r} was not settled: its holder {holder!r} {why}; it is the holder's to settle"
         )
 
 
@@ -402,7 +434,10 @@ class OutcomeUnknown(StorageError):
     ``lease_ids`` are the lease ids an ``admit``/``admit_many`` chose before
     the call (``lease_id``: the first; None for other calls): call ``admit``
     again with ``op_id`` to learn the lease, or settle them (``aborted``) so
-    that no lease is left live. Subclasses name more specific causes.
+    that no lease is left live. ``leases_settled``: None, unless the admit
+    was called with ``on_unconfirmed="settle"``: then True when it settled
+    those leases itself, False when that settle did not land either (settle
+    them again). Subclasses name more specific causes.
     """
 
     def __init__(self, message: str, *, op_id: str, lease_ids: Sequence[str] = ()) -> None:
@@ -410,6 +445,7 @@ class OutcomeUnknown(StorageError):
         self.op_id = op_id
         self.lease_ids = tuple(lease_ids)
         self.lease_id = self.lease_ids[0] if self.lease_ids else None
+        self.leases_settled: bool | None = None
         super().__init__(message)
 
     def __str__(self) -> str:
@@ -418,6 +454,8 @@ class OutcomeUnknown(StorageError):
         if self.lease_ids:
             more = f" (+{len(self.lease_ids) - 1} more)" if len(self.lease_ids) > 1 else ""
             hint += f", lease id {self.lease_ids[0]!r}{more}"
+        if self.leases_settled:
+            return f"{self.reason}; {hint}); the lease(s) were settled aborted: admit again"
         return f"{self.reason}; {hint}); call again with this op_id to learn the first reply"
 
 
@@ -426,11 +464,19 @@ class PermissionDenied(TracestoreError):
 
     ``what`` names the request. An observer (read-only) user gets it for
     every write; docs/security.md lists the grants of each role.
+    ``missing_patterns``: the key patterns of the request's keys the user may
+    not access, asked of the server (a user of an earlier version may lack
+    ``ts:{R|*``); empty when they are accessible (a command or write access
+    is missing) or that could not be told. ``tracestore acl R --check --user U``.
     """
 
-    def __init__(self, what: str, detail: str) -> None:
+    def __init__(self, what: str, detail: str, *, missing_patterns: Sequence[str] = (), hint: str = "") -> None:
         self.what = what
-        super().__init__(f"{what}: permission denied by the server's ACL ({detail}); see docs/security.md")
+        self.detail = detail
+        self.missing_patterns = tuple(missing_patterns)
+        super().__init__(
+            f"{what}: permission denied by the server's ACL ({detail}){hint}; see docs/security.md"
+        )
 
 
 class DurabilityUnconfirmed(OutcomeUnknown):
@@ -514,6 +560,7 @@ class ScriptError(StorageError):
 
     def __init__(self, script: str, detail: str) -> None:
         self.script = script
+        self.detail = detail
         super().__init__(f"script {script!r} failed: {detail}")
 
 
@@ -548,6 +595,8 @@ def raise_for_code(script: str, code: str, fields: Sequence[Any]) -> None:
         raise UnknownLease(str(f[0]))
     if code == "LEASE_FENCED":
         raise LeaseFenced(str(f[0]))
+    if code == "HOLDER_NOT_DEAD":
+        raise HolderNotDead(str(f[0]), str(f[1]), None if int(f[2]) < 0 else int(f[2]))
     if code == "GROUP_EXISTS":
         raise GroupExists(str(f[0]), str(f[1]) if len(f) > 1 else "")
     if code == "CORRUPT":
@@ -578,6 +627,7 @@ __all__ = [
     "GateSealed",
     "GatePoisoned",
     "NotDrained",
+    "HolderNotDead",
     "StaleVersion",
     "SessionRetired",
     "UnknownLease",

@@ -8,6 +8,12 @@ groups idle past a limit). It never touches a live session of a live owner.
 
 Steps, in order:
 
+0. **Dead lease holders** (docs/gate.md, Holders that stop): with an
+   ``abort`` function (``tracestore gc`` passes an HTTP one), the unsettled
+   leases of holders whose heartbeat stopped are aborted at their engines
+   and settled ``aborted`` (:func:`~tracestore.gate.holders.resolve_dead_holders`);
+   without one they are only counted. Holders dead for longer than
+   ``holder_retention_s`` that hold nothing are forgotten.
 1. **Lost owners**: an owner whose heartbeat deadline passed is recorded as
    lost and its sessions are released with reason ``owner-lost``; owners
    already lost are swept again (sessions moved to them later go too). A lost
@@ -35,10 +41,12 @@ deadline on the server, so an owner that heart-beats meanwhile is spared).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from .context import Context
+from .gate.holders import Abort, dead_holders_and_leases, forget_dead_holders, resolve_dead_holders
 from .ownership import session_states
 from .purge import purge_sessions
 from .replies import Reply, field_map, text
@@ -56,6 +64,8 @@ TOMBSTONE_RETENTION_S = 86_400
 EVENT_RETENTION_S = 86_400
 #: Consumer groups idle for longer than this (s) are removed.
 GROUP_IDLE_LIMIT_S = 3_600
+#: Lease holders whose heartbeat ran out longer ago than this (s), holding no lease, are forgotten.
+HOLDER_RETENTION_S = 86_400
 _SWEEPS = 8  # passes over a lost owner's set; it can only shrink once the owner is lost
 _COUNT_PAGE = 5000  # event ids read per round trip when a dry run counts what a trim would remove
 
@@ -81,6 +91,12 @@ class GcReport:
     #: True for a dry run (``gc(dry_run=True)``): nothing was changed, every field says
     #: what a pass would have done at the time of the reads.
     dry_run: bool = False
+    #: Unsettled leases of lease holders whose heartbeat stopped (found this pass).
+    dead_holder_leases: tuple[str, ...] = ()
+    #: Of those, the leases aborted at their engines and settled ``aborted`` (``abort`` given).
+    leases_resolved: tuple[str, ...] = ()
+    #: Lease holders forgotten (dead longer than the retention, holding nothing).
+    holders_forgotten: tuple[str, ...] = ()
 
     def summary(self) -> list[tuple[str, object]]:
         """(what, count) rows for tables (worded "would ..." for a dry run)."""
@@ -93,6 +109,8 @@ class GcReport:
                 ("tombstones to trim", self.tombstones_trimmed),
                 ("events to trim", self.events_trimmed),
                 ("consumer groups to remove", len(self.groups_removed)),
+                ("leases of dead holders to resolve", len(self.dead_holder_leases)),
+                ("dead lease holders to forget", len(self.holders_forgotten)),
             ]
         return [
             ("owners declared lost", len(self.owners_lost)),
@@ -102,6 +120,9 @@ class GcReport:
             ("tombstones trimmed", self.tombstones_trimmed),
             ("events trimmed", self.events_trimmed),
             ("consumer groups removed", len(self.groups_removed)),
+            ("leases of dead holders", len(self.dead_holder_leases)),
+            ("leases resolved (aborted at their engine)", len(self.leases_resolved)),
+            ("dead lease holders forgotten", len(self.holders_forgotten)),
         ]
 
 
@@ -299,6 +320,30 @@ def _count_below(ctx: Context, min_id: str) -> Op[int]:
         start = f"({text(page[-1][0])}"
 
 
+def _dead_holders(
+    ctx: Context, now: int, abort: Abort | None, retention_ms: int, dry_run: bool
+) -> Op[tuple[list[str], list[str], list[str]]]:
+    """(leases of dead holders, those resolved, holders forgotten): step 0 of :func:`gc`.
+
+    A dry run resolves nothing and names the holders a pass would forget.
+    """
+    if abort is not None and not dry_run:
+        rep = yield from resolve_dead_holders(ctx, abort)
+        holders, found = list(rep.dead_holders), [d.lease_id for d in rep.found]
+        resolved = [r.lease_id for r in rep.settled]
+        return found, resolved, (yield from forget_dead_holders(ctx, holders, now - retention_ms))
+    holders, leases = yield from dead_holders_and_leases(ctx)
+    found = [d.lease_id for d in leases]
+    if not dry_run:
+        return found, [], (yield from forget_dead_holders(ctx, holders, now - retention_ms))
+    holding = {d.holder for d in leases}
+    idle = [h for h in holders if h not in holding]
+    k = ctx.keys
+    scores = (yield Batch(tuple(Cmd(("ZSCORE", k.gate_holders, h), key=k.gate_holders) for h in idle))) if idle else []
+    old = [h for h, sc in zip(idle, scores, strict=True) if sc is not None and float(sc) < now - retention_ms]
+    return found, [], old
+
+
 def gc(
     ctx: Context,
     *,
@@ -307,6 +352,8 @@ def gc(
     event_retention_s: float = EVENT_RETENTION_S,
     scan_data: bool = True,
     dry_run: bool = False,
+    abort: Abort | None = None,
+    holder_retention_s: float = HOLDER_RETENTION_S,
 ) -> Op[GcReport]:
     """One garbage-collection pass over the run; returns a :class:`GcReport`.
 
@@ -317,22 +364,34 @@ def gc(
     ``scan_data=False``), trims release tombstones older than
     ``tombstone_retention_s``, removes consumer groups idle for longer than
     ``group_idle_limit_s`` and trims ``ts:{R}:events`` below the slowest
-    remaining group (or to ``event_retention_s`` when none is left). Never
-    touches a live session of a live owner. Safe to run concurrently with
-    the workload and with another gc. With ``dry_run=True`` it changes
+    remaining group (or to ``event_retention_s`` when none is left). With
+    ``abort`` (see :func:`~tracestore.gate.holders.resolve_dead_holders`;
+    :func:`tracestore.gate.aborts.http_abort` stops requests over HTTP) it
+    first resolves the leases of lease holders whose heartbeat stopped;
+    without, it counts them. Lease holders dead for longer than
+    ``holder_retention_s`` that hold no lease are forgotten. Never touches a
+    live session of a live owner, nor a lease of a live holder. Safe to run
+    concurrently with the workload and with another gc. With ``dry_run=True`` it changes
     nothing and reports what a pass would do now (``GcReport.dry_run``):
     the owners whose deadline passed and their sessions, the leftover and
     orphan data, the tombstones past the retention, the idle groups and the
-    events a trim would remove. Raises InvalidInput (before I/O),
-    StorageError. Round trips: a few per lost owner, one SCAN per primary,
-    plus about ten (a dry run: one per 5,000 events it counts).
+    events a trim would remove, the leases of dead holders (aborting none).
+    Raises InvalidInput (before I/O), StorageError. Round trips: a few per
+    lost owner, one SCAN per primary, plus about fifteen (a dry run: one per
+    5,000 events it counts).
     """
     retention_ms = duration_ms("tombstone_retention_s", tombstone_retention_s, allow_zero=True)
     idle_ms = duration_ms("group_idle_limit_s", group_idle_limit_s, allow_zero=True)
     event_ms = duration_ms("event_retention_s", event_retention_s, allow_zero=True)
+    holder_ms = duration_ms("holder_retention_s", holder_retention_s, allow_zero=True)
     now = yield from server_ms(ctx)
+    dead_leases, resolved, forgotten = yield from _dead_holders(ctx, now, abort, holder_ms, dry_run)
+    holders = GcReport(dead_holder_leases=tuple(dead_leases), leases_resolved=tuple(resolved),
+                       holders_forgotten=tuple(forgotten))
     if dry_run:
-        return (yield from _plan(ctx, now, retention_ms, idle_ms, event_ms, scan_data))
+        plan = yield from _plan(ctx, now, retention_ms, idle_ms, event_ms, scan_data)
+        return dataclasses.replace(plan, dead_holder_leases=holders.dead_holder_leases,
+                                   holders_forgotten=holders.holders_forgotten)
 
     expired, lost_with_sessions = yield from _lost_owners(ctx, now)
     owners_lost: list[str] = []
@@ -363,6 +422,9 @@ def gc(
         tombstones_trimmed=trimmed,
         events_trimmed=events_trimmed,
         groups_removed=tuple(removed),
+        dead_holder_leases=holders.dead_holder_leases,
+        leases_resolved=holders.leases_resolved,
+        holders_forgotten=holders.holders_forgotten,
     )
 
 

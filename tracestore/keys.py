@@ -214,6 +214,20 @@ class Keys:
         return f"{self._c}:gate:poison"
 
     @property
+    def gate_holders(self) -> str:
+        """``ts:{R}:gate:holders`` zset holder -> heartbeat deadline ms (server clock; ``gate.heartbeat``)."""
+        return f"{self._c}:gate:holders"
+
+    @property
+    def gate_held(self) -> str:
+        """``ts:{R}:gate:held`` zset (scores 0) of ``<holder> <lease id>``: each holder's unsettled leases.
+
+        Read by range (``ZRANGEBYLEX``) per holder: a holder tag holds no
+        whitespace, so the space ends it.
+        """
+        return f"{self._c}:gate:held"
+
+    @property
     def gate_log(self) -> str:
         """``ts:{R}:gate:log`` stream: one entry per seal, install and reopen (the gate's cycles, capped)."""
         return f"{self._c}:gate:log"

@@ -42,6 +42,8 @@ _ID_RE = re.compile(r"[\x21-\x7a\x7c\x7e]{1,200}\Z")
 _IDS_RE = re.compile(r"(?:[\x21-\x7a\x7c\x7e]{1,200}\n)*\Z")
 # An op id: as an id, without '#' (which joins an op id to its parts' names), at most 128.
 _OP_ID_RE = re.compile(r"[\x21\x22\x24-\x7a\x7c\x7e]{1,128}\Z")
+# A base URL of an HTTP service (an engine): the scheme, then printable ASCII without whitespace.
+_URL_RE = re.compile(r"https?://[\x21-\x7e]+\Z")
 
 #: Largest weight version: the largest integer a Lua number (double) holds exactly.
 MAX_VERSION = 2**53 - 1
@@ -92,6 +94,16 @@ def validate_op_id(value: str) -> str:
     if not isinstance(value, str) or not _OP_ID_RE.match(value):
         raise InvalidId(
             "op id", value, "must be 1..128 printable ASCII characters without '{', '}', '#' or whitespace"
+        )
+    return value
+
+
+def http_url(field: str, value: object, most: int) -> str:
+    """``value`` if it is an ``http://`` or ``https://`` URL of at most ``most`` printable ASCII
+    characters without whitespace (an engine's base URL); else InvalidInput naming ``field``."""
+    if not isinstance(value, str) or len(value) > most or not _URL_RE.match(value):
+        raise InvalidInput(
+            field, f"must be an http:// or https:// URL of at most {most} printable characters, got {_short(value)}"
         )
     return value
 
@@ -172,6 +184,7 @@ __all__ = [
     "MAX_DURATION_S",
     "MAX_VERSION",
     "duration_ms",
+    "http_url",
     "int_in",
     "is_run_id",
     "one_of",

@@ -54,3 +54,42 @@ local function gate_status_reply(gate, leases, poison, cap)
   for i = 1, #overdue do out[#out + 1] = overdue[i] end
   return out
 end
+
+-- The unsettled leases of `holder` in the held index ts:{R}:gate:held, whose
+-- members are '<holder> <lease id>' (scores 0): a holder tag holds no
+-- whitespace, so the lexicographic range ['<holder> ', '<holder>!') is
+-- exactly its members. O(log n + k).
+local function gate_held_of(held_key, holder)
+  local members = redis.call('ZRANGEBYLEX', held_key, '[' .. holder .. ' ', '(' .. holder .. '!')
+  local out, n = {}, #holder + 2
+  for i = 1, #members do out[i] = string.sub(members[i], n) end
+  return out
+end
+
+-- Holders of ts:{R}:gate:holders whose heartbeat deadline passed (server
+-- clock): a flat list {holder, deadline, ...}, oldest deadline first, at most `cap`
+-- holders (-1 for all). A holder that never heart-beat is not in the zset.
+local function gate_dead_holders(holders_key, now, cap)
+  if cap and cap >= 0 then
+    return redis.call('ZRANGEBYSCORE', holders_key, '-inf', '(' .. now, 'WITHSCORES', 'LIMIT', 0, cap)
+  end
+  return redis.call('ZRANGEBYSCORE', holders_key, '-inf', '(' .. now, 'WITHSCORES')
+end
+
+-- The retry hint (ms) of an admission refused by a sealed gate, from the gate
+-- hash: an operator's seal (sealed_by empty) gives its own hint (retry_ms). A
+-- weight update's seal gives the wait it expects: the last weight-update
+-- cycle's sealed time (cycle_ms) minus the time sealed so far; without one,
+-- or once past it, as long again as it has been sealed; never past the drain
+-- deadline (drain_by_ms, while not drained: the update fails and reopens
+-- then). Bounded by retry_ms below and 60 s above (what SDKs honour).
+local function gate_retry_hint(gate, now)
+  local g = redis.call('HMGET', gate, 'retry_ms', 'sealed_ms', 'sealed_by', 'drain_by_ms', 'drained_ms', 'cycle_ms')
+  local floor = tonumber(g[1] or '500')
+  if (g[3] or '') == '' then return floor end
+  local elapsed = math.max(0, now - tonumber(g[2] or now))
+  local est = elapsed
+  if g[6] and tonumber(g[6]) > elapsed then est = tonumber(g[6]) - elapsed end
+  if g[4] and not g[5] then est = math.min(est, tonumber(g[4]) - now) end
+  return math.max(floor, math.min(est, 60000))
+end

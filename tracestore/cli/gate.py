@@ -7,12 +7,13 @@ admissions for every entrypoint of the run at once.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import click
 
 from ..formatting import format_table, human_duration, human_time
-from ..gate import GateStatus
+from ..gate import DeadLease, GateStatus, PoisonEntry
 from ..router import route_table
 from ..store import TraceStore
 from ..validate import MAX_VERSION, validate_id, validate_ids
@@ -41,27 +42,43 @@ def _status_rows(st: GateStatus) -> list[list[object]]:
     ]
 
 
+def poison_line(p: PoisonEntry) -> str:
+    """One poisoned lease in one line: id, why and since when, and whom to ask (session, holder, engine, request)."""
+    ago = "" if p.ago_ms is None else f" {human_duration(p.ago_ms)} ago"
+    return (
+        f"poisoned lease {p.lease_id}: {p.reason}{ago}; session {p.sid or '?'}, holder {p.holder or '?'}, "
+        f"engine {p.engine or '-'}, request {p.request or '-'}, version {'?' if p.version is None else p.version}"
+    )
+
+
+def dead_line(d: DeadLease) -> str:
+    """One live lease of a holder whose heartbeat stopped, in one line."""
+    return (
+        f"lease of a dead holder {d.lease_id}: {d.state}; holder {d.holder} stopped heart-beating "
+        f"{human_duration(max(0, d.server_ms - d.holder_deadline_ms))} ago; session {d.sid}, "
+        f"engine {d.engine or '-'}, request {d.request or '-'} (`tracestore gc` aborts and settles it)"
+    )
+
+
 def _echo_status(store: TraceStore, st: GateStatus, as_json: bool) -> None:
+    poison = store.gate.poisoned_leases() if st.poisoned else []
+    dead = store.gate.dead_holder_leases()
     if as_json:
-        echo_json(st)
+        doc = {
+            **dataclasses.asdict(st),
+            "poisoned_leases": [{**dataclasses.asdict(p), "ago_ms": p.ago_ms} for p in poison],
+            "dead_holder_leases": [dataclasses.asdict(d) for d in dead],
+        }
+        echo_json(doc)
         return
     click.echo(format_table(["gate", "value"], _status_rows(st)))
-    if st.poison:
-        records = store.gate.lease_records([p.lease_id for p in st.poison])
-        rows = []
-        for p, rec in zip(st.poison, records, strict=True):
-            rows.append([
-                p.lease_id,
-                p.reason,
-                rec.sid if rec else "?",
-                rec.holder if rec else "?",
-                rec.version if rec else "?",
-                rec.outcome or "-" if rec else "?",
-            ])
+    if poison or dead:
         click.echo("")
-        click.echo(format_table(["poisoned lease", "reason", "session", "holder", "version", "outcome"], rows))
-        if st.poisoned > len(st.poison):
-            click.echo(f"... and {st.poisoned - len(st.poison)} more")
+    for p in poison:
+        click.echo(poison_line(p))
+    for d in dead:
+        if d.state != "poisoned":  # (a poisoned one has its line above)
+            click.echo(dead_line(d))
 
 
 @main.group()
@@ -77,8 +94,11 @@ def gate() -> None:
 @click.option("--check", is_flag=True, help="Exit 2 unless install would succeed now.")
 @guarded
 def gate_status(url: str | None, run: str | None, as_json: bool, check: bool) -> None:
-    """State, version, live and poisoned leases (with their sessions and holders).
+    """State, version, live and poisoned leases: one line per poisoned lease.
 
+    Each line names the lease, why its outcome is unknown (expired, unknown,
+    overdue) and since when, its session, holder, engine and engine request
+    id; live leases of holders whose heartbeat stopped get a line too.
     Times are shown in local time with their age, from the server's clock.
     """
     with connect(url, run) as store:

@@ -1,6 +1,8 @@
 """``tracestore gc`` and ``tracestore sessions``: the control plane from the shell.
 
 ``gc`` runs one garbage-collection pass over a run (docs/design.md section 5): it
+resolves the gate leases of holders whose heartbeat stopped (each request
+aborted at its engine over HTTP, then the lease settled ``aborted``),
 releases the sessions of owners whose heartbeat expired, purges data left
 behind by a crash between release and purge, reports orphan data, trims old
 tombstones, removes consumer groups of holders gone too long and trims the
@@ -17,7 +19,8 @@ import orjson
 
 from ..errors import RunRecordMissing
 from ..formatting import format_table
-from ..gc import EVENT_RETENTION_S, GROUP_IDLE_LIMIT_S, TOMBSTONE_RETENTION_S
+from ..gate.aborts import APIS, http_abort
+from ..gc import EVENT_RETENTION_S, GROUP_IDLE_LIMIT_S, HOLDER_RETENTION_S, TOMBSTONE_RETENTION_S
 from ..run import server_ms
 from ..runs import RunKeys, run_keys
 from ..scripts import Cmd
@@ -53,6 +56,19 @@ from ._params import Seconds
     show_default=True,
     help="Seconds of events kept when no consumer group is left.",
 )
+@click.option(
+    "--holder-retention",
+    "holder_retention_s",
+    type=Seconds(allow_zero=True),
+    default=HOLDER_RETENTION_S,
+    show_default=True,
+    help="Seconds after which a dead lease holder that holds nothing is forgotten.",
+)
+@click.option("--engine-api", type=click.Choice(APIS), default="sglang", show_default=True,
+              help="How to abort a dead holder's requests: sglang POST /abort_request; vllm (no abort "
+                   "endpoint): only an engine that refuses connections counts as stopped.")
+@click.option("--no-abort", is_flag=True,
+              help="Do not resolve the leases of dead holders (no HTTP to engines); only count them.")
 @click.option("--no-scan", is_flag=True, help="Skip the SCAN for leftover and orphan data keys.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(
@@ -73,6 +89,9 @@ def gc_command(
     tombstone_retention_s: float,
     group_idle_limit_s: float,
     event_retention_s: float,
+    holder_retention_s: float,
+    engine_api: str,
+    no_abort: bool,
     no_scan: bool,
     as_json: bool,
     check: bool,
@@ -80,8 +99,10 @@ def gc_command(
 ) -> None:
     """Run one garbage-collection pass over a run and print what it did.
 
-    Safe on a live run: it releases only sessions of owners whose heartbeat
-    expired, and trims only what is final. With --check nothing changes: it
+    Safe on a live run: it settles only leases of holders whose heartbeat
+    stopped, once their requests are shown stopped at their engines (abort
+    confirmed, or the engine gone); it releases only sessions of owners
+    whose heartbeat expired, and trims only what is final. With --check nothing changes: it
     prints what a pass would do. A run whose record is gone while its keys
     remain is no run to collect: --check counts its keys, --force removes
     them (as `tracestore run delete RUN --force`).
@@ -100,6 +121,8 @@ def gc_command(
             event_retention_s=event_retention_s,
             scan_data=not no_scan,
             dry_run=check,
+            abort=None if no_abort or check else http_abort(engine_api),
+            holder_retention_s=holder_retention_s,
         )
     if as_json:
         echo_json(report)
@@ -111,6 +134,10 @@ def gc_command(
             ("owners declared lost", report.owners_lost),
             ("orphan data (no control record)", report.orphan_sessions),
             ("consumer groups removed", report.groups_removed),
+            ("leases of dead holders resolved", report.leases_resolved),
+            ("leases of dead holders left (their requests not shown stopped)" if not check
+             else "leases of dead holders to resolve",
+             tuple(x for x in report.dead_holder_leases if x not in set(report.leases_resolved))),
         ):
             if ids:
                 shown = ", ".join(ids[:20]) + (f" ... (+{len(ids) - 20})" if len(ids) > 20 else "")

@@ -23,11 +23,20 @@ Use it through ``store.gate`` (:class:`Gate`, or :class:`AsyncGate` on an
     with store.gate.weight_update(version=8, drain_timeout_s=60):
         push_weights_to_engines()
 
+A holder that heart-beats (``store.gate.heartbeat(holder, ttl_s)``) and
+records where each request runs (``admit(..., engine=URL, request=RID)``)
+lets anyone resolve its leases when it dies: ``dead_holder_leases()`` lists
+them, the caller aborts the requests at their engines, ``settle_dead(...)``
+settles them (refused for a holder that came back);
+``resolve_dead_holders(abort)`` does the three steps.
+
 The package is split by job: :mod:`~tracestore.gate.types` (value types and
 limits), :mod:`~tracestore.gate.leases` (admit, renew, settle, lease
-records, clear_poison) and :mod:`~tracestore.gate.cycle` (status, seal,
-drain, install, reopen, weight_update); this module binds them as
-:class:`Gate` and :class:`AsyncGate`.
+records, clear_poison), :mod:`~tracestore.gate.holders` (heartbeats, the
+leases of dead holders), :mod:`~tracestore.gate.aborts` (stopping their
+requests at an engine over HTTP) and :mod:`~tracestore.gate.cycle`
+(status, seal, drain, install, reopen, weight_update); this module binds
+them as :class:`Gate` and :class:`AsyncGate`.
 """
 
 from __future__ import annotations
@@ -35,19 +44,26 @@ from __future__ import annotations
 from .. import validate
 from ..context import Context
 from ..twin import AsyncPart, OpBuilder, SyncPart, op, scoped
-from .cycle import drain, install, reopen, seal, status, weight_update
+from .cycle import drain, install, poisoned_leases, reopen, seal, status, weight_update
+from .holders import dead_holder_leases, heartbeat, holder_done, resolve_dead_holders, settle_dead
 from .leases import admit, admit_many, clear_poison, lease_records, renew, settle, settle_many
 from .types import (
+    DEAD_HOLDER_WAIT_S,
     DEFAULT_RETRY_AFTER_MS,
+    HOLDER_DEAD,
     LOG_ENTRIES,
     MAX_BLOCK_S,
     MAX_IDS,
     OUTCOMES,
+    AdmitRequest,
+    DeadLease,
     DrainResult,
     GateStatus,
+    HealReport,
     Lease,
     LeaseRecord,
     PoisonedLease,
+    PoisonEntry,
     SettlementReceipt,
 )
 
@@ -71,6 +87,12 @@ class GateMethods:
     status = op(status)
     clear_poison = op(clear_poison)
     lease_records = op(lease_records)
+    poisoned_leases = op(poisoned_leases)
+    heartbeat = op(heartbeat)
+    holder_done = op(holder_done)
+    dead_holder_leases = op(dead_holder_leases)
+    settle_dead = op(settle_dead)
+    resolve_dead_holders = op(resolve_dead_holders)
     weight_update = scoped(weight_update)
 
     _scope: Context
@@ -108,31 +130,43 @@ class GateOps(GateMethods, OpBuilder[Context]):
 
 
 __all__ = [
+    "DEAD_HOLDER_WAIT_S",
     "DEFAULT_RETRY_AFTER_MS",
+    "HOLDER_DEAD",
     "MAX_BLOCK_S",
     "LOG_ENTRIES",
     "MAX_IDS",
     "OUTCOMES",
+    "AdmitRequest",
     "AsyncGate",
+    "DeadLease",
     "DrainResult",
     "Gate",
     "GateMethods",
     "GateOps",
     "GateStatus",
+    "HealReport",
     "Lease",
     "LeaseRecord",
     "PoisonedLease",
+    "PoisonEntry",
     "SettlementReceipt",
     "admit",
     "admit_many",
     "clear_poison",
+    "dead_holder_leases",
     "drain",
+    "heartbeat",
+    "holder_done",
     "install",
     "lease_records",
+    "poisoned_leases",
     "renew",
     "reopen",
+    "resolve_dead_holders",
     "seal",
     "settle",
+    "settle_dead",
     "settle_many",
     "status",
     "weight_update",

@@ -25,11 +25,13 @@ from ..errors import (
     StateRolledBack,
     TracestoreError,
 )
-from ..replies import Reply, text
-from ..scripts import Cmd, Eval, Op, script
+from ..replies import Reply, field_map, pairs, stored, text
+from ..scripts import Batch, Cmd, Eval, Op, ServerTime, script
 from ..twin import Body, Scoped
 from ..validate import duration_ms, int_in
+from .leases import lease_records
 from .types import (
+    DEAD_HOLDER_WAIT_S,
     DEFAULT_RETRY_AFTER_MS,
     LOG_ENTRIES,
     MAX_BLOCK_S,
@@ -37,6 +39,7 @@ from .types import (
     DrainResult,
     GateStatus,
     PoisonedLease,
+    PoisonEntry,
 )
 
 
@@ -73,6 +76,39 @@ def _decode_status(reply: list[Any]) -> GateStatus:
     )
 
 
+def poisoned_leases(ctx: Context) -> Op[list[PoisonEntry]]:
+    """Every poisoned lease (and every overdue one) with its record: session, holder, engine, request.
+
+    What ``tracestore gate status`` prints, one line each. Read-only (an
+    observer may call it; no script). Three round trips.
+    """
+    k = ctx.keys
+    now = yield ServerTime(key=k.gate)
+    poison, overdue = yield Batch(
+        (
+            Cmd(("HGETALL", k.gate_poison), key=k.gate_poison),
+            Cmd(("ZRANGE", k.gate_leases, "-inf", f"({now}", "BYSCORE", "WITHSCORES"), key=k.gate_leases),
+        )
+    )
+    found: list[tuple[str, str, int | None]] = []
+    for lid, raw in field_map(poison).items():
+        with stored(k.gate_poison, lid):
+            info = orjson.loads(raw)
+        reason = str(info.get("reason", "?"))
+        since = info.get("at_ms") if reason == "unknown" else info.get("deadline_ms", info.get("at_ms"))
+        found.append((lid, reason, int(since) if isinstance(since, (int, float)) else None))
+    found += [(text(lid), "overdue", int(float(score))) for lid, score in pairs(overdue)]
+    if not found:
+        return []
+    records = yield from lease_records(ctx, [lid for lid, _, _ in found])
+    return [
+        PoisonEntry(lid, reason, since, now, *(
+            (rec.sid, rec.holder or None, rec.engine, rec.request, rec.version) if rec else ()
+        ))
+        for (lid, reason, since), rec in zip(found, records, strict=True)
+    ]
+
+
 def _observed(ctx: Context, st: GateStatus) -> GateStatus:
     """``st``, once its version passed the store's fence (StateRolledBack if it went back)."""
     ctx.fence.observe(st.version)
@@ -90,13 +126,22 @@ def status(ctx: Context) -> Op[GateStatus]:
 
 
 def _seal_eval(
-    ctx: Context, what: str, retry_after_ms: int, op: OpId, *, key: str, token: str = "", below: int | None = None
+    ctx: Context,
+    what: str,
+    retry_after_ms: int,
+    op: OpId,
+    *,
+    key: str,
+    token: str = "",
+    below: int | None = None,
+    drain_ms: int | None = None,
 ) -> Eval:
     k = ctx.keys
     return Eval(
         script("gate_seal"),
         (k.gate, k.gate_leases, k.gate_poison, key, k.gate_log),
-        (what, retry_after_ms, MAX_IDS, token, ctx.op_ttl_ms, "" if below is None else below, LOG_ENTRIES),
+        (what, retry_after_ms, MAX_IDS, token, ctx.op_ttl_ms, "" if below is None else below, LOG_ENTRIES,
+         "" if drain_ms is None else drain_ms),
         op_id=op.id,
     )
 
@@ -137,13 +182,15 @@ def reopen(ctx: Context, *, op_id: str | None = None) -> Op[GateStatus]:
     return _observed(ctx, _decode_status(reply))
 
 
-def _seal_as(ctx: Context, op: OpId, version: int) -> Op[bool]:
-    """Seal under token ``op.id`` unless ``version`` cannot be installed (StaleVersion, nothing written).
+def _seal_as(ctx: Context, op: OpId, version: int, drain_ms: int | None = None) -> Op[bool]:
+    """Seal under token ``op.id`` unless ``version`` cannot be installed (StaleVersion or
+    GatePoisoned, nothing written); ``drain_ms``: the drain timeout (the retry hint's bound).
 
     True when this token holds the seal (False: an operator's seal).
     """
     reply = yield _seal_eval(
-        ctx, "seal", DEFAULT_RETRY_AFTER_MS, op, key=op.key_of("seal"), token=op.id, below=version
+        ctx, "seal", DEFAULT_RETRY_AFTER_MS, op, key=op.key_of("seal"), token=op.id, below=version,
+        drain_ms=drain_ms,
     )
     return text(reply[-1]) == op.id  # the status layout, then the sealer's token
 
@@ -165,28 +212,53 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
     poison set (each check is one atomic script that also clears stale
     wake-up tokens, so a wake-up can be neither lost nor stale). Usually
     called after :func:`seal`; on an open gate it returns at the first moment
-    nothing is live. Raises InvalidInput for a negative timeout,
-    StateRolledBack when the gate's version is lower than one this store
-    saw. Round trips:
-    one check, plus one blocking read and one check per wake-up.
+    nothing is live. The result also counts the live leases held by holders
+    whose heartbeat stopped (``dead_held``). Raises InvalidInput for a
+    negative timeout, StateRolledBack when the gate's version is lower than
+    one this store saw. Round trips: one check, plus one blocking read and
+    one check per wake-up.
     """
     timeout_ms = duration_ms("timeout_s", timeout_s, allow_zero=True)
+    return (yield from _drain(ctx, timeout_ms, None))
+
+
+def _drain(ctx: Context, timeout_ms: int, give_up_s: float | None) -> Op[DrainResult]:
+    """:func:`drain`; with ``give_up_s``, return early when the drain cannot succeed.
+
+    That is when anything is poisoned (install would be refused whatever
+    settles), or when every live lease has been held by a dead holder for
+    ``give_up_s`` (nobody but a resolver will settle them). While some are,
+    it re-checks at least every ``give_up_s``.
+    """
     k = ctx.keys
     check = Eval(
-        script("gate_drain_check"), (k.gate, k.gate_leases, k.gate_poison, k.gate_signal), (MAX_IDS,)
+        script("gate_drain_check"),
+        (k.gate, k.gate_leases, k.gate_poison, k.gate_signal, k.gate_holders, k.gate_held),
+        (MAX_IDS,),
     )
     start = time.monotonic()
     newly: list[str] = []
+    stuck_since: float | None = None
     while True:
         r = Reply((yield check), "gate_drain_check")
         state, version, live, wait_ms = r.text(), r.int(), r.int(), r.int()
         newly.extend(r.counted())
+        n_dead = r.int()
+        dead_ids = tuple(r.counted())
         n_poison = r.int()
         poison_ids = tuple(r.rest_texts())
-        waited = time.monotonic() - start
+        now = time.monotonic()
+        waited = now - start
         remaining = timeout_ms / 1000 - waited
         ctx.fence.observe(version)
-        if live == 0 or remaining <= 0:
+        block = max(0.001, min(remaining, wait_ms / 1000, MAX_BLOCK_S))
+        hopeless = False
+        if give_up_s is not None:
+            stuck_since = (stuck_since or now) if live and n_dead == live else None
+            hopeless = n_poison > 0 or (stuck_since is not None and now - stuck_since >= give_up_s)
+            if stuck_since is not None:
+                block = max(0.001, min(block, give_up_s - (now - stuck_since)))
+        if live == 0 or remaining <= 0 or hopeless:
             return DrainResult(
                 drained=live == 0,
                 live=live,
@@ -196,8 +268,9 @@ def drain(ctx: Context, timeout_s: float) -> Op[DrainResult]:
                 state=state,
                 version=version,
                 waited_s=waited,
+                dead_held=n_dead,
+                dead_held_ids=dead_ids,
             )
-        block = max(0.001, min(remaining, wait_ms / 1000, MAX_BLOCK_S))
         yield Cmd(("BLPOP", k.gate_signal, f"{block:.3f}"), key=k.gate_signal, block_s=block)
 
 
@@ -241,15 +314,17 @@ def _install(ctx: Context, version: int, op: OpId) -> Op[int]:
 
 def _check_drained(res: DrainResult, version: int) -> None:
     """Refuse to run a weight update body the install would refuse anyway."""
-    if res.live:
-        raise NotDrained(res.state, res.live)
     if res.poisoned:
         raise GatePoisoned(res.poisoned_ids or ("?",))
+    if res.live:
+        raise NotDrained(res.state, res.live, res.dead_held_ids, res.dead_held)
     if version <= res.version:
         raise StaleVersion(res.version, version)
 
 
-def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[DrainResult]:
+def weight_update(
+    ctx: Context, version: int, drain_timeout_s: float, *, dead_holder_wait_s: float = DEAD_HOLDER_WAIT_S
+) -> Scoped[DrainResult]:
     """Seal, drain, run the body (push the weights), install ``version``, reopen.
 
     ``with store.gate.weight_update(8, drain_timeout_s=60) as drained:``
@@ -257,25 +332,35 @@ def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[
     drain within ``drain_timeout_s`` with nothing poisoned and ``version``
     must be larger than the current one; otherwise NotDrained, GatePoisoned
     or StaleVersion is raised and the body does not run (StateRolledBack
-    too, when the gate's version is lower than one this store saw). If the body raises,
-    the gate is reopened without installing and the error propagates. The
-    gate is reopened in every case, unless an operator sealed it (``seal()``
-    / ``tracestore gate seal``, before or during the update): that seal
-    survives the weight update. A seal left by a crashed weight update is
-    taken over and reopened. Run one weight update per run at a time (a
-    second one would take over the first one's seal). Yields the
-    :class:`DrainResult`. Validates ``version`` and the timeout before any I/O;
-    the seal itself refuses a ``version`` not larger than the current one
-    (StaleVersion, nothing sealed or written). If the install's reply is
-    lost, OutcomeUnknown names its op id: ``gate.install(version,
+    too, when the gate's version is lower than one this store saw). A drain
+    that cannot succeed does not hold the seal for its timeout: poison (a
+    lease expired or settled ``unknown``) ends it at once with GatePoisoned
+    naming the leases (and a gate already poisoned, or with overdue leases,
+    is not sealed at all); live leases all held by holders whose heartbeat
+    stopped end it after ``dead_holder_wait_s`` (time for a resolver,
+    ``gate.resolve_dead_holders`` or ``tracestore gc``, to settle them) with
+    NotDrained naming them. While sealed, refused admissions carry a retry
+    hint from the last cycle's length and this drain's timeout
+    (docs/gate.md, Retry hints). If the body raises, the gate is reopened
+    without installing and the error propagates. The gate is reopened in
+    every case, unless an operator sealed it (``seal()`` / ``tracestore
+    gate seal``, before or during the update): that seal survives the weight
+    update. A seal left by a crashed weight update is taken over and
+    reopened. Run one weight update per run at a time (a second one would
+    take over the first one's seal). Yields the :class:`DrainResult`.
+    Validates ``version`` and the timeouts before any I/O; the seal itself
+    refuses a ``version`` not larger than the current one (StaleVersion,
+    nothing sealed or written). If the install's reply is lost,
+    OutcomeUnknown names its op id: ``gate.install(version,
     op_id=err.op_id)`` tells whether it happened (the first reply) or
     installs now (the body did push the weights).
     """
     validate.version("version", version)
-    duration_ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
+    timeout_ms = duration_ms("drain_timeout_s", drain_timeout_s, allow_zero=True)
+    give_up_s = duration_ms("dead_holder_wait_s", dead_holder_wait_s, allow_zero=True) / 1000
     op = ctx.op(None, "install")  # its install is the one install(op_id=...) replays
     try:
-        mine = yield from _seal_as(ctx, op, version)
+        mine = yield from _seal_as(ctx, op, version, timeout_ms)
     except OutcomeUnknown:
         # The seal may have happened (an unconfirmed or lost reply): undo it, so
         # that no admission waits for a weight update that is not running.
@@ -283,7 +368,7 @@ def weight_update(ctx: Context, version: int, drain_timeout_s: float) -> Scoped[
             yield from _reopen_as(ctx, op)
         raise
     try:
-        res = yield from drain(ctx, drain_timeout_s)
+        res = yield from _drain(ctx, timeout_ms, give_up_s)
         _check_drained(res, version)
         yield Body(res)
         yield from guarded(op, _install(ctx, version, op))

@@ -10,21 +10,25 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from ..connection import ConnectionOptions
 from ..durability import NONE, Durability
-from ..errors import StorageError, TracestoreError
+from ..errors import PermissionDenied, ScriptError, StorageError, TracestoreError
 from ..keys import key_slot
 from ..replies import text
 from ..scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
 from .commands import (
     REDIS_ERRORS,
+    acl_user,
     apply_callback,
     decode_script_reply,
     describe,
     eval_args,
+    explain_denied,
     finish_batch,
     mutates,
+    permission_probes,
     queue_request,
     script_args,
     time_ms,
+    with_acl_hint,
     wrap_error,
 )
 from .durable import DurablePath, check_level, server_name
@@ -53,6 +57,7 @@ class AsyncIO:
         self._inflight = asyncio.Semaphore(self.CLUSTER_INFLIGHT)
         self.durability = durability
         self._durable = DurablePath(durability, opts) if durability.waits else None
+        self._acl_user = acl_user(client)  # names the user in a failed script's hint
 
     async def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply (no redis-py exception escapes)."""
@@ -63,6 +68,23 @@ class AsyncIO:
             return await self._dispatch(req)
         except REDIS_ERRORS as exc:
             raise wrap_error(exc, describe(req)) from exc
+        except PermissionDenied as err:
+            raise (await self._explained(err, req)) from err
+        except ScriptError as err:
+            if self._acl_user is None or not isinstance(req, (Eval, Batch)):
+                raise
+            raise with_acl_hint(err, self._acl_user, req) from err
+
+    async def _explained(self, err: PermissionDenied, req: Request) -> PermissionDenied:
+        """``err`` naming the key patterns its user may not access (one round trip; ``err`` if that fails)."""
+        probes = permission_probes(req)
+        if not probes:
+            return err
+        try:
+            replies = await self._dispatch(Batch(tuple(c for _, c in probes), errors_in_place=True))
+        except Exception:  # noqa: BLE001 - the diagnosis is best effort: the first error stands
+            return err
+        return explain_denied(err, probes, replies)
 
     async def _dispatch(self, req: Request) -> Any:
         if isinstance(req, Eval):

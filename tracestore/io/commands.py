@@ -25,6 +25,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..acl import pattern_of_key
 from ..errors import (
     NotEnoughReplicas,
     PermissionDenied,
@@ -65,6 +66,62 @@ def wrap_error(exc: BaseException, what: str) -> TracestoreError:
     if isinstance(exc, ResponseError) and what.startswith("script "):
         return ScriptError(what[len("script ") :], detail)
     return StorageError(f"{what}: {type(exc).__name__}: {detail}")
+
+
+def permission_probes(req: Request) -> list[tuple[str, Cmd]]:
+    """One ``EXISTS`` per ACL key pattern the keys of ``req`` fall in (what a denied call's
+    user may not access is then asked of the server, never read from its error text)."""
+    reqs = req.requests if isinstance(req, Batch) else (req,)
+    keys = [k for r in reqs for k in (r.keys if isinstance(r, Eval) else (r.key,) if isinstance(r, Cmd) else ())]
+    first: dict[str, str] = {}
+    for key in keys:
+        pat = pattern_of_key(key) if key else None
+        if pat and pat not in first:
+            first[pat] = key or ""
+    return [(pat, Cmd(("EXISTS", key), key=key)) for pat, key in first.items()]
+
+
+def explain_denied(err: PermissionDenied, probes: list[tuple[str, Cmd]], replies: list[Any]) -> PermissionDenied:
+    """``err`` naming the key patterns its user may not access (``probes``' denied ones)."""
+    denied = [pat for (pat, _), r in zip(probes, replies, strict=True) if isinstance(r, PermissionDenied)]
+    pats = [pat for pat, _ in probes]
+    run = pats[0].split("{", 1)[1].rstrip("*/|:}") if pats else "RUN"
+    check = f"`tracestore acl {run} --check --user USER` lists what it lacks"
+    if denied and len(denied) < len(pats):
+        hint = f"; this user may not access keys of {' '.join('~' + p for p in denied)}: {check}"
+    elif denied:
+        hint = (f"; this user may not access keys of {' '.join('~' + p for p in denied)} (or may not run "
+                f"EXISTS): {check}")
+    else:
+        hint = (f"; its keys ({' '.join('~' + p for p in pats)}) are readable: the missing grant is a "
+                f"command or write access: {check}")
+    return PermissionDenied(err.what, err.detail, missing_patterns=denied, hint=hint)
+
+
+def acl_user(client: Any) -> str | None:
+    """The ACL user a redis-py client connects as (None for the default user)."""
+    try:
+        user = client.get_connection_kwargs().get("username")
+    except Exception:  # noqa: BLE001 - a client without the method: no hint
+        return None
+    name = user.decode() if isinstance(user, bytes) else user
+    return name if name and name != "default" else None
+
+
+def with_acl_hint(err: ScriptError, user: str, req: Request) -> ScriptError:
+    """``err`` with the check that tells whether ``user`` lacks a grant the script needs.
+
+    A command a script calls that the user may not run fails inside the
+    script, in words each server version puts differently (never parsed):
+    for a connection with an ACL user, the error says how to find out.
+    """
+    pats = [pat for pat, _ in permission_probes(req)]
+    run = pats[0].split("{", 1)[1].rstrip("*/|:}") if pats else "RUN"
+    return ScriptError(
+        err.script,
+        f"{err.detail}; if the ACL refused a command to user {user!r}, `tracestore acl {run} --check --user "
+        f"{user}` lists the grants it lacks",
+    )
 
 
 def eval_args(ev: Eval) -> tuple[Any, ...]:

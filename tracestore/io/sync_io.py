@@ -11,23 +11,27 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..connection import ConnectionOptions
 from ..durability import NONE, Durability
-from ..errors import StorageError
+from ..errors import PermissionDenied, ScriptError, StorageError
 from ..replies import text
 from ..scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
 from .commands import (
     REDIS_ERRORS,
+    acl_user,
     apply_callback,
     decode_script_reply,
     describe,
     eval_args,
+    explain_denied,
     finish_batch,
     is_connection_error,
     is_redirect,
     mutates,
+    permission_probes,
     queue_request,
     route_key,
     script_args,
     time_ms,
+    with_acl_hint,
     wrap_error,
 )
 from .durable import DurablePath, check_level, server_name
@@ -50,6 +54,7 @@ class SyncIO:
         self.cluster = cluster
         self.durability = durability
         self._durable = DurablePath(durability, opts) if durability.waits else None
+        self._acl_user = acl_user(client)  # names the user in a failed script's hint
 
     def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply (no redis-py exception escapes)."""
@@ -60,6 +65,23 @@ class SyncIO:
             return self._dispatch(req)
         except REDIS_ERRORS as exc:  # one the steps below did not wrap (cluster routing...)
             raise wrap_error(exc, describe(req)) from exc
+        except PermissionDenied as err:
+            raise self._explained(err, req) from err
+        except ScriptError as err:
+            if self._acl_user is None or not isinstance(req, (Eval, Batch)):
+                raise
+            raise with_acl_hint(err, self._acl_user, req) from err
+
+    def _explained(self, err: PermissionDenied, req: Request) -> PermissionDenied:
+        """``err`` naming the key patterns its user may not access (one round trip; ``err`` if that fails)."""
+        probes = permission_probes(req)
+        if not probes:
+            return err
+        try:
+            replies = self._dispatch(Batch(tuple(c for _, c in probes), errors_in_place=True))
+        except Exception:  # noqa: BLE001 - the diagnosis is best effort: the first error stands
+            return err
+        return explain_denied(err, probes, replies)
 
     def _dispatch(self, req: Request) -> Any:
         if isinstance(req, Eval):
