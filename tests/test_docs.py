@@ -182,7 +182,7 @@ def _steps(body: str) -> list[tuple[str, str]]:
 _RULES = [
     (re.compile(r"(?:redis|rediss|unix)(?:\+cluster)?://[^\s,;)']+"), "<url>"),
     (re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"), "<time>"),
-    (re.compile(r"\b\d{10}\.\d{6}\b"), "<epoch>"),
+    (re.compile(r"\b\d{10}\.\d{1,6}\b"), "<epoch>"),
     (re.compile(r"\b1\d{12}\b"), "<ms>"),
     (re.compile(r"\b[0-9a-f]{32}\b"), "<id>"),
     (re.compile(r"\b[0-9a-f]{16}\b"), "<id16>"),

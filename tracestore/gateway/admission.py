@@ -29,12 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ..errors import SessionReleased
-from ..gate import Lease
+from ..gate import AdmitRequest, Lease
 from ..store import AsyncTraceStore
 from .engines import Engine
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+#: How long a settlement is sent again when its reply is lost (a failover): the lease is settled
+#: once it lands, never twice (its id is the idempotency key).
+SETTLE_RETRY_S = 60.0
 
 T = TypeVar("T")
 X = TypeVar("X")
@@ -149,7 +153,7 @@ class Admission:
         self._open = asyncio.Event()  # set while the watcher last saw the gate open
         self._open.set()
         self._watcher: asyncio.Task[None] | None = None
-        self._admits: Coalescer[str, Lease] = Coalescer(self._admit_batch, 1000)
+        self._admits: Coalescer[AdmitRequest, Lease] = Coalescer(self._admit_batch, 1000)
         self._settles: Coalescer[tuple[Lease, str], None] = Coalescer(self._settle_batch, 1000)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -233,12 +237,14 @@ class Admission:
 
     # -- admit and settle -------------------------------------------------------------------
 
-    async def admit(self, sid: str) -> Lease:
+    async def admit(self, sid: str, engine: str | None = None, rid: str | None = None) -> Lease:
         """A lease for ``sid`` (coalesced with the admissions of this loop iteration).
 
+        ``engine`` and ``rid`` are recorded on the lease, so that if this gateway dies anyone can
+        abort the request at its engine and resolve the lease (``gate.dead_holder_leases``).
         Raises what ``gate.admit`` raises (GateSealed, SessionReleased...).
         """
-        return await self._admits.submit(sid)
+        return await self._admits.submit(AdmitRequest(sid, self.holder, engine, rid))
 
     async def settle(self, lease: Lease, outcome: str) -> None:
         """Settle ``lease`` (coalesced); a failure is logged, and the lease then expires into
@@ -267,24 +273,27 @@ class Admission:
         self.unregister(flight)
         return self.settle(flight.lease, "completed") if flight.lease is not None else None
 
-    async def _admit_batch(self, sids: list[str]) -> list[Lease | BaseException]:
+    async def _admit_batch(self, reqs: list[AdmitRequest]) -> list[Lease | BaseException]:
         """One ``admit_many`` for the admissions of one loop iteration.
 
         admit_many is all or nothing: when one session of the batch was released,
-        each is admitted alone so that only that one is refused.
+        each is admitted alone so that only that one is refused. A batch whose reply is
+        outcome-unknown settles its lease ids itself (``on_unconfirmed="settle"``), so nothing
+        is left to expire into the poison set.
         """
         try:
             leases: list[Lease | BaseException] = list(
-                await self._db(self.store.gate.admit_many([(s, self.holder) for s in sids], self.ttl_s))
+                await self._db(self.store.gate.admit_many(reqs, self.ttl_s, on_unconfirmed="settle"))
             )
             return leases
         except SessionReleased:
-            if len(sids) == 1:
+            if len(reqs) == 1:
                 raise
         alone = await asyncio.gather(
-            *(self._db(self.store.gate.admit(s, self.holder, self.ttl_s)) for s in sids), return_exceptions=True
+            *(self._db(self.store.gate.admit_many([r], self.ttl_s, on_unconfirmed="settle")) for r in reqs),
+            return_exceptions=True,
         )
-        return list(alone)
+        return [x[0] if isinstance(x, list) else x for x in alone]
 
     async def _settle_batch(self, items: list[tuple[Lease, str]]) -> list[None | BaseException]:
         """Settle the leases of one loop iteration: one pipelined ``settle_many`` per outcome."""
@@ -293,7 +302,10 @@ class Admission:
             by.setdefault(outcome, []).append(lease)
         t0 = time.perf_counter()
         try:
-            await asyncio.gather(*(self._db(self.store.gate.settle_many(ls, o)) for o, ls in by.items()))
+            # a settlement whose reply a failover lost is sent again with its lease ids until it lands
+            await asyncio.gather(
+                *(self._db(self.store.gate.settle_many(ls, o, retry_until_s=SETTLE_RETRY_S)) for o, ls in by.items())
+            )
         finally:
             self.metrics.latency.labels("settle").observe(time.perf_counter() - t0)
         return [None] * len(items)

@@ -10,6 +10,11 @@ One task per gateway, every ``interval_s`` (1 s):
   data, or was flushed, no longer has it; from then on the gateway records
   nothing (every turn is a 503 that says so) instead of writing keys of a run
   no command can see;
+* **its lease holder tag**, heart-beaten every few seconds, and the leases of
+  gateways that stopped heart-beating (killed): every ``HEAL_EVERY_S`` it aborts
+  their requests at their engines and settles the leases shown stopped
+  ``aborted`` (``gate.resolve_dead_holders``), so a dead gateway's leases
+  never block a weight update;
 * **the owner tag** of sessions it opens without ``X-Tracestore-Owner``
   (``--owner``): heart-beaten, so ``tracestore gc`` releases those sessions
   once the gateway is gone, instead of leaving them to an owner that never
@@ -26,20 +31,41 @@ from typing import Any
 from ..errors import OwnerLost, TracestoreError
 from ..scripts import Cmd, Op
 from ..store import AsyncTraceStore
+from ..gate.aborts import http_abort
 from .engines import Engine
 
 log = logging.getLogger(__name__)
+
+#: Heartbeat ttl of the gateway's lease holder tag: its leases are resolvable this long after it dies.
+HOLDER_TTL_S = 10.0
+#: How often a gateway resolves the leases of dead gateways.
+HEAL_EVERY_S = 5.0
 
 
 class Liveness:
     """The background checks (see the module docstring)."""
 
     def __init__(
-        self, store: AsyncTraceStore, engines: dict[str, Engine], owner: str, *, interval_s: float = 1.0, owner_ttl_s: float = 30.0
+        self,
+        store: AsyncTraceStore,
+        engines: dict[str, Engine],
+        owner: str,
+        holder: str,
+        *,
+        engine_api: str = "sglang",
+        interval_s: float = 1.0,
+        owner_ttl_s: float = 30.0,
+        holder_ttl_s: float = HOLDER_TTL_S,
     ) -> None:
         self.store = store
         self.engines = engines
         self.owner = owner
+        self.holder = holder
+        self.engine_api = engine_api
+        self.holder_ttl_s = holder_ttl_s
+        self.resolved = 0  # leases of dead holders this gateway resolved
+        self._holder_beat = 0.0
+        self._healed = 0.0
         self.interval_s = interval_s
         self.owner_ttl_s = owner_ttl_s
         self.engines_up: dict[str, bool] = {url: True for url in engines}  # until the first check
@@ -68,11 +94,15 @@ class Liveness:
         self._task = asyncio.create_task(self._run(), name="gateway-liveness")
 
     async def close(self) -> None:
-        """Stop checking."""
+        """Stop checking; say this holder stopped cleanly (kept while it still has leases)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+            try:
+                await self.store.gate.holder_done(self.holder)
+            except TracestoreError as exc:
+                log.warning("gateway: could not say holder %s stopped: %s", self.holder, exc)
 
     async def check(self) -> None:
         """One round of checks (engines, run record, owner heartbeat)."""
@@ -91,6 +121,12 @@ class Liveness:
                 )
             self.run_lost = self.run_lost or not exists
             now = time.monotonic()
+            if not self.run_lost and now - self._holder_beat > self.holder_ttl_s / 3:
+                await self.store.gate.heartbeat(self.holder, self.holder_ttl_s)
+                self._holder_beat = now
+            if not self.run_lost and now - self._healed > HEAL_EVERY_S:
+                self._healed = now
+                await self._heal()
             if not self.run_lost and not self.owner_lost and now - self._beat > self.owner_ttl_s / 3:
                 await self.store.heartbeat(self.owner, self.owner_ttl_s)
                 self._beat = now
@@ -100,6 +136,15 @@ class Liveness:
         except TracestoreError as exc:  # the store is unreachable: requests say so themselves
             log.warning("gateway: liveness check: %s", exc)
         self.checked_ms = time.time() * 1000
+
+    async def _heal(self) -> None:
+        """Resolve the leases of gateways that died: abort their requests at their engines, settle
+        the ones shown stopped ``aborted`` (a holder that came back keeps its own)."""
+        report = await self.store.gate.resolve_dead_holders(http_abort(self.engine_api))
+        n = len(report.settled)
+        if n:
+            self.resolved += n
+            log.warning("gateway: resolved %d lease(s) of dead gateway(s) %s", n, ", ".join(report.dead_holders))
 
     async def _run(self) -> None:
         while True:

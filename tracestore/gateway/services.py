@@ -52,6 +52,7 @@ class Services:
     spans: Spans = field(default_factory=Spans)
     liveness: Liveness | None = None
     opened: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    routes: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _rr: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +70,21 @@ class Services:
         self.opened[sid] = None
         if len(self.opened) > OPENED_CACHE:
             self.opened.popitem(last=False)
+
+    def route_hint(self, sid: str) -> str | None:
+        """The engine ``sid`` will most likely run on (the only one, or where it last ran), for its
+        lease record; None when unknown."""
+        if len(self.engines) == 1:
+            return next(iter(self.engines))
+        return self.routes.get(sid)
+
+    def routed(self, sid: str, engine: str) -> None:
+        """Remember where ``sid`` runs (LRU of :data:`OPENED_CACHE`)."""
+        if len(self.engines) > 1:
+            self.routes[sid] = engine
+            self.routes.move_to_end(sid)
+            if len(self.routes) > OPENED_CACHE:
+                self.routes.popitem(last=False)
 
     def sampling(self, req: ChatRequest, max_tokens: int) -> Sampling:
         """The engine's sampling parameters for ``req`` with a budget of ``max_tokens``."""

@@ -140,11 +140,13 @@ class Turn:
     async def _admit(self, sid: str) -> Flight:
         s = self.s
         t0 = time.perf_counter()
+        rid = new_id("req-")  # chosen first: the lease records it (and the engine, when known)
+        hint = s.route_hint(sid)
         phase = asyncio.ensure_future(
             asyncio.gather(
                 s.db(s.prompts.prepare(sid, self.req)),
                 s.db(s.router.acquire(sid)),
-                s.admission.admit(sid),
+                s.admission.admit(sid, hint, rid),
                 return_exceptions=True,
             )
         )
@@ -157,7 +159,7 @@ class Turn:
         if isinstance(lease, GateSealed) and not isinstance(prep, BaseException) and not isinstance(entry, BaseException):
             s.admission.abort_all("weight_update")  # learnt of a seal: stop what runs now
             if s.config.on_weight_update == "continue":
-                lease = await self._wait_for_gate(sid)  # the agent does not see the update at all
+                lease = await self._wait_for_gate(sid, hint, rid)  # the agent does not see the update at all
         errors = [x for x in (prep, entry, lease) if isinstance(x, BaseException)]
         if errors:
             if isinstance(lease, Lease):
@@ -168,7 +170,8 @@ class Turn:
             raise e
         assert isinstance(prep, Prepared) and isinstance(lease, Lease)
         self.prep = prep
-        self.flight = Flight(new_id("req-"), sid, s.engines[str(entry)], lease)
+        s.routed(sid, str(entry))
+        self.flight = Flight(rid, sid, s.engines[str(entry)], lease)
         return self.flight
 
     async def _settle_phase(self, phase: asyncio.Future[Any]) -> None:
@@ -297,13 +300,14 @@ class Turn:
                 self.kept = True
             except TracestoreError as exc:  # kept in this process only: a retry elsewhere regenerates
                 log.warning("gateway: could not keep the tokens of held turn %s: %s", flight.rid, exc)
-        lease = await self._wait_for_gate(self.sid)
-        nxt = Flight(new_id("req-"), self.sid, flight.engine, lease)
+        rid = new_id("req-")
+        lease = await self._wait_for_gate(self.sid, flight.engine.url, rid)
+        nxt = Flight(rid, self.sid, flight.engine, lease)
         self.flight = nxt
         s.admission.register(nxt)
         self.continued = True
 
-    async def _wait_for_gate(self, sid: str) -> Lease:
+    async def _wait_for_gate(self, sid: str, engine: str | None, rid: str) -> Lease:
         """Wait (at most ``--hold-timeout``) until the gate reopens and admits ``sid``; its lease.
 
         Raises TurnAborted("hold_timeout") when it does not, and what admission raises
@@ -322,7 +326,7 @@ class Turn:
                         await self.out.keepalive()
                     continue
                 try:
-                    return await s.admission.admit(sid)
+                    return await s.admission.admit(sid, engine, rid)
                 except GateSealed:
                     s.admission.sealed()
 
@@ -376,9 +380,9 @@ class Turn:
         flight = self.flight
         if flight is None or flight.settled:
             return
-        if isinstance(exc, EngineLost) and flight.generating:
-            self.s.spawn(flight.engine.abort(flight.rid))
         outcome = "aborted" if flight.abort_reason is not None and f.outcome == "failed" else f.outcome
+        if isinstance(exc, EngineLost) and await flight.engine.stopped(flight.rid):
+            outcome = "aborted"  # provably not running (aborted, or its engine gone): nothing to poison
         with self.s.spans.child(self.span, "settle", **{"tracestore.outcome": outcome}):
             await self.s.admission.settle_flight(flight, outcome)
 

@@ -201,6 +201,11 @@ class Engine(Protocol):
         """
         ...
 
+    async def stopped(self, rid: str) -> bool:  # pragma: no cover - protocol
+        """After a lost connection: True when request ``rid`` is known not to run any more (the
+        engine confirmed an abort, or it is gone), False when that cannot be shown (never raises)."""
+        ...
+
     async def info(self) -> EngineInfo:  # pragma: no cover - protocol
         """What the engine reports about itself. Raises EngineRefused / EngineLost / EngineRejected."""
         ...

@@ -60,6 +60,23 @@ async def probe(session: aiohttp.ClientSession, url: str, path: str, timeout_s: 
     return json_object(url, raw)
 
 
+async def gone(session: aiohttp.ClientSession, url: str, recheck_s: float = 0.2) -> bool:
+    """True when ``url`` refuses connections, twice ``recheck_s`` apart: a process that listens no
+    more runs no request (anything that answers, even with an error, is not gone)."""
+    for attempt in range(2):
+        if attempt:
+            await asyncio.sleep(recheck_s)
+        try:
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                await resp.read()
+                return False
+        except aiohttp.ClientConnectorError:
+            continue
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+    return True
+
+
 def json_object(url: str, raw: bytes) -> dict[str, Any]:
     """``raw`` parsed as a JSON object; EngineLost when it is not one (a broken engine reply)."""
     try:
@@ -103,4 +120,4 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         yield tail[5:].strip()
 
 
-__all__ = ["detail", "json_object", "post", "probe", "sse_events"]
+__all__ = ["detail", "gone", "json_object", "post", "probe", "sse_events"]

@@ -41,7 +41,7 @@ from .base import (
     EngineRequest,
     register,
 )
-from .http import detail, json_object, post, probe, sse_events
+from .http import detail, gone, json_object, post, probe, sse_events
 
 
 @register
@@ -154,6 +154,11 @@ class SGLangEngine:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
+
+    async def stopped(self, rid: str) -> bool:
+        """``/abort_request`` answered 2xx (nothing runs under ``rid`` any more: SGLang answers so
+        for a request that ended too), or the engine is gone."""
+        return await self.abort(rid) or await gone(self.session, self.url)
 
     async def info(self) -> EngineInfo:
         """``GET /get_model_info`` (vocabulary size and context length where reported)."""

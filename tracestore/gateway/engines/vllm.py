@@ -235,6 +235,12 @@ class VLLMEngine:
         call.post.close()
         return True
 
+    async def stopped(self, rid: str) -> bool:
+        """Always True after a lost connection: vLLM aborts a request whose client left, and an
+        engine that is gone runs nothing."""
+        await self.abort(rid)
+        return True
+
     def _take_early(self, rid: str) -> bool:
         if not self._early:
             return False
