@@ -164,11 +164,17 @@ class RunDump(dict[bytes, tuple[Any, bool]]):
 
 
 def dump_run(st: TraceStore) -> RunDump:
-    """Every key of the run (control and data plane) with its DUMP value and whether it has a TTL."""
+    """Every key of the run (control and data plane) with its DUMP value and whether it has a TTL
+    (the heart-beat zsets by their members: a heart-beat between two dumps writes nothing new)."""
     r: Any = st.redis
     names = sorted(set(_scan(st, st.keys.control_pattern) + _scan(st, st.keys.data_pattern)))
     out: dict[bytes, tuple[Any, bool]] = {}
     for n in names:
+        if n.endswith((b":owners", b":gate:holders")):  # heart-beats: their members, not their scores
+            value = tuple(sorted(r.zrange(n, 0, -1)))
+            if value:
+                out[n] = (value, False)
+            continue
         value = r.dump(n)
         if value is None:  # listed, then expired before its DUMP: as if not listed
             continue
