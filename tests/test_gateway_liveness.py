@@ -4,6 +4,7 @@ gone, an owner tag nothing heart-beats. A real gateway, a real engine, a real se
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests._gateway import CliServer
+from tests._gateway import CliServer, lease_outcomes
 from tests.test_gateway import MODEL
 from tracestore import TraceStore
 from tracestore.servers import EmbeddedServer
@@ -100,5 +101,61 @@ def test_the_gateways_default_owner_is_heart_beaten_and_released_by_gc_once_it_i
         assert "c-1" in released and st.owner_of("c-1") is None
     finally:
         gw.stop()
+        engine.stop()
+        st.close()
+
+
+def test_a_killed_gateways_lease_is_resolved_by_a_live_one_and_the_next_update_succeeds(standalone_url: str) -> None:
+    """Gateway A is killed mid-generation; B (same run) stops A's engine request and settles its lease
+    ``aborted`` once A's holder heartbeat is overdue (10 s, checked every 5 s): no operator, the gate ends
+    with 0 live and 0 poisoned leases, the next weight update drains at once, and nothing is recorded
+    for the request the agent saw fail."""
+    engine = CliServer("engine", "--port", "0", "--max-len", "8192").start()
+    run = f"live-{uuid.uuid4().hex[:8]}"
+    args = ("--engine", engine.url, "--url", standalone_url, "--run", run, "--port", "0")
+    a = CliServer("gateway", *args).start()
+    b = CliServer("gateway", *args).start()
+    st = TraceStore.connect(standalone_url, run=run)
+    generated = lambda: int(engine.get("/get_model_info").json()["generated_tokens"])  # noqa: E731
+    failed: list[BaseException] = []
+
+    def agent() -> None:
+        try:
+            openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=6000,
+                extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "k-1"},
+            )
+        except openai.APIError as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=agent)
+    try:
+        t.start()
+        assert _wait(lambda: generated() > 50 and st.gate.status().live == 1)
+        a.kill()  # the gateway dies holding a live lease and an engine request
+        killed = time.monotonic()
+        t.join(30)
+        assert failed, "the agent saw its call fail"
+        assert _wait(lambda: lease_outcomes(st, "k-1") == ["aborted"], timeout_s=30), lease_outcomes(st, "k-1")
+        resolved_s = time.monotonic() - killed
+        print(f"dead gateway lease resolved in {resolved_s:.1f} s")
+        assert resolved_s < 20, resolved_s  # 10 s heartbeat deadline + one 5 s healing pass, with slack
+        n = generated()
+        time.sleep(0.5)
+        assert generated() == n  # the engine request was stopped, not left to run to 6000 tokens
+        s = st.gate.status()
+        assert s.live == 0 and s.poisoned == 0
+        t0 = time.monotonic()
+        st.gate.seal()
+        assert st.gate.drain(15).drained and time.monotonic() - t0 < 15
+        st.gate.install(s.version + 1)
+        st.gate.reopen()
+        assert "k-1" not in st.sessions()  # the failed turn recorded nothing (a session opens at its first record)
+        r = b.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {"X-Session-Id": "k-2"})
+        assert r.status == 200, r.text  # the run goes on through the live gateway
+    finally:
+        t.join(5)
+        a.stop()
+        b.stop()
         engine.stop()
         st.close()
