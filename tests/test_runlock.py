@@ -23,6 +23,7 @@ from tracestore.errors import InvalidInput, RunLocked
 from tracestore.runlock import (
     Holder,
     RunLockKeeper,
+    RunLost,
     acquire_run_lock,
     boot_id,
     lock_run,
@@ -162,3 +163,24 @@ def test_boot_id_is_read_where_the_system_has_one() -> None:
         assert len(boot_id()) >= 32
     else:
         assert boot_id() == ""
+
+
+def test_the_keeper_stops_when_the_run_s_record_is_gone_and_takes_nothing_back(store: TraceStore) -> None:
+    """A trainer whose server restarted without its data (or was flushed) stops at its next step
+    with RunLost: the keeper's renewal finds ``ts:{R}:meta`` gone and does not take the lock again
+    (before, it re-created the lock key in a run that no longer existed)."""
+    keeper = RunLockKeeper(store, "trainer A", ttl_s=0.6)
+    with keeper:
+        store.redis.delete(store.keys.meta, store.keys.lock)  # the server lost the run
+        end = time.monotonic() + 30
+        while True:
+            try:
+                keeper.check()
+            except RunLost as exc:
+                assert exc.run == store.run_id and "lost run" in str(exc) and "--resume" in str(exc)
+                break
+            assert time.monotonic() < end, "the keeper never noticed"
+            time.sleep(0.02)
+        time.sleep(0.5)  # past another renewal period
+        assert store.redis.exists(store.keys.lock) == 0  # nothing written back into the lost run
+    assert store.redis.exists(store.keys.lock) == 0

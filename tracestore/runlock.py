@@ -14,6 +14,12 @@ another machine, is never presumed dead: its lock is waited out.
 
 The lock is advisory: the store's other calls do not consult it. The
 reference trainer takes it before it starts any role (``tracestore train``).
+
+The keeper also watches the run's record (``ts:{R}:meta``): when it is gone
+(the server restarted without its data, or was flushed), the keeper stops
+renewing and :meth:`RunLockKeeper.check` raises :class:`RunLost`, so a
+trainer stops at its next step with one line instead of writing orphan keys
+into a run that no longer exists.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from .context import Context
-from .errors import RunLocked, StorageError
+from .errors import RunLocked, StorageError, TracestoreError
 from .replies import Reply, field_map, stored, text
 from .scripts import Batch, Cmd, Eval, Op, script
 from .validate import duration_ms
@@ -109,6 +115,23 @@ class RunLock:
     since_ms: int
     deadline_ms: int
     taken_over: bool = False
+
+
+class RunLost(TracestoreError):
+    """The run's record (``ts:{R}:meta``) disappeared while this process held the run's lock:
+    the server restarted without its data or was flushed. Nothing more is written to the run."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        #: What happened, without the advice (the CLI adds the exact resume command).
+        self.what = f"the trace store lost run {run!r} (its record is gone: the server restarted or was flushed)"
+        super().__init__(f"{self.what}; stopped here: restore it from a checkpoint (tracestore train --resume --out OUT)")
+
+
+def record_exists(ctx: Context) -> Op[bool]:
+    """True while the run's record ``ts:{R}:meta`` exists. One round trip; reads only."""
+    meta = ctx.keys.meta
+    return bool(int((yield Cmd(("EXISTS", meta), key=meta))))
 
 
 def lock_run(ctx: Context, holder: Holder, ttl_s: float = LOCK_TTL_S, *, takeover: str = "") -> Op[RunLock]:
@@ -199,8 +222,10 @@ class RunLockKeeper:
     block ends, however it ends. A renewal that finds another holder (the
     lock expired while this process could not reach the store, and another
     took it) stops renewing: :meth:`check` then raises that RunLocked, for
-    the holder's loop to stop at its next step. A store that does not
-    answer is retried at the next renewal (the lock lasts ``ttl_s``).
+    the holder's loop to stop at its next step; a renewal that finds the
+    run's record gone stops too, and :meth:`check` raises :class:`RunLost`.
+    A store that does not answer is retried at the next renewal (the lock
+    lasts ``ttl_s``).
     """
 
     def __init__(self, store: TraceStore, what: str, ttl_s: float = LOCK_TTL_S) -> None:
@@ -210,7 +235,7 @@ class RunLockKeeper:
         self.ttl_s = ttl_s
         #: The lock as taken (set by ``__enter__``).
         self.lock: RunLock | None = None
-        self._lost: RunLocked | None = None
+        self._lost: RunLocked | RunLost | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -223,6 +248,9 @@ class RunLockKeeper:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
+                if not self.store.run(record_exists(self.store.context)):
+                    self._lost = RunLost(self.store.run_id)
+                    return
                 self.store.run(lock_run(self.store.context, self.holder, self.ttl_s))
             except RunLocked as exc:
                 self._lost = exc
@@ -231,7 +259,8 @@ class RunLockKeeper:
                 continue  # the store is away: the run notices; the lock lasts its ttl meanwhile
 
     def check(self) -> None:
-        """Raise the RunLocked of the holder that took the lock from this one, if one did."""
+        """Raise the RunLocked of the holder that took the lock from this one, if one did, or
+        RunLost when the run's record disappeared."""
         if self._lost is not None:
             raise self._lost
 

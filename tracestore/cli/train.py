@@ -101,7 +101,8 @@ def train_command(**kw: Any) -> None:
     """Shared body of ``tracestore train`` and ``python -m tracestore.trainer``.
 
     One line and an exit code for every way a run ends early: a bad
-    configuration (2), the store unreachable at the start or mid-run (3),
+    configuration (2), the store unreachable at the start or mid-run, or
+    its run lost by a server restarted without its data (3),
     Ctrl-C (130), with the command that resumes it.
     """
     try:
@@ -109,6 +110,7 @@ def train_command(**kw: Any) -> None:
 
         from tracestore.errors import ConfigError as StoreConfigError
         from tracestore.errors import RunLocked
+        from tracestore.runlock import RunLost
         from tracestore.trainer.config import ConfigError
         from tracestore.trainer.loop import (
             Interrupted,
@@ -175,6 +177,8 @@ def train_command(**kw: Any) -> None:
                 err=True,
             )
         sys.exit(EXIT_INTERRUPTED)
+    except RunLost as exc:  # the server restarted without its data: the checkpoint brings it back
+        fail(f"{exc.what}; stopped: resume with {_resume_command(cfg.out)}", EXIT_UNREACHABLE)
     except RoleLost as exc:
         resume = (
             f"resume on the nodes left with: {_resume_command(cfg.out)}"

@@ -29,9 +29,9 @@ import time
 from typing import Any
 
 from ..errors import OwnerLost, TracestoreError
-from ..scripts import Cmd, Op
-from ..store import AsyncTraceStore
 from ..gate.aborts import http_abort
+from ..runlock import record_exists
+from ..store import AsyncTraceStore
 from .engines import Engine
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class Liveness:
                 log.warning("gateway: engine %s is %s", url, "up" if up else "down (its health check fails)")
             self.engines_up[url] = up
         try:
-            exists = await self.store.run(_record_exists(self.store.keys.meta))
+            exists = await self.store.run(record_exists(self.store.context))
             if not exists and not self.run_lost:
                 log.error(
                     "gateway: the trace store lost run %r (its record is gone); recording nothing from now on: "
@@ -170,11 +170,6 @@ def health_body(live: Liveness | None, run: str, model: str, engines: list[str])
     if problems:
         body["problems"] = problems
     return body, 503 if problems else 200
-
-
-def _record_exists(meta: str) -> Op[bool]:
-    """``EXISTS ts:{R}:meta`` (the run's record), as an operation."""
-    return bool(int((yield Cmd(("EXISTS", meta), key=meta))))
 
 
 __all__ = ["Liveness", "health_body"]
