@@ -153,6 +153,7 @@ class Admission:
         self._open = asyncio.Event()  # set while the watcher last saw the gate open
         self._open.set()
         self._watcher: asyncio.Task[None] | None = None
+        self._closing = False  # set by close(): the watcher ends even if a call swallowed its cancellation
         self._admits: Coalescer[AdmitRequest, Lease] = Coalescer(self._admit_batch, 1000)
         self._settles: Coalescer[tuple[Lease, str], None] = Coalescer(self._settle_batch, 1000)
 
@@ -165,6 +166,7 @@ class Admission:
     async def close(self) -> None:
         """Stop the seal watcher."""
         if self._watcher is not None:
+            self._closing = True
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
             self._watcher = None
@@ -313,7 +315,7 @@ class Admission:
     # -- the seal watcher -------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        while True:
+        while not self._closing:
             await self._busy.wait()
             try:
                 st = await self.store.gate.status()
@@ -331,7 +333,8 @@ class Admission:
                 raise
             except Exception as exc:  # keep watching: a dead watcher would miss the next seal
                 log.warning("gateway: gate watcher: %s", exc)
-            await asyncio.sleep(self.poll_s)
+            if not self._closing:
+                await asyncio.sleep(self.poll_s)
 
 
 __all__ = ["Admission", "Coalescer", "Flight"]

@@ -73,6 +73,7 @@ class Liveness:
         self.owner_lost = False
         self.checked_ms = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._closing = False  # set by close(): the loop ends even if a call swallowed its cancellation
         self._beat = 0.0
 
     @property
@@ -96,6 +97,7 @@ class Liveness:
     async def close(self) -> None:
         """Stop checking; say this holder stopped cleanly (kept while it still has leases)."""
         if self._task is not None:
+            self._closing = True
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
@@ -147,14 +149,18 @@ class Liveness:
             log.warning("gateway: resolved %d lease(s) of dead gateway(s) %s", n, ", ".join(report.dead_holders))
 
     async def _run(self) -> None:
-        while True:
+        # ``_closing``, not only the cancellation, ends the loop: a cancellation that lands inside an
+        # HTTP call with a timeout can come out as a TimeoutError (handled as "engine down"), and a
+        # loop that only waited for CancelledError then slept on while close() waited for it forever.
+        while not self._closing:
             try:
                 await self.check()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep checking
                 log.warning("gateway: liveness check failed: %s", exc)
-            await asyncio.sleep(self.interval_s)
+            if not self._closing:
+                await asyncio.sleep(self.interval_s)
 
     def report(self) -> dict[str, Any]:
         """The ``/health`` body's checks."""
