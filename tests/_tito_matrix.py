@@ -220,7 +220,11 @@ class Rig:
             tokenizer=str(self.dir), tool_parser=self.family.tool_parser, reasoning_parser=self.family.reasoning_parser,
             default_max_tokens=256,
         )
-        self.gateway = start_gateway(cfg)
+        try:
+            self.gateway = start_gateway(cfg)  # ConfigError when its start-up checks refuse the family
+        except BaseException:
+            self.engine.stop()
+            raise
         self.store = TraceStore.connect(self.url, run=self.run_id)
         return self
 
@@ -424,12 +428,14 @@ class Scenario:
     """A scenario: ``play(player)`` runs its turns; ``keep``: turns whose answers the final
     conversation keeps (their ids must be labelled on the exported path); ``reasoning``: only
     for families with a reasoning syntax; ``fork_at``: the turns where the client edited its
-    conversation (each must report fork ``client_edit`` in tito mode)."""
+    conversation (each must report fork ``client_edit`` in tito mode); ``families``: only
+    these (None: all)."""
 
     play: Callable[[Player], None]
     keep: tuple[int, ...]
     reasoning: bool = False
     fork_at: tuple[int, ...] = ()
+    families: tuple[str, ...] | None = None
 
 
 def _tool_loop(p: Player) -> None:
@@ -441,6 +447,20 @@ def _tool_loop(p: Player) -> None:
     msgs += [m, *_tool_results(m, ["rainy, 14C"])]
     m = p.chat(msgs, with_reasoning(f, "Both known.", "Paris is sunny (21C); Rome is rainy (14C)."), tools=True)
     assert "Paris is sunny" in (m.get("content") or ""), m
+
+
+def _tools_new_user(p: Player) -> None:
+    """A tool loop with a new user message each round (Mistral's template moves the tool list
+    before the latest user message when it renders the whole conversation)."""
+    f = p.f
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for city, result in (("Paris", "sunny, 21C"), ("Rome", "rainy, 14C")):
+        msgs.append({"role": "user", "content": f"Weather in {city}?"})
+        m = p.chat(msgs, with_reasoning(f, f"Look up {city}.", call_text(f, city)), tools=True)
+        msgs += [m, *_tool_results(m, [result])]
+        m = p.chat(msgs, with_reasoning(f, "Known.", f"{city}: {result}."), tools=True)
+        assert city in (m.get("content") or ""), m
+        msgs.append(m)
 
 
 def _anthropic_tools(p: Player) -> None:
@@ -469,6 +489,17 @@ def _chat_turns(p: Player, n: int, strip: bool | None, reasoning: bool) -> None:
 
 def _new_user(p: Player) -> None:
     _chat_turns(p, 4, None, reasoning=False)
+
+
+def _thinking_off(p: Player) -> None:
+    """``chat_template_kwargs: {"enable_thinking": false}`` on every turn: the template's generation
+    prompt closes an empty think block (Qwen3) or opens none (GLM); the model answers directly."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "Hi."}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    for i in range(3):
+        m = p.chat(msgs, f"{'' if i else 'Hello. '}Answer {i}.", extra_body=off, stream=i == 1)
+        assert "reasoning_content" not in m and f"Answer {i}." in m["content"], m
+        msgs += [m, {"role": "user", "content": f"Next {i}."}]
 
 
 def _reasoning_echoed(p: Player) -> None:
@@ -516,10 +547,12 @@ def _client_replaces_answer(p: Player) -> None:
 
 SCENARIOS: dict[str, Scenario] = {
     "tool_loop": Scenario(_tool_loop, (0, 1, 2)),
+    "tools_new_user": Scenario(_tools_new_user, (0, 1, 2, 3)),
     "anthropic_tools": Scenario(_anthropic_tools, (0, 1, 2)),
     "reasoning_echoed": Scenario(_reasoning_echoed, (0, 1, 2), reasoning=True),
     "reasoning_stripped": Scenario(_reasoning_stripped, (0, 1, 2), reasoning=True),
     "new_user": Scenario(_new_user, (0, 1, 2, 3)),
+    "thinking_off": Scenario(_thinking_off, (0, 1, 2), families=("qwen3", "glm-4.5")),
     "max_tokens": Scenario(_max_tokens, (0, 1, 2)),
     "client_edit": Scenario(_client_edit, (2, 3), fork_at=(2,)),
     "client_replaces_answer": Scenario(_client_replaces_answer, (0, 2, 3), fork_at=(2,)),
@@ -528,7 +561,10 @@ SCENARIOS: dict[str, Scenario] = {
 
 def scenarios_for(f: Family) -> list[str]:
     """The scenarios that apply to family ``f`` (the reasoning ones need a reasoning syntax)."""
-    return [name for name, sc in SCENARIOS.items() if not sc.reasoning or f.reasoning_parser != "none"]
+    return [
+        name for name, sc in SCENARIOS.items()
+        if (not sc.reasoning or f.reasoning_parser != "none") and (sc.families is None or f.name in sc.families)
+    ]
 
 
 __all__ = ["SCENARIOS", "TOOLS", "Player", "Result", "Rig", "Scenario", "TurnLog", "call_text", "scenarios_for", "with_reasoning"]
