@@ -363,16 +363,21 @@ class Player:
         self.res.turns.append(TurnLog(list(job.input_ids), list(job.out), fork, finish))
         return msg
 
-    def messages(self, system: str, messages: list[dict[str, Any]], answer: str) -> dict[str, Any]:
-        """One Anthropic turn (with the tools); the assistant message as the client sends it back."""
+    def messages(self, system: str, messages: list[dict[str, Any]], answer: str, stream: bool = False) -> dict[str, Any]:
+        """One Anthropic turn (with the tools; ``stream``: through the SDK's stream helper); the
+        assistant message as the client sends it back."""
         self.rig.script.set_script({"answers": [answer]})
         client = self.rig.anthropic()
+        args: dict[str, Any] = dict(
+            model=self.rig.model, max_tokens=256, system=system, messages=messages, tools=ANTHROPIC_TOOLS,
+            extra_headers={"X-Session-Id": self.res.sid},
+        )
 
         def call() -> tuple[Any, str | None]:
-            raw = client.messages.with_raw_response.create(
-                model=self.rig.model, max_tokens=256, system=system, messages=messages, tools=ANTHROPIC_TOOLS,
-                extra_headers={"X-Session-Id": self.res.sid},
-            )
+            if stream:
+                with client.messages.stream(**args) as st:
+                    return st.get_final_message(), st.response.headers.get("x-tracestore-fork")
+            raw = client.messages.with_raw_response.create(**args)
             return raw.parse(), raw.headers.get("x-tracestore-fork")
 
         (m, fork), job = self._engine_turn(call)
@@ -467,12 +472,14 @@ def _anthropic_tools(p: Player) -> None:
     f = p.f
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris, then in Rome?"}]
     for city, result in (("Paris", "sunny, 21C"), ("Rome", "rainy, 14C")):
-        m = p.messages(SYSTEM, msgs, with_reasoning(f, f"Look up {city}.", call_text(f, city)))
+        m = p.messages(SYSTEM, msgs, with_reasoning(f, f"Look up {city}.", call_text(f, city)), stream=city == "Rome")
         uses = [b for b in m["content"] if b["type"] == "tool_use"]
         assert len(uses) == 1, m
         msgs += [m, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0]["id"], "content": result}]}]
     m = p.messages(SYSTEM, msgs, with_reasoning(f, "Both known.", "Paris is sunny; Rome is rainy."))
     assert any(b["type"] == "text" and "Paris is sunny" in b["text"] for b in m["content"]), m
+    if f.reasoning_parser != "none":  # the thinking block came back apart from the text
+        assert any(b["type"] == "thinking" and "Both known." in b["thinking"] for b in m["content"]), m
 
 
 def _chat_turns(p: Player, n: int, strip: bool | None, reasoning: bool) -> None:
