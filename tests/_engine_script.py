@@ -82,12 +82,13 @@ def int_list(raw: Any, what: str) -> list[int]:
 class Script:
     """The engine's state: tokenizer, answer queue, request log, running jobs."""
 
-    def __init__(self, tokenizer_dir: str, api: str, model: str | None) -> None:
+    def __init__(self, tokenizer_dir: str, api: str, model: str | None, tok: Any = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
         self.dir = Path(tokenizer_dir)
-        self.tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
+        # ``tok``: the directory's tokenizer already loaded (an engine served in a test's process)
+        self.tok: Any = tok if tok is not None else AutoTokenizer.from_pretrained(tokenizer_dir)
         self.api = api
         self.model = model or self.dir.resolve().name
         meta_path = self.dir / "tracestore_family.json"

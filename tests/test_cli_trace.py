@@ -102,3 +102,27 @@ def test_trace_errors_a_person_can_act_on(standalone_url: str, run_id: str) -> N
         assert code == 1 and "no stored text" in out and "--export TEXT" in out
         code, out = _cli(standalone_url, run_id + "nt", "chat-1")
         assert code == 0 and out.splitlines()[3].split()[-1] == "-"  # no text column value
+
+
+def test_trace_shows_why_a_node_forks(standalone_url: str, run_id: str) -> None:
+    """The ``fork`` column (and ``fork`` in --json): the reason a writer gave, ``-`` elsewhere;
+    a retry's answer beside the first is no fork."""
+    with TraceStore.connect(standalone_url, run=run_id) as st:
+        _chat(st, "chat-1")
+        edited = P1 + "4<|end|>" + "<|user|>x4?<|end|><|assistant|>"
+        m = st.lookup("chat-1", edited)
+        assert m.extended
+        st.record_turn("chat-1", edited, "16<|end|>", prefix=m, delta_token_ids=[104, 106], response_token_ids=[62, 7],
+                       response_logprobs=[-0.5, -0.5], version=5, fork="client_edit")
+        m = st.lookup("chat-1", P1 + "5<|end|>")
+        st.record_turn("chat-1", P1 + "5<|end|>", "x", prefix=m, delta_token_ids=[53, 8], response_token_ids=[9],
+                       response_logprobs=[-0.5], version=5, fork="template")
+        code, out = _cli(standalone_url, run_id, "chat-1")
+        assert code == 0, out
+        lines = out.splitlines()
+        assert lines[1].split()[:7] == ["num", "parent", "end", "tokens", "labels", "version", "fork"]
+        forks = {r.split()[0]: r.split()[6] for r in lines[3:]}
+        assert forks == {"1": "-", "2": "-", "3": "-", "4": "-", "5": "-", "6": "client_edit", "7": "-", "8": "template", "9": "-"}
+        doc = orjson.loads(_cli(standalone_url, run_id, "chat-1", "--json")[1])
+        assert [n["fork"] for n in doc["nodes"]].count(None) == 7
+        assert {n["num"]: n["fork"] for n in doc["nodes"] if n["fork"]} == {6: "client_edit", 8: "template"}

@@ -121,6 +121,7 @@ class _Plan:
     version: int
     parts: tuple[Any, Any] | None  # routed-expert rows of the delta and of the response
     versions: Sequence[int] | None = None  # per response token, when they differ
+    fork: str | None = None  # why the turn starts a branch (``template``), recorded on its first new node
 
 
 class RecorderMethods(Generic[St]):
@@ -177,7 +178,7 @@ class RecorderMethods(Generic[St]):
     def _plan(
         self, req: Request, messages: Sequence[Message], assistant_message: Message,
         output_ids: Sequence[int], logprobs: Sequence[float], routed_experts: Any | None, version: int,
-        versions: Sequence[int] | None = None,
+        versions: Sequence[int] | None = None, fork: str | None = None,
     ) -> _Plan:
         """Every check of a response, before anything is put or written."""
         sid, prompt = req.sid, req.prompt_text
@@ -208,7 +209,7 @@ class RecorderMethods(Generic[St]):
                     f"{rows} rows for {p} prefix + {d} delta + {len(out)} output tokens",
                 )
             parts = (routed_experts[p : p + d], routed_experts[p + d :])
-        return _Plan(req, new_text[len(prompt) :], out, lps, version, parts, versions)
+        return _Plan(req, new_text[len(prompt) :], out, lps, version, parts, versions, fork)
 
     def _put(self, plan: _Plan) -> tuple[str | None, str | None]:
         """Put the expert parts through the holder: ``(delta_key, response_key)``."""
@@ -333,6 +334,7 @@ def _record(rec: RecorderMethods[Any], plan: _Plan, keys: tuple[str | None, str 
             delta_expert_key=keys[0],
             response_expert_key=keys[1],
             response_versions=plan.versions,
+            fork=plan.fork,
         )
     finally:
         rec._pending.pop(req.sid, None)
@@ -350,6 +352,7 @@ def after_response(
     routed_experts: Any | None,
     version: int,
     versions: Sequence[int] | None = None,
+    fork: str | None = None,
 ) -> Op[Turn]:
     """Record the turn: delta node (key = old prompt) and response node (key = new prompt).
 
@@ -358,14 +361,16 @@ def after_response(
     ``logprobs`` what the engine generated; ``routed_experts`` the
     engine's ``[input + output tokens, layers, top_k]`` array (None:
     record no experts); ``version`` the weight version of the request's
-    gate lease. Raises InvalidInput (nothing put, nothing written) when the
+    gate lease; ``fork`` the reason the turn starts a branch (``template``:
+    the template rendered the stored history differently), recorded on its
+    first new node (``Node.fork``). Raises InvalidInput (nothing put, nothing written) when the
     response is invalid; otherwise the errors of ``record_turn``. One round
     trip (two when the prompt changed since ``before_request``).
     """
     req = rec._pending_for(sid, rec._prompt(sid, messages))
     if req is None:
         req = yield from prepare(rec, sid, messages)
-    plan = rec._plan(req, messages, assistant_message, output_ids, logprobs, routed_experts, version, versions)
+    plan = rec._plan(req, messages, assistant_message, output_ids, logprobs, routed_experts, version, versions, fork)
     return (yield from _timed(rec, _record(rec, plan, rec._put(plan))))
 
 

@@ -1,7 +1,8 @@
 """``tracestore trace``: one session's trace from the shell.
 
 Prints the session's nodes as a tree (what ``HGETALL ts:{R/sid}:idx`` holds,
-docs/traces.md, Reading a session by hand), with each node's segment text
+docs/traces.md, Reading a session by hand), with the reason of each fork
+(``client_edit``, ``template``) and each node's segment text
 when the run stores text; ``--export TEXT`` prints the training trace of the
 node whose key is ``TEXT`` (``store.export_training_trace``), ``--node NUM``
 that of node number ``NUM``.
@@ -71,8 +72,10 @@ def trace_command(
 
     Each node: its number (its field in the tok and txt hashes), parent
     number, end (characters of its key), tokens, labels (prompt, generated
-    or explicit), weight version, expert key, the id of the write that
-    stored it, and its segment text when the run stores text. Reads only.
+    or explicit), weight version, fork (why the node starts a branch:
+    client_edit, template; - when it extends its parent's path), expert key,
+    the id of the write that stored it, and its segment text when the run
+    stores text. Reads only.
     A released session's data is purged: it has no trace to print.
     """
     if export_text is not None and node_num is not None:
@@ -126,10 +129,10 @@ def trace_command(
         parent = ix.nums.get(n.parent) if n.parent else None
         rows.append([
             ix.nums[n.id], "-" if parent is None else parent, n.end, n.ntok, _labels(n), n.version,
-            n.expert_key or "-", n.wid or "-", "  " * depth + shown,
+            n.fork or "-", n.expert_key or "-", n.wid or "-", "  " * depth + shown,
         ])
     click.echo(format_table(
-        ["num", "parent", "end", "tokens", "labels", "version", "expert key", "write", "text"], rows
+        ["num", "parent", "end", "tokens", "labels", "version", "fork", "expert key", "write", "text"], rows
     ))
 
 
@@ -159,6 +162,6 @@ def _node_json(ix: SessionIndex, n: Node, texts: dict[str, Any]) -> dict[str, An
     parent = ix.nums.get(n.parent) if n.parent else None
     return {
         "num": ix.nums[n.id], "id": n.id, "parent": parent, "end": n.end, "tokens": n.ntok,
-        "labels": _labels(n), "version": n.version, "expert_key": n.expert_key, "write_id": n.wid or None,
+        "labels": _labels(n), "version": n.version, "fork": n.fork, "expert_key": n.expert_key, "write_id": n.wid or None,
         "text": _text(ix, n, texts),
     }

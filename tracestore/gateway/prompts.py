@@ -10,7 +10,8 @@ which mode it runs.
 conversation every turn, the longest stored *text* prefix looked up, only the
 text after it tokenised; the answer recorded under the template's rendering
 of the conversation with the answer (XTuner's text-keyed trie, through
-:class:`~tracestore.session.AsyncTurnRecorder`).
+:class:`~tracestore.session.AsyncTurnRecorder`). A turn that branches off the
+stored path says so: fork ``template``.
 """
 
 from __future__ import annotations
@@ -112,10 +113,16 @@ class TemplatePrompts:
         return AsyncTurnRecorder(self.store, render, self.tok.encode, PutAhead() if self.holder is not None else None)
 
     async def prepare(self, sid: str, req: ChatRequest) -> Prepared:
-        """Render, look up the longest stored text prefix, tokenise the rest (1 round trip warm)."""
+        """Render, look up the longest stored text prefix, tokenise the rest (1 round trip warm).
+
+        A turn whose stored prefix ends where a stored node already continues, with new ids to
+        add, starts a branch: it is reported as fork ``template`` (this mode cannot tell a
+        re-rendered history from a client's edit; ``tito`` can).
+        """
         rec = self._recorder(req)
         r = await rec.prepare(sid, req.messages)
-        return Prepared(sid, r.input_ids, len(r.delta_ids), (rec, r), key=r.prompt_text)
+        fork = "template" if r.prefix.extended and r.delta_ids else None
+        return Prepared(sid, r.input_ids, len(r.delta_ids), (rec, r), fork=fork, key=r.prompt_text)
 
     async def put_experts(self, prep: Prepared, out: EngineOutput) -> Any:
         """Split the engine's rows into the delta's and the answer's and put both ahead of the write."""
@@ -142,7 +149,8 @@ class TemplatePrompts:
         assistant = answer.message()
         try:
             await rec.after_response(
-                prep.sid, req.messages, assistant, answer.output_ids, answer.logprobs, experts, version, versions
+                prep.sid, req.messages, assistant, answer.output_ids, answer.logprobs, experts, version, versions,
+                prep.fork,
             )
         except PrefixChanged:
             raise
