@@ -201,6 +201,11 @@ class TitoPrompts:
         if len(self._last) > self.remember:
             self._last.popitem(last=False)
 
+    def response_suffix(self, answer: Answer) -> str:
+        """What the answer adds to the prompt's key: its canonical message's line (retries.py finds
+        the recorded turn again with it)."""
+        return message_key(answer.message())
+
     async def export(self, sid: str) -> Trace | None:
         """The latest recorded turn's trace, by its key (the request's key and the answer's line)."""
         key = self._last.get(sid)
