@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any, Protocol, runtime_checkable
@@ -52,6 +53,15 @@ log = logging.getLogger(__name__)
 RETRY_WINDOW_S = 600.0
 #: Request header: ``new`` asks for a new generation even when the request is a retry.
 RETRY_HEADER = "X-Tracestore-Retry"
+
+
+@dataclass
+class _Lead:
+    """The attempt of a turn running in this process: who leads it, what its waiters get."""
+
+    owner: int  # id() of the leading Turn
+    answer: asyncio.Future[Joined | None]
+    joined: asyncio.Event  # set when a request starts waiting for it
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,9 @@ class Retries:
     """One gateway process's attempts in flight (for joins) and the replay of recorded turns."""
 
     def __init__(self) -> None:
-        self.running: dict[tuple[str, str], asyncio.Future[Joined | None]] = {}
+        #: (session, retry digest) -> the attempt running in this process
+        self.running: dict[tuple[str, str], _Lead] = {}
+        self._orphans: set[int] = set()  # id() of leading turns whose client left, still running
 
     # -- the turn's side (called by turn.Turn) ---------------------------------------------
 
@@ -110,13 +122,14 @@ class Retries:
             return None
         digest = retry_digest(turn.wire.NAME, turn.req)
         key = (turn.sid, digest)
-        while (running := self.running.get(key)) is not None and not running.done():
-            joined = await asyncio.shield(running)
+        while (running := self.running.get(key)) is not None and not running.answer.done():
+            running.joined.set()
+            joined = await asyncio.shield(running.answer)
             if joined is not None:
                 turn.s.metrics.retries.labels("joined").inc()
                 return await respond(turn, joined.answer, joined.rid, joined.version, "joined")
         turn.digest = digest
-        self.running[key] = asyncio.get_running_loop().create_future()
+        self.running[key] = _Lead(id(turn), asyncio.get_running_loop().create_future(), asyncio.Event())
         return None
 
     async def replay(self, turn: Any) -> web.StreamResponse | None:
@@ -166,20 +179,63 @@ class Retries:
         that joined it get its answer."""
         if keep is not None:
             await asyncio.shield(keep)
-        if turn.digest is None or turn.sid is None:
-            return
-        fut = self.running.pop((turn.sid, turn.digest), None)
+        fut = self._release(turn)
         if fut is not None and not fut.done():
             rid = turn.flight.rid if turn.flight is not None else ""
             fut.set_result(Joined(answer, rid, turn.first_version))
 
+    async def attempt(self, turn: Any, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """Run ``turn``'s ``work``; when its client leaves while it generates a non-streamed answer,
+        the work goes on for ``--retry-grace`` seconds, and to its end (recorded) if the
+        client's retry joins it meanwhile; else it is cancelled (aborted, as without retries)."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            flight = turn.flight
+            grace = turn.s.config.retry_grace_s
+            if task.done() or not grace or turn.digest is None or turn.req.stream or flight is None or flight.lease is None:
+                task.cancel()
+            else:
+                self._orphans.add(id(turn))
+                turn.s.spawn(self._orphan(turn, task, grace))
+            raise
+
+    async def _orphan(self, turn: Any, task: asyncio.Future[web.StreamResponse], grace: float) -> None:
+        lead = self.running.get((turn.sid, turn.digest))
+        try:
+            if lead is not None and lead.owner == id(turn):
+                joined: asyncio.Future[Any] = asyncio.ensure_future(lead.joined.wait())
+                waits: list[asyncio.Future[Any]] = [task, joined]
+                await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+                joined.cancel()
+                if not task.done() and not lead.joined.is_set():
+                    task.cancel()  # nobody came back for it: aborted
+            else:
+                task.cancel()
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is not None:
+                log.info("gateway: the attempt of session %s whose client left ended with %r", turn.sid, task.exception())
+        finally:
+            self._orphans.discard(id(turn))
+            self.done(turn)
+
     def done(self, turn: Any) -> None:
         """The turn is over (answered, failed or cancelled): requests still waiting run on their own."""
-        if turn.digest is None or turn.sid is None:
-            return
-        fut = self.running.pop((turn.sid, turn.digest), None)
+        if id(turn) in self._orphans:
+            return  # it goes on without its client (attempt)
+        fut = self._release(turn)
         if fut is not None and not fut.done():
             fut.set_result(None)
+
+    def _release(self, turn: Any) -> asyncio.Future[Joined | None] | None:
+        """The waiters' future of the attempt ``turn`` leads, no longer listed (None: it leads none)."""
+        key = (turn.sid, turn.digest)
+        running = self.running.get(key) if turn.digest is not None else None
+        if running is None or running.owner != id(turn):
+            return None
+        del self.running[key]
+        return running.answer
 
 
 async def _keep(turn: Any, record: dict[str, Any]) -> None:

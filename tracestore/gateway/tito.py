@@ -31,8 +31,9 @@ tool list before the latest user message (Mistral) shows it once.
 longest stored message prefix and says so (``client_edit``): the node it
 matched already has a child it does not follow, or it matched a prompt whose
 stored answer the client replaced (then it forks at that prompt's parent).
-The same messages again (a retry) are not a fork: they match the whole
-stored prompt, and the answer hangs beside the first.
+The same messages again are not a fork: they match the whole stored prompt;
+a retry is answered from the recorded turn (:mod:`.retries`), a new sample
+(other options) hangs beside the first.
 """
 
 from __future__ import annotations

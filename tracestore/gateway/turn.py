@@ -96,7 +96,7 @@ class Turn:
         self.span = spans.turn(self.request.headers, {"tracestore.run": self.s.store.run_id, "tracestore.session": self.sid})
         status = 499
         try:
-            resp = await self._run()
+            resp = await self.s.retries.attempt(self, self._run())  # a retry may join it after its client left
             status = int(self.request.get(STATUS_KEY, resp.status))
             return resp
         except Exception:
