@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -194,3 +195,17 @@ def test_a_client_that_leaves_and_never_retries_is_aborted(gw: tuple[_Run, Trace
         _chat(_client(run.a.url, timeout=0.5), sid, max_tokens=1500, extra_body={"ignore_eos": True})
     run.a.wait_metric("tracestore_gateway_aborted_total", gone + 1, timeout_s=30.0, reason="client_disconnect")
     assert _nodes(st, sid) == 0
+
+
+def test_an_anthropic_messages_retry_is_replayed(gw: tuple[_Run, TraceStore], engine: CliServer) -> None:
+    run, st = gw
+    sid = f"r-{uuid.uuid4().hex[:12]}"
+    before = _requests(engine)
+    client = anthropic.Anthropic(base_url=run.a.url, api_key="unused", max_retries=0)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "messages": MSGS, "extra_headers": {"X-Session-Id": sid}}
+    first = client.messages.create(**kw)
+    again = anthropic.Anthropic(base_url=run.b.url, api_key="unused", max_retries=0).messages.with_raw_response.create(**kw)
+    assert again.headers["x-tracestore-retry"] == "replayed"
+    assert [b.model_dump() for b in again.parse().content] == [b.model_dump() for b in first.content]
+    assert again.parse().usage.output_tokens == first.usage.output_tokens
+    assert _requests(engine) == before + 1 and _nodes(st, sid) == 2

@@ -16,6 +16,9 @@ a retry gets the answer in the shape it asks for.
 * **joined**: the same turn arrives while an attempt of it runs *in this
   process*: it waits for that attempt and gets its answer (one generation at
   the engine). If that attempt fails, the waiting request runs on its own.
+  A non-streamed attempt whose client left (an SDK timeout) goes on for
+  ``--retry-grace`` seconds for its retry to join it (:meth:`Retries.attempt`),
+  and is aborted when none comes.
 * **replayed**: the same turn arrives after an attempt was recorded (by any
   gateway process of the run: the answer is kept in the store, see
   :mod:`tracestore.traces.answers`, for :data:`RETRY_WINDOW_S`), and the
