@@ -91,7 +91,8 @@ def retry_digest(wire: str, req: ChatRequest) -> str:
     """The retry digest of ``req`` on ``wire`` (see the module docstring): 32 hex characters."""
     prompt = getattr(req, "prompt_ids", None)
     body = [wire, req.messages if prompt is None else list(prompt), req.tools, req.template_kwargs, _options(req)]
-    return blake2b(orjson.dumps(body, option=orjson.OPT_SORT_KEYS), digest_size=16).hexdigest()
+    # no key sorting: the parsers build canonical dicts in a fixed order, and a retry sends the same bytes
+    return blake2b(orjson.dumps(body), digest_size=16).hexdigest()
 
 
 def _record(answer: Answer, rid: str, suffix: str) -> dict[str, Any]:
@@ -191,13 +192,15 @@ class Retries:
         """Run ``turn``'s ``work``; when its client leaves while it generates a non-streamed answer,
         the work goes on for ``--retry-grace`` seconds, and to its end (recorded) if the
         client's retry joins it meanwhile; else it is cancelled (aborted, as without retries)."""
+        if turn.sid is None or turn.req.stream or not turn.s.config.retry_grace_s:
+            return await work  # nothing to keep going without its client
         task = asyncio.ensure_future(work)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             flight = turn.flight
             grace = turn.s.config.retry_grace_s
-            if task.done() or not grace or turn.digest is None or turn.req.stream or flight is None or flight.lease is None:
+            if task.done() or turn.digest is None or flight is None or flight.lease is None:
                 task.cancel()
             else:
                 self._orphans.add(id(turn))
