@@ -120,6 +120,8 @@ class StoreMethods:
     keep_partial = op(trace_ops.keep_partial)
     read_partial = op(trace_ops.read_partial)
     drop_partial = op(trace_ops.drop_partial)
+    keep_answer = op(trace_ops.keep_answer)
+    read_answer = op(trace_ops.read_answer)
     drop_session_data = op(purge_ops.drop_session_data)
     drop_sessions_data = op(purge_ops.drop_sessions_data)
     # (end data plane)

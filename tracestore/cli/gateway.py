@@ -49,6 +49,13 @@ def _announce(url: str) -> None:
     "continued under the new weights, one answer to the client; abort: answer 503 and let the client retry.",
 )
 @click.option(
+    "--retry-grace",
+    type=click.FloatRange(min=0.0, max=3600.0),
+    default=10.0,
+    show_default=True,
+    help="Seconds a non-streamed turn whose client left goes on, so that the client's retry joins it (0: abort at once).",
+)
+@click.option(
     "--hold-timeout",
     type=click.FloatRange(min=0.001),
     default=600.0,
@@ -152,6 +159,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
         prompt_mode=kw["prompt_mode"],
         on_weight_update=kw["on_weight_update"],
         hold_timeout_s=kw["hold_timeout"],
+        retry_grace_s=kw["retry_grace"],
         otel=kw["otel"],
         url=kw["url"],
         run=kw["run"],

@@ -47,6 +47,8 @@ class GatewayConfig:
     prompt_mode: str = "tito"
     on_weight_update: str = "continue"
     hold_timeout_s: float = 600.0
+    #: A non-streamed turn whose client left goes on this long for its retry to join it (0: aborted at once).
+    retry_grace_s: float = 10.0
     tokenizer: str = "builtin"
     tool_parser: str = "hermes"
     reasoning_parser: str = "none"
@@ -87,6 +89,8 @@ class GatewayConfig:
         for name in ("lease_ttl_s", "gate_poll_s", "engine_timeout_s", "hold_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.retry_grace_s <= 3600:
+            raise ConfigError(f"retry_grace_s must be in [0, 3600], got {self.retry_grace_s}")
         if self.redis_connections < 8:
             raise ConfigError(f"redis_connections must be at least 8, got {self.redis_connections}")
         for name in ("max_body_bytes", "default_max_tokens", "trace_sessions"):

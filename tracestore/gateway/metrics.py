@@ -27,6 +27,9 @@ metric                          type       labels / meaning
                                            and the gateway ``held`` (tokens kept), then
                                            ``continued`` (recorded as one turn) or
                                            ``timed_out`` (past ``--hold-timeout``)
+``retries_total``               counter    ``outcome``: retried turns answered without a
+                                           new generation (``joined`` a running attempt,
+                                           ``replayed`` from the recorded turn)
 ``gate_polls_total``            counter    gate status reads of the seal watcher
 ==============================  =========  ==============================================
 
@@ -81,6 +84,9 @@ class Metrics:
         self.forks = Counter(f"{ns}_forks", "Turns that left the stored path they matched, by why.", ["reason"], registry=r)
         self.held = Counter(
             f"{ns}_held", "Generations a weight update stopped, by what became of them.", ["event"], registry=r
+        )
+        self.retries = Counter(
+            f"{ns}_retries", "Retried turns answered without a new generation, by how.", ["outcome"], registry=r
         )
         self.gate_polls = Counter(f"{ns}_gate_polls", "Gate status reads of the seal watcher.", registry=r)
 

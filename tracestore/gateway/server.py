@@ -13,6 +13,8 @@ start-up checks are :mod:`.startup`.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -28,14 +30,16 @@ from ..errors import InvalidId, SessionReleased, TracestoreError
 from ..keys import validate_id
 from ..session import ExpertHolder
 from ..store import AsyncTraceStore
-from . import anthropic, openai
+from . import anthropic, completions, openai
 from .admission import Admission
 from .body import read_body
 from .chat import ApiError, Wire, invalid
 from .config import GatewayConfig
 from .engines import Engine, engine_class
+from .idprompts import TokenPrompts
 from .liveness import Liveness, health_body
 from .metrics import Metrics, Timing
+from .parsers import reasoning_parser
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
 from .services import Services
@@ -50,7 +54,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Routes whose requests are turns (counted in :class:`GatewayStats` and the latency histograms).
-TURN_ROUTES = frozenset({"chat_completions", "messages"})
+TURN_ROUTES = frozenset({"chat_completions", "messages", "completions"})
 #: Routes counted in ``requests_total`` (health checks and scrapes are not).
 COUNTED_ROUTES = TURN_ROUTES | {"models", "trace"}
 TIMING: web.RequestKey[Timing] = web.RequestKey("timing", Timing)
@@ -121,6 +125,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self.engines: dict[str, Engine] = {}
         self.services: Services | None = None
+        self.completion_services: Services | None = None  # /v1/completions: token-id prompts, raw text
         self.liveness: Liveness | None = None
 
     @classmethod
@@ -151,6 +156,7 @@ class Gateway:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._observe])
         app.router.add_post("/v1/chat/completions", self._openai, name="chat_completions")
         app.router.add_post("/v1/messages", self._anthropic, name="messages")
+        app.router.add_post("/v1/completions", self._completions, name="completions")
         app.router.add_get("/v1/models", self._models, name="models")
         app.router.add_get("/v1/sessions/{sid}/trace", self._trace, name="trace")
         app.router.add_get("/health", self._health, name="health")
@@ -198,6 +204,12 @@ class Gateway:
             max_context=max_context,
             spans=self.spans,
             liveness=self.liveness,
+        )
+        # completions answer raw text: no reasoning split; their paths are keyed by token ids
+        raw = copy.copy(self.tok)
+        raw.reasoning = reasoning_parser("none")
+        self.completion_services = dataclasses.replace(
+            self.services, tok=raw, prompts=TokenPrompts(self.store, raw, self.holder, self.config.trace_sessions)
         )
         self.admission.start()
         self.liveness.start()
@@ -319,6 +331,8 @@ class Gateway:
         try:
             validate_id("session id", sid)
             tr = await self._db(self.prompts.export(sid))
+            if tr is None and self.completion_services is not None:  # a completions session
+                tr = await self._db(self.completion_services.prompts.export(sid))
             if tr is None:
                 raise ApiError(
                     "not_found",
@@ -351,6 +365,9 @@ class Gateway:
 
     async def _anthropic(self, request: web.Request) -> web.StreamResponse:
         return await self._chat(request, anthropic)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, completions)
 
     async def _chat(self, request: web.Request, wire: Wire) -> web.StreamResponse:
         try:
@@ -385,8 +402,9 @@ class Gateway:
             validate_id("owner", owner)
         except InvalidId as exc:
             raise invalid(str(exc), "session_id" if exc.kind == "session id" else "X-Tracestore-Owner") from None
-        assert self.services is not None
-        return await Turn(self.services, request, wire, req, sid, owner, request[TIMING]).run()
+        services = self.completion_services if wire is completions else self.services
+        assert services is not None
+        return await Turn(services, request, wire, req, sid, owner, request[TIMING]).run()
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:

@@ -22,6 +22,7 @@ from .engines import Engine, EngineOutput, EngineRejected, Sampling
 from .liveness import Liveness
 from .metrics import Metrics
 from .prompts import PromptMode
+from .retries import Retries
 from .startup import TemplateFeatures
 from .stream import cut
 from .tokenizer import ChatTokenizer
@@ -51,6 +52,8 @@ class Services:
     max_context: int | None = None
     spans: Spans = field(default_factory=Spans)
     liveness: Liveness | None = None
+    #: Attempts in flight and replays of recorded turns (a retry of a turn is one turn).
+    retries: Retries = field(default_factory=Retries)
     opened: OrderedDict[str, None] = field(default_factory=OrderedDict)
     routes: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _rr: int = 0

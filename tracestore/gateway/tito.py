@@ -31,8 +31,9 @@ tool list before the latest user message (Mistral) shows it once.
 longest stored message prefix and says so (``client_edit``): the node it
 matched already has a child it does not follow, or it matched a prompt whose
 stored answer the client replaced (then it forks at that prompt's parent).
-The same messages again (a retry) are not a fork: they match the whole
-stored prompt, and the answer hangs beside the first.
+The same messages again are not a fork: they match the whole stored prompt;
+a retry is answered from the recorded turn (:mod:`.retries`), a new sample
+(other options) hangs beside the first.
 """
 
 from __future__ import annotations
@@ -200,6 +201,11 @@ class TitoPrompts:
         self._last.move_to_end(prep.sid)
         if len(self._last) > self.remember:
             self._last.popitem(last=False)
+
+    def response_suffix(self, answer: Answer) -> str:
+        """What the answer adds to the prompt's key: its canonical message's line (retries.py finds
+        the recorded turn again with it)."""
+        return message_key(answer.message())
 
     async def export(self, sid: str) -> Trace | None:
         """The latest recorded turn's trace, by its key (the request's key and the answer's line)."""

@@ -88,6 +88,7 @@ class Turn:
         self.opened = False  # the engine input ends inside a reasoning block
         self.continued = False
         self.span: Any = None  # the turn's OpenTelemetry span (None: not traced)
+        self.digest: str | None = None  # the retry digest while this request leads its turn (retries.py)
 
     async def run(self) -> web.StreamResponse:
         """Serve the request; a turn failure is answered here, in the caller's shape."""
@@ -95,13 +96,14 @@ class Turn:
         self.span = spans.turn(self.request.headers, {"tracestore.run": self.s.store.run_id, "tracestore.session": self.sid})
         status = 499
         try:
-            resp = await self._run()
+            resp = await self.s.retries.attempt(self, self._run())  # a retry may join it after its client left
             status = int(self.request.get(STATUS_KEY, resp.status))
             return resp
         except Exception:
             status = 500
             raise
         finally:
+            self.s.retries.done(self)
             if self.span is not None:
                 spans.set(self.span, **turn_attributes(self.flight, self.prep, self.gen))
                 spans.end(self.span, status)
@@ -117,9 +119,13 @@ class Turn:
             if self.sid is None:
                 flight = Flight(new_id("req-"), None, self.s.next_engine())
                 return await self._serve(flight, self.s.prompts.plain(self.req))
+            if (joined := await self.s.retries.join(self)) is not None:  # the same turn runs: its answer
+                return joined
             with self.s.spans.child(self.span, "admit"):
                 flight = await self._admit(self.sid)
             assert self.prep is not None
+            if (replayed := await self.s.retries.replay(self)) is not None:  # the same turn was recorded
+                return replayed
             return await self._serve(flight, self.prep.input_ids)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
@@ -351,9 +357,11 @@ class Turn:
         flight.record_task = asyncio.ensure_future(
             s.db(s.prompts.write(prep, self.req, answer, experts, flight.lease.version, versions))
         )
+        keep = s.retries.keep(self, answer)  # the answer kept for retries, written beside the record
         try:
             with s.spans.child(self.span, "record"):
                 await asyncio.shield(flight.record_task)
+                await s.retries.recorded(self, answer, keep)
         finally:
             self.timing.store_s += time.perf_counter() - t0
         s.metrics.turns.inc()

@@ -50,6 +50,7 @@ The package is split by job: :mod:`~tracestore.traces.types` (value types),
 
 from __future__ import annotations
 
+from .answers import keep_answer, read_answer
 from .index import node_id
 from .partial import Partial, drop_partial, keep_partial, read_partial
 from .reads import export_many, export_training_trace, lookup, search, trace_keys
@@ -69,9 +70,11 @@ __all__ = [
     "drop_partial",
     "export_training_trace",
     "insert",
+    "keep_answer",
     "keep_partial",
     "lookup",
     "node_id",
+    "read_answer",
     "read_partial",
     "record_turn",
     "search",
