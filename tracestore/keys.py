@@ -31,7 +31,7 @@ def key_slot(key: str | bytes) -> int:
 #: Hash slots of a Redis Cluster.
 SLOTS = 16384
 #: A session's data keys, by suffix (the tombstone ``dead`` aside).
-_DATA_PARTS = ("idx", "tok", "txt", "part")
+_DATA_PARTS = ("idx", "tok", "txt", "part", "resp")
 
 
 @cache
@@ -337,6 +337,10 @@ class Keys:
     def part(self, sid: str) -> str:
         """``ts:{R/sid}:part`` hash prompt node id -> tokens kept of a turn a weight update stopped."""
         return f"{self._d(sid)}:part"
+
+    def resp(self, sid: str) -> str:
+        """``ts:{R/sid}:resp`` hash Responses-API response id -> its items (``previous_response_id``)."""
+        return f"{self._d(sid)}:resp"
 
     def dead(self, sid: str) -> str:
         """``ts:{R/sid}:dead`` tombstone written when the session's data is purged."""

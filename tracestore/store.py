@@ -120,6 +120,8 @@ class StoreMethods:
     keep_partial = op(trace_ops.keep_partial)
     read_partial = op(trace_ops.read_partial)
     drop_partial = op(trace_ops.drop_partial)
+    keep_response = op(trace_ops.keep_response)
+    read_responses = op(trace_ops.read_responses)
     drop_session_data = op(purge_ops.drop_session_data)
     drop_sessions_data = op(purge_ops.drop_sessions_data)
     # (end data plane)

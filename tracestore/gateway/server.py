@@ -28,11 +28,12 @@ from ..errors import InvalidId, SessionReleased, TracestoreError
 from ..keys import validate_id
 from ..session import ExpertHolder
 from ..store import AsyncTraceStore
-from . import anthropic, openai
+from . import anthropic, openai, responses, stateful
 from .admission import Admission
 from .body import read_body
 from .chat import ApiError, Wire, invalid
 from .config import GatewayConfig
+from .counting import count_tokens
 from .engines import Engine, engine_class
 from .liveness import Liveness, health_body
 from .metrics import Metrics, Timing
@@ -50,9 +51,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Routes whose requests are turns (counted in :class:`GatewayStats` and the latency histograms).
-TURN_ROUTES = frozenset({"chat_completions", "messages"})
+TURN_ROUTES = frozenset({"chat_completions", "messages", "responses"})
 #: Routes counted in ``requests_total`` (health checks and scrapes are not).
-COUNTED_ROUTES = TURN_ROUTES | {"models", "trace"}
+COUNTED_ROUTES = TURN_ROUTES | {"models", "trace", "count_tokens"}
 TIMING: web.RequestKey[Timing] = web.RequestKey("timing", Timing)
 
 
@@ -151,6 +152,8 @@ class Gateway:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._observe])
         app.router.add_post("/v1/chat/completions", self._openai, name="chat_completions")
         app.router.add_post("/v1/messages", self._anthropic, name="messages")
+        app.router.add_post("/v1/responses", self._responses, name="responses")
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens, name="count_tokens")
         app.router.add_get("/v1/models", self._models, name="models")
         app.router.add_get("/v1/sessions/{sid}/trace", self._trace, name="trace")
         app.router.add_get("/health", self._health, name="health")
@@ -352,6 +355,15 @@ class Gateway:
     async def _anthropic(self, request: web.Request) -> web.StreamResponse:
         return await self._chat(request, anthropic)
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, responses)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            return _json(await count_tokens(request, self.prompts, self.model, self.config.max_body_bytes, self._db))
+        except ApiError as err:
+            return self._error(anthropic, err)
+
     async def _chat(self, request: web.Request, wire: Wire) -> web.StreamResponse:
         try:
             return await self._turn(request, wire)
@@ -385,6 +397,8 @@ class Gateway:
             validate_id("owner", owner)
         except InvalidId as exc:
             raise invalid(str(exc), "session_id" if exc.kind == "session id" else "X-Tracestore-Owner") from None
+        if wire is responses:  # previous_response_id: the conversation kept in the store (and its session)
+            req, sid = await stateful.resolve(self.store, self._db, body, req, sid)
         assert self.services is not None
         return await Turn(self.services, request, wire, req, sid, owner, request[TIMING]).run()
 
