@@ -22,8 +22,14 @@ import anthropic
 import openai
 import pytest
 
+from tests._engine_script import Script
+from tests._families import FamilyDirs, family_dirs  # noqa: F401  (fixture)
 from tests._gateway import CliServer, http
+from tests._scripted_engine import Server, _http
 from tracestore import TraceStore
+from tracestore.gateway.config import GatewayConfig
+from tracestore.gateway.serve import BackgroundServer
+from tracestore.gateway.server import start_gateway
 from tracestore.trainer.http_agents import CALC_TOOLS
 
 MODEL = "tracestore-reference"
@@ -384,3 +390,48 @@ def test_stateless_response_and_bad_input(gws: Pair) -> None:
     for bad in ({"input": 3}, {"input": [{"type": "item_reference", "id": "x"}]}, {"input": []}, {"tools": [{"type": "function"}]}):
         reply = http("POST", gws.a.url + "/v1/responses", __import__("orjson").dumps({**_RESP, **bad}))
         assert reply.status == 400 and "error" in reply.json(), (bad, reply.text)
+
+
+# -- reasoning items (a real reasoning family: Qwen3's vocabulary and template, a scripted engine) -------------
+
+
+def test_reasoning_and_function_call_items_round_trip(family_dirs: FamilyDirs, standalone_url: str) -> None:  # noqa: F811
+    """Qwen3 (``--reasoning-parser qwen3``, hermes tool calls): the streamed answer is a reasoning item,
+    then a function call; echoed back with the call's output, the next turn extends the same path.
+    (The scripted engine and the gateway run in this process: no second interpreter to start.)"""
+    qwen3 = family_dirs["qwen3"]
+    call = '<tool_call>\n{"name": "add", "arguments": {"n": 3}}\n</tool_call>'
+    script = Server(Script(str(qwen3), "sglang", None))
+
+    async def make() -> Any:
+        return script.app()
+
+    eng = BackgroundServer(make)
+    eng.start()
+    gw = None
+    try:
+        _http("POST", eng.url + "/script", {"answers": [
+            {"text": "<think>\nthree more</think>\n\n" + call, "stop": True}, {"text": "<think>\nok</think>\n\ndone", "stop": True},
+        ]})
+        gw = start_gateway(GatewayConfig(engines=(eng.url,), url=standalone_url, run=f"rq-{uuid.uuid4().hex[:8]}",
+                                         tokenizer=str(qwen3), tool_parser="hermes", reasoning_parser="qwen3"))
+        s = sid()
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, default_headers={"X-Session-Id": s})
+        history: list[Any] = [{"role": "user", "content": "reach 7 from 4"}]
+        events = list(client.responses.create(model=qwen3.name, instructions=SYSTEM, input=history, tools=TOOLS, stream=True))
+        kinds = [e.type for e in events]
+        assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+        r1 = events[-1].response
+        assert [x.type for x in r1.output] == ["reasoning", "function_call"]
+        assert r1.output[0].content[0].text == "three more" and r1.output[1].name == "add"
+        history += [*_items(r1), {"type": "function_call_output", "call_id": r1.output[1].call_id, "output": "7"}]
+        r2 = client.responses.create(model=qwen3.name, instructions=SYSTEM, input=history, tools=TOOLS)
+        assert r2.output_text == "done" and [x.type for x in r2.output] == ["reasoning", "message"]
+        log = _http("GET", eng.url + "/log")["requests"]
+        in1, in2, out1 = log[0]["input_ids"], log[1]["input_ids"], log[0]["output_ids"]
+        assert in2[: len(in1) + len(out1)] == in1 + out1  # token-exact continuation
+        one_path(http("GET", f"{gw.url}/v1/sessions/{s}/trace").json(), [_usage(r1), _usage(r2)])
+    finally:
+        if gw is not None:
+            gw.stop()
+        eng.stop()
