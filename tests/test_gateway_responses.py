@@ -75,8 +75,7 @@ def _stop_all() -> Iterator[None]:
     _RUNNING.clear()
 
 
-@pytest.fixture
-def gws(engine: CliServer, url: str, _stop_all: None) -> Iterator[Pair]:
+def _pair(engine: CliServer, url: str) -> Iterator[Pair]:
     if url not in _RUNNING:
         run = f"rs-{uuid.uuid4().hex[:10]}"
         args = ["gateway", "--engine", engine.url, "--url", url, "--run", run, "--port", "0", "--on-weight-update", "abort"]
@@ -85,6 +84,18 @@ def gws(engine: CliServer, url: str, _stop_all: None) -> Iterator[Pair]:
     st = TraceStore.connect(url, run=run)
     yield Pair(a, b, run, st)
     st.close()
+
+
+@pytest.fixture
+def gws(engine: CliServer, url: str, _stop_all: None) -> Iterator[Pair]:
+    """The pair of this backend (for what the store does: records, kept responses, release)."""
+    yield from _pair(engine, url)
+
+
+@pytest.fixture
+def gw1(engine: CliServer, standalone_url: str, _stop_all: None) -> Iterator[Pair]:
+    """The pair on the standalone server (for what does not depend on the backend: wire shapes)."""
+    yield from _pair(engine, standalone_url)
 
 
 def sid() -> str:
@@ -143,9 +154,9 @@ def test_responses_plain_streamed_and_echoed_output_stay_on_one_path(gws: Pair) 
     one_path(gws.trace(s), usages)
 
 
-def test_responses_function_tool_loop(gws: Pair) -> None:
+def test_responses_function_tool_loop(gw1: Pair) -> None:
     s = sid()
-    client = gws.oai(default_headers={"X-Session-Id": s})
+    client = gw1.oai(default_headers={"X-Session-Id": s})
     history: list[dict[str, Any]] = [{"role": "user", "content": "reach 7 from 3"}]
     usages, calls = [], 0
     for _ in range(3):
@@ -160,7 +171,7 @@ def test_responses_function_tool_loop(gws: Pair) -> None:
         assert fcs[0].name in {"add", "sub", "mul"} and fcs[0].call_id
         history += [{"type": "function_call_output", "call_id": c.call_id, "output": "5"} for c in fcs]
     assert calls >= 1  # the warm-started policy calls a tool first
-    one_path(gws.trace(s), usages)
+    one_path(gw1.trace(s), usages)
 
 
 def test_previous_response_id_chain_across_two_gateways(gws: Pair) -> None:
@@ -210,7 +221,7 @@ def test_previous_response_id_chain_across_two_gateways(gws: Pair) -> None:
 # -- the OpenAI Agents SDK, its default model (the Responses API) ---------------------------------
 
 
-def test_agents_sdk_default_model_run_and_run_streamed(gws: Pair) -> None:
+def test_agents_sdk_default_model_run_and_run_streamed(gw1: Pair) -> None:
     import agents
 
     def calc(op: str) -> Any:
@@ -226,7 +237,7 @@ def test_agents_sdk_default_model_run_and_run_streamed(gws: Pair) -> None:
 
     async def conversation(streamed: bool) -> tuple[str, list[tuple[int, int]]]:
         s = sid()
-        client = openai.AsyncOpenAI(base_url=gws.a.url + "/v1", api_key="unused", max_retries=0,
+        client = openai.AsyncOpenAI(base_url=gw1.a.url + "/v1", api_key="unused", max_retries=0,
                                     default_headers={"X-Session-Id": s})
         agents.set_default_openai_client(client, use_for_tracing=False)
         agent = agents.Agent(
@@ -254,14 +265,14 @@ def test_agents_sdk_default_model_run_and_run_streamed(gws: Pair) -> None:
     for streamed in (False, True):
         s, usages = asyncio.run(conversation(streamed))
         assert len(usages) >= 3 and all(o > 0 for _, o in usages)
-        one_path(gws.trace(s), usages)
+        one_path(gw1.trace(s), usages)
 
 
 # -- count_tokens ------------------------------------------------------------------------------------
 
 
-def test_count_tokens_equals_the_next_turns_prompt(gws: Pair) -> None:
-    claude = anthropic.Anthropic(base_url=gws.a.url, api_key="unused", max_retries=0)
+def test_count_tokens_equals_the_next_turns_prompt(gw1: Pair) -> None:
+    claude = anthropic.Anthropic(base_url=gw1.a.url, api_key="unused", max_retries=0)
     s = sid()
     msgs: list[Any] = [{"role": "user", "content": "reach 7 from 3"}]
     n0 = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=msgs).input_tokens
@@ -306,10 +317,10 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
-def test_unimplemented_options_are_400_naming_them(gws: Pair) -> None:
+def test_unimplemented_options_are_400_naming_them(gw1: Pair) -> None:
     base = {"/v1/chat/completions": _CHAT, "/v1/messages": _MSGS, "/v1/responses": _RESP}
     for path, patch, name in REFUSED:
-        r = gws.a.post(path, {**base[path], **patch}, headers={"X-Session-Id": sid()})
+        r = gw1.a.post(path, {**base[path], **patch}, headers={"X-Session-Id": sid()})
         assert r.status == 400, (path, patch, r.text)
         body = r.json()
         if path == "/v1/messages":
@@ -325,24 +336,24 @@ def test_unimplemented_options_are_400_naming_them(gws: Pair) -> None:
         ("/v1/responses", {"text": {"format": {"type": "text"}}, "parallel_tool_calls": True, "truncation": "disabled",
                            "include": [], "store": True, "background": False}),
     ]:
-        r = gws.a.post(path, {**base[path], **patch})
+        r = gw1.a.post(path, {**base[path], **patch})
         assert r.status == 200, (path, r.text)
 
 
 # -- metrics: a stream that ended in an error --------------------------------------------------------
 
 
-def test_a_stream_ending_in_an_error_event_is_counted_under_its_status(gws: Pair, engine: CliServer) -> None:
+def test_a_stream_ending_in_an_error_event_is_counted_under_its_status(gw1: Pair, engine: CliServer) -> None:
     """A weight update (``--on-weight-update abort``) ends open streams with an error event: 503."""
     def count(route: str, status: str) -> float:
-        return gws.a.metric("tracestore_gateway_requests_total", route=route, status=status)
+        return gw1.a.metric("tracestore_gateway_requests_total", route=route, status=status)
 
     before = {r: (count(r, "503"), count(r, "200")) for r in ("responses", "chat_completions")}
     got: dict[str, Any] = {}
     opened = threading.Barrier(3, timeout=60)
 
     def responses_stream() -> None:
-        stream = gws.oai().responses.create(model=MODEL, input="reach 3 from 1", max_output_tokens=1500, stream=True,
+        stream = gw1.oai().responses.create(model=MODEL, input="reach 3 from 1", max_output_tokens=1500, stream=True,
                                             extra_headers={"X-Session-Id": sid()}, extra_body=LONG)
         kinds = []
         for e in stream:
@@ -352,7 +363,7 @@ def test_a_stream_ending_in_an_error_event_is_counted_under_its_status(gws: Pair
         got["responses"] = kinds
 
     def chat_stream() -> None:
-        stream = gws.oai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "reach 3 from 1"}],
+        stream = gw1.oai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "reach 3 from 1"}],
                                                    max_tokens=1500, stream=True, extra_headers={"X-Session-Id": sid()},
                                                    extra_body=LONG)
         try:
@@ -366,8 +377,8 @@ def test_a_stream_ending_in_an_error_event_is_counted_under_its_status(gws: Pair
     for t in threads:
         t.start()
     opened.wait()
-    version = gws.store.gate.status().version + 1
-    with gws.store.gate.weight_update(version, drain_timeout_s=30) as drained:
+    version = gw1.store.gate.status().version + 1
+    with gw1.store.gate.weight_update(version, drain_timeout_s=30) as drained:
         assert drained.drained
         assert engine.post("/update_weight_version", {"new_version": version}).status == 200
     for t in threads:
@@ -381,14 +392,14 @@ def test_a_stream_ending_in_an_error_event_is_counted_under_its_status(gws: Pair
         assert count(r, "503") - b503 == 1 and count(r, "200") == b200, r
 
 
-def test_stateless_response_and_bad_input(gws: Pair) -> None:
+def test_stateless_response_and_bad_input(gw1: Pair) -> None:
     """No session: a plain proxy turn, nothing kept; malformed input is a 400 in OpenAI's shape."""
-    r = gws.oai().responses.create(model=MODEL, input="reach 4 from 2", max_output_tokens=4)
+    r = gw1.oai().responses.create(model=MODEL, input="reach 4 from 2", max_output_tokens=4)
     assert r.usage is not None and r.usage.input_tokens > 0 and r.id.count("_") == 1
     with pytest.raises(openai.NotFoundError):
-        gws.oai().responses.create(model=MODEL, input="more", previous_response_id=r.id, max_output_tokens=2)
+        gw1.oai().responses.create(model=MODEL, input="more", previous_response_id=r.id, max_output_tokens=2)
     for bad in ({"input": 3}, {"input": [{"type": "item_reference", "id": "x"}]}, {"input": []}, {"tools": [{"type": "function"}]}):
-        reply = http("POST", gws.a.url + "/v1/responses", __import__("orjson").dumps({**_RESP, **bad}))
+        reply = http("POST", gw1.a.url + "/v1/responses", __import__("orjson").dumps({**_RESP, **bad}))
         assert reply.status == 400 and "error" in reply.json(), (bad, reply.text)
 
 
@@ -431,6 +442,7 @@ def test_reasoning_and_function_call_items_round_trip(family_dirs: FamilyDirs, s
         in1, in2, out1 = log[0]["input_ids"], log[1]["input_ids"], log[0]["output_ids"]
         assert in2[: len(in1) + len(out1)] == in1 + out1  # token-exact continuation
         one_path(http("GET", f"{gw.url}/v1/sessions/{s}/trace").json(), [_usage(r1), _usage(r2)])
+        client.close()  # (no idle keep-alive connection for the server's shutdown to wait on)
     finally:
         if gw is not None:
             gw.stop()
