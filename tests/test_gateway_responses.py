@@ -222,6 +222,8 @@ def test_previous_response_id_chain_across_two_gateways(gws: Pair) -> None:
 
 
 def test_agents_sdk_default_model_run_and_run_streamed(gw1: Pair) -> None:
+    """``Runner.run``, ``Runner.run_streamed`` (the whole conversation sent each turn) and
+    ``Runner.run(previous_response_id=...)`` (the conversation kept by the gateway), 3 user turns each."""
     import agents
 
     def calc(op: str) -> Any:
@@ -235,7 +237,7 @@ def test_agents_sdk_default_model_run_and_run_streamed(gw1: Pair) -> None:
     agents.set_tracing_disabled(True)
     agents.set_default_openai_api("responses")
 
-    async def conversation(streamed: bool) -> tuple[str, list[tuple[int, int]]]:
+    async def conversation(mode: str) -> tuple[str, list[tuple[int, int]]]:
         s = sid()
         client = openai.AsyncOpenAI(base_url=gw1.a.url + "/v1", api_key="unused", max_retries=0,
                                     default_headers={"X-Session-Id": s})
@@ -246,24 +248,28 @@ def test_agents_sdk_default_model_run_and_run_streamed(gw1: Pair) -> None:
         )
         items: list[Any] = []
         usages: list[tuple[int, int]] = []
-        calls = 0
+        calls, last = 0, None
         for text in ("reach 7 from 3", "then 2", "then 4"):
             items.append({"role": "user", "content": text})
-            if streamed:
+            if mode == "run_streamed":
                 res: Any = agents.Runner.run_streamed(agent, items)
                 async for _ in res.stream_events():
                     pass
-            else:
+            elif mode == "run":
                 res = await agents.Runner.run(agent, items)
+            else:  # server-side state: only the new user turn, after the last response (from the store)
+                res = await agents.Runner.run(agent, text, previous_response_id=last)
+                last = res.last_response_id
             usages += [(u.input_tokens, u.output_tokens) for u in res.context_wrapper.usage.request_usage_entries]
-            items = res.to_input_list()
-            calls += sum(1 for x in items if x.get("type") == "function_call_output")
+            new = res.to_input_list()
+            calls += sum(1 for x in new if x.get("type") == "function_call_output")
+            items = new if mode != "previous_response_id" else []
         await client.close()
         assert calls > 0  # the tool loop ran (function_call -> function_call_output -> the next call)
         return s, usages
 
-    for streamed in (False, True):
-        s, usages = asyncio.run(conversation(streamed))
+    for mode in ("run", "run_streamed", "previous_response_id"):
+        s, usages = asyncio.run(conversation(mode))
         assert len(usages) >= 3 and all(o > 0 for _, o in usages)
         one_path(gw1.trace(s), usages)
 
