@@ -31,7 +31,7 @@ def key_slot(key: str | bytes) -> int:
 #: Hash slots of a Redis Cluster.
 SLOTS = 16384
 #: A session's data keys, by suffix (the tombstone ``dead`` aside).
-_DATA_PARTS = ("idx", "tok", "txt", "part", "ans")
+_DATA_PARTS = ("idx", "tok", "txt", "part", "ans", "resp")
 
 
 @cache
@@ -341,6 +341,10 @@ class Keys:
     def ans(self, sid: str) -> str:
         """``ts:{R/sid}:ans`` hash retry digest -> the answer of a recorded turn (a retry replays it)."""
         return f"{self._d(sid)}:ans"
+
+    def resp(self, sid: str) -> str:
+        """``ts:{R/sid}:resp`` hash Responses-API response id -> its items (``previous_response_id``)."""
+        return f"{self._d(sid)}:resp"
 
     def dead(self, sid: str) -> str:
         """``ts:{R/sid}:dead`` tombstone written when the session's data is purged."""

@@ -122,6 +122,8 @@ class StoreMethods:
     drop_partial = op(trace_ops.drop_partial)
     keep_answer = op(trace_ops.keep_answer)
     read_answer = op(trace_ops.read_answer)
+    keep_response = op(trace_ops.keep_response)
+    read_responses = op(trace_ops.read_responses)
     drop_session_data = op(purge_ops.drop_session_data)
     drop_sessions_data = op(purge_ops.drop_sessions_data)
     # (end data plane)

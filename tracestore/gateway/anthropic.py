@@ -35,6 +35,7 @@ from .chat import (
     template_kwargs,
     tool_arguments,
 )
+from .refusals import refuse_messages
 
 NAME = "anthropic"
 
@@ -146,8 +147,10 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> str:
 def parse(body: dict[str, Any], default_max_tokens: int) -> ChatRequest:
     """A :class:`ChatRequest` from a Messages API body; ApiError (400) when invalid.
 
-    ``max_tokens`` is required, as in Anthropic's API (``default_max_tokens`` unused).
+    ``max_tokens`` is required, as in Anthropic's API (``default_max_tokens`` unused); options not
+    implemented are refused (:mod:`.refusals`).
     """
+    refuse_messages(body)
     model = as_str(body.get("model"), "model")
     if body.get("max_tokens") is None:
         raise invalid("max_tokens is required", "max_tokens")

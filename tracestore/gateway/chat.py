@@ -19,6 +19,7 @@ its own error shape (OpenAI ``object: "error"``, Anthropic ``type: "error"``).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,6 +133,12 @@ class ChatRequest:
     session_id: str | None = None
     #: ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``): they reach the chat template.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Responses API (:mod:`.stateful`): the answer's id, the response it continues, whether its
+    #: items are kept, and what runs once the turn is recorded (before the client sees its end).
+    response_id: str | None = None
+    previous_response_id: str | None = None
+    response_store: bool = True
+    on_recorded: Callable[[Answer], Awaitable[None]] | None = None
 
     @property
     def parse_tools(self) -> bool:

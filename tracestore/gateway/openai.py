@@ -5,8 +5,8 @@ assistant/tool; string or text-part content; assistant ``tool_calls``),
 ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``n``
 (1 only), ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``,
 ``tools``, ``tool_choice``, ``logprobs``, and the extensions ``session_id``,
-``top_k`` and ``ignore_eos`` (as SGLang's OpenAI server). Other fields are
-ignored. Errors are SGLang/vLLM-shaped (``{"object": "error", "message",
+``top_k`` and ``ignore_eos`` (as SGLang's OpenAI server). Options not implemented
+are a 400 naming them (:mod:`.refusals`); other fields are ignored. Errors are SGLang/vLLM-shaped (``{"object": "error", "message",
 "type", "param", "code"}``), which the ``openai`` SDK reads as its own.
 """
 
@@ -34,6 +34,7 @@ from .chat import (
     template_kwargs,
     tool_arguments,
 )
+from .refusals import refuse_chat
 
 NAME = "openai"
 
@@ -122,7 +123,9 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> str:
 
 
 def parse(body: dict[str, Any], default_max_tokens: int) -> ChatRequest:
-    """A :class:`ChatRequest` from a chat-completions body; ApiError (400) when invalid."""
+    """A :class:`ChatRequest` from a chat-completions body; ApiError (400) when invalid or asking
+    for an option not implemented (:mod:`.refusals`)."""
+    refuse_chat(body)
     model = as_str(body.get("model"), "model")
     msgs = as_list(body.get("messages"), "messages")
     if not msgs:

@@ -30,11 +30,13 @@ from ..errors import InvalidId, SessionReleased, TracestoreError
 from ..keys import validate_id
 from ..session import ExpertHolder
 from ..store import AsyncTraceStore
-from . import anthropic, completions, openai
+from . import anthropic, completions, openai, responses, stateful
 from .admission import Admission
 from .body import read_body
 from .chat import ApiError, Wire, invalid
 from .config import GatewayConfig
+from .counting import count_tokens
+from .endpoints import session_and_owner, trace_body
 from .engines import Engine, engine_class
 from .idprompts import TokenPrompts
 from .liveness import Liveness, health_body
@@ -54,9 +56,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Routes whose requests are turns (counted in :class:`GatewayStats` and the latency histograms).
-TURN_ROUTES = frozenset({"chat_completions", "messages", "completions"})
+TURN_ROUTES = frozenset({"chat_completions", "messages", "completions", "responses"})
 #: Routes counted in ``requests_total`` (health checks and scrapes are not).
-COUNTED_ROUTES = TURN_ROUTES | {"models", "trace"}
+COUNTED_ROUTES = TURN_ROUTES | {"models", "trace", "count_tokens"}
 TIMING: web.RequestKey[Timing] = web.RequestKey("timing", Timing)
 
 
@@ -157,6 +159,8 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self._openai, name="chat_completions")
         app.router.add_post("/v1/messages", self._anthropic, name="messages")
         app.router.add_post("/v1/completions", self._completions, name="completions")
+        app.router.add_post("/v1/responses", self._responses, name="responses")
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens, name="count_tokens")
         app.router.add_get("/v1/models", self._models, name="models")
         app.router.add_get("/v1/sessions/{sid}/trace", self._trace, name="trace")
         app.router.add_get("/health", self._health, name="health")
@@ -347,16 +351,7 @@ class Gateway:
             return self._error(wire, ApiError("gone", str(exc)))
         except TracestoreError as exc:
             return self._error(wire, ApiError("unavailable", f"{type(exc).__name__}: {exc}", retry_after_s=1.0))
-        return _json(
-            {
-                "session_id": sid,
-                "input_ids": tr.input_ids,
-                "labels": tr.labels,
-                "logprobs": tr.logprobs,
-                "versions": tr.versions,
-                "expert_keys": tr.expert_keys,
-            }
-        )
+        return _json(trace_body(sid, tr))
 
     # -- chat endpoints ---------------------------------------------------------------------
 
@@ -368,6 +363,15 @@ class Gateway:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._chat(request, completions)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, responses)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            return _json(await count_tokens(request, self.prompts, self.model, self.config.max_body_bytes, self._db))
+        except ApiError as err:
+            return self._error(anthropic, err)
 
     async def _chat(self, request: web.Request, wire: Wire) -> web.StreamResponse:
         try:
@@ -390,18 +394,9 @@ class Gateway:
                 param="model",
                 code="model_not_found",
             )
-        sid = body.get("session_id")
-        header_sid = request.headers.get("X-Session-Id")
-        if sid is not None and header_sid is not None and sid != header_sid:
-            raise invalid("session_id in the body and X-Session-Id differ", "session_id")
-        sid = sid if sid is not None else header_sid
-        owner = request.headers.get("X-Tracestore-Owner", self.owner)
-        try:
-            if sid is not None:
-                validate_id("session id", sid)
-            validate_id("owner", owner)
-        except InvalidId as exc:
-            raise invalid(str(exc), "session_id" if exc.kind == "session id" else "X-Tracestore-Owner") from None
+        sid, owner = session_and_owner(request, body, self.owner)
+        if wire is responses:  # previous_response_id: the conversation kept in the store (and its session)
+            req, sid = await stateful.resolve(self.store, self._db, body, req, sid)
         services = self.completion_services if wire is completions else self.services
         assert services is not None
         return await Turn(services, request, wire, req, sid, owner, request[TIMING]).run()

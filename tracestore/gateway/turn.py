@@ -38,12 +38,7 @@ from ..errors import GateSealed, TracestoreError
 from ..gate import Lease
 from .admission import Flight
 from .chat import Answer, ApiError, ChatRequest, Wire, invalid, new_id
-from .engines import (
-    EngineLost,
-    EngineOutput,
-    EngineRefused,
-    EngineRequest,
-)
+from .engines import EngineLost, EngineOutput, EngineRefused, EngineRequest
 from .failures import Failure, TurnAborted, classify, first
 from .generation import Generation
 from .metrics import Timing
@@ -212,6 +207,8 @@ class Turn:
             await self._generate(input_ids)
             answer = self._answer(gen.output(), len(input_ids))
             await self._record(answer, gen)
+            if self.req.on_recorded is not None and self.sid is not None:
+                await self.req.on_recorded(answer)  # Responses: keep the items (previous_response_id)
             if self.out is not None:
                 resp = await self.out.end(answer)
             else:
@@ -442,6 +439,8 @@ class Turn:
         return self.s.tok.decode([tid])
 
     def _rid(self) -> str:
+        if self.req.response_id is not None:
+            return self.req.response_id
         return new_id("msg_" if self.wire.NAME == "anthropic" else "chatcmpl-")
 
 

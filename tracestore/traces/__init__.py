@@ -54,6 +54,7 @@ from .answers import keep_answer, read_answer
 from .index import node_id
 from .partial import Partial, drop_partial, keep_partial, read_partial
 from .reads import export_many, export_training_trace, lookup, search, trace_keys
+from .responses import chain, keep_response, read_responses
 from .tokens import TokenIds
 from .types import Node, PrefixMatch, Segment, Trace, Turn
 from .write import insert, record_turn
@@ -66,16 +67,19 @@ __all__ = [
     "TokenIds",
     "Trace",
     "Turn",
+    "chain",
     "export_many",
     "drop_partial",
     "export_training_trace",
     "insert",
     "keep_answer",
     "keep_partial",
+    "keep_response",
     "lookup",
     "node_id",
     "read_answer",
     "read_partial",
+    "read_responses",
     "record_turn",
     "search",
     "trace_keys",
