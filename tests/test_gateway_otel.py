@@ -113,9 +113,13 @@ def test_the_cli_flag_exports_spans_over_otlp_http(engine: CliServer, standalone
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, extra_headers={"X-Session-Id": f"s-{uuid.uuid4().hex[:8]}"}
         )
         assert seen.wait(30), "no OTLP export reached the collector"
+        names = (b"tracestore.turn", b"admit", b"engine", b"record", b"tracestore.session")
+        deadline = time.monotonic() + 30  # spans come in batches: a child may be exported before its turn
+        while not all(name in b"".join(got) for name in names) and time.monotonic() < deadline:
+            time.sleep(0.05)
         body = b"".join(got)
-        for name in (b"tracestore.turn", b"admit", b"engine", b"record", b"tracestore.session"):
-            assert name in body
+        for name in names:
+            assert name in body, name
     finally:
         gw.stop()
         collector.stop()
