@@ -139,7 +139,7 @@ def test_the_same_request_twice_at_once_is_joined(gw: tuple[_Run, TraceStore], e
     out: dict[int, Any] = {}
 
     def send(i: int) -> None:
-        out[i] = _chat(_client(run.a.url), sid, max_tokens=400, extra_body={"ignore_eos": True}, stream=i == 1)
+        out[i] = _chat(_client(run.a.url), sid, max_tokens=1500, extra_body={"ignore_eos": True}, stream=i == 1)
 
     t0 = threading.Thread(target=send, args=(0,))
     t0.start()
@@ -173,15 +173,17 @@ def test_an_sdk_retry_after_a_lost_reply_is_one_turn(gw: tuple[_Run, TraceStore]
 
 
 def test_an_sdk_retry_after_a_timeout_continues_the_running_attempt(gw: tuple[_Run, TraceStore], engine: CliServer) -> None:
-    """The SDK gives up waiting (1 s) on a generation of ~2 s and retries: the first attempt goes on
+    """The SDK gives up waiting (0.4 s) on a generation of seconds and retries: the first attempt goes on
     without its client, the retry joins it (or, if it too timed out, the next one replays it)."""
     run, st = gw
     sid = f"r-{uuid.uuid4().hex[:12]}"
     before = _requests(engine)
-    client = _client(run.a.url, max_retries=8, timeout=1.0)  # backoff up to ~8 s: room for a loaded machine
-    r = _chat(client, sid, max_tokens=500, extra_body={"ignore_eos": True})
+    # 0.4 s is shorter than ~1,900 tokens take even on a quiet machine (so the SDK does retry), and
+    # 8 retries back off for long enough to outlast the generation on a loaded one
+    client = _client(run.a.url, max_retries=8, timeout=0.4)
+    r = _chat(client, sid, max_tokens=1900, extra_body={"ignore_eos": True})
     assert r.headers["x-tracestore-retry"] in ("joined", "replayed")
-    assert r.parse().usage.completion_tokens == 500
+    assert r.parse().usage.completion_tokens == 1900
     assert _requests(engine) == before + 1  # one generation
     assert _nodes(st, sid) == 2  # one turn, recorded once
 
