@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -37,11 +38,35 @@ ALL_BACKENDS = ("valkey", "cluster", "redis7", "container")
 # on a shared machine). Every session gets a state directory of its own, which
 # subprocesses inherit, and stops the default server it started there.
 # (Test modules import this file again as ``tests.conftest``: set up once per process.)
+# A suite started as a background job of a script inherits SIGINT ignored, and so would every CLI process it
+# starts (an ignored signal stays ignored across exec): the tests that stop a server or a trainer with SIGINT,
+# as Ctrl-C does, need it delivered. A handler (not SIG_IGN) here gives the children the default disposition.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 if os.environ.get("TRACESTORE_TESTS_PID") != str(os.getpid()):
     os.environ["TRACESTORE_TESTS_PID"] = str(os.getpid())
     os.environ["TRACESTORE_HOME"] = tempfile.mkdtemp(prefix="tracestore-tests-")
     for _var in ("TRACESTORE_URL", "TRACESTORE_RUN", "TRACESTORE_CLUSTER_STATE"):
         os.environ.pop(_var, None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``pytestmark = pytest.mark.backends("valkey", "cluster")``: the module's tests parametrized by
+    ``backend`` run on those backends only. The gateway modules use it: they drive the store through
+    gateway processes (seconds per test), and what differs between backends is the store's, which the
+    store's own tests check on every backend; a standalone server and the cluster cover the gateway's
+    two store clients."""
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        marker = item.get_closest_marker("backends")
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("backend") if callspec is not None else None
+        (dropped if marker is not None and backend is not None and backend not in marker.args else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -29,6 +29,9 @@ from tracestore.gateway.serve import BackgroundServer
 from tracestore.gateway.tokenizer import BuiltinTokenizer, HFTokenizer
 from tracestore.trainer.http_agents import CALC_TOOLS
 
+#: Gateway processes per test: a standalone server and the cluster (tests/conftest.py, backends).
+pytestmark = pytest.mark.backends("valkey", "cluster")
+
 MODEL = "tracestore-reference"
 SYSTEM = "use add sub mul with one digit then done"
 TOOLS = CALC_TOOLS  # add/sub/mul with one integer n: what the reference policy calls

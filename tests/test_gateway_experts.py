@@ -23,7 +23,7 @@ from tracestore import TraceStore
 from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
 from tracestore.ray import RefHolder
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.backends("valkey", "cluster")]  # gateway processes: tests/conftest.py, backends
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,6 +23,9 @@ from tests.test_gateway import MODEL
 from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
 from tracestore.gateway.serve import BackgroundServer
 
+#: Gateway processes per test: a standalone server and the cluster (tests/conftest.py, backends).
+pytestmark = pytest.mark.backends("valkey", "cluster")
+
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 

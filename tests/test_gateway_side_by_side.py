@@ -27,6 +27,9 @@ import pytest
 from tests._gateway import CliServer, dump_run, lease_outcomes
 from tracestore import TraceStore
 
+#: Gateway processes per test: a standalone server and the cluster (tests/conftest.py, backends).
+pytestmark = pytest.mark.backends("valkey", "cluster")
+
 MODEL = "tracestore-reference"
 SYSTEM = "use add sub mul with one digit then done"
 
