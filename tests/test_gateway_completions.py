@@ -21,9 +21,6 @@ from tracestore import TraceStore
 from tracestore.gateway.idprompts import token_key
 from tracestore.gateway.tokenizer import BuiltinTokenizer
 
-#: Gateway processes per test: a standalone server and the cluster (tests/conftest.py, backends).
-pytestmark = pytest.mark.backends("valkey", "cluster")
-
 MODEL = "tracestore-reference"
 TOK = BuiltinTokenizer()
 GREEDY: dict[str, Any] = {"temperature": 0.0}

@@ -32,9 +32,6 @@ from tracestore.gateway.serve import BackgroundServer
 from tracestore.gateway.server import start_gateway
 from tracestore.trainer.http_agents import CALC_TOOLS
 
-#: Gateway processes per test: a standalone server and the cluster (tests/conftest.py, backends).
-pytestmark = pytest.mark.backends("valkey", "cluster")
-
 MODEL = "tracestore-reference"
 SYSTEM = "use add sub mul with one digit then done"
 TOOLS = [{"type": "function", **t["function"]} for t in CALC_TOOLS]  # the Responses shape

@@ -22,9 +22,6 @@ from tests._gateway import CliServer
 from tests._netcut import CutProxy
 from tracestore import TraceStore
 
-#: Gateway processes per test: a standalone server and the cluster (tests/conftest.py, backends).
-pytestmark = pytest.mark.backends("valkey", "cluster")
-
 MODEL = "tracestore-reference"
 MSGS = [{"role": "user", "content": "reach 3 from 1"}]
 
