@@ -121,14 +121,6 @@ def _finish(answer: Answer) -> str:
     return "length" if answer.finish == "length" else "stop"
 
 
-def _usage(answer: Answer) -> dict[str, int]:
-    return {
-        "prompt_tokens": answer.prompt_tokens,
-        "completion_tokens": answer.completion_tokens,
-        "total_tokens": answer.prompt_tokens + answer.completion_tokens,
-    }
-
-
 def _logprobs(answer: Answer, piece: Any) -> dict[str, Any]:
     tokens = [piece(t) for t in answer.output_ids]
     offsets, at = [], 0
@@ -161,7 +153,7 @@ def response(req: ChatRequest, answer: Answer, rid: str, piece: Any) -> dict[str
         "created": int(time.time()),
         "model": req.model,
         "choices": [choice],
-        "usage": _usage(answer),
+        "usage": openai.usage(answer),
     }
 
 
@@ -217,7 +209,7 @@ class Stream:
         if self.req.include_usage:
             out.append(
                 _sse({"id": self.rid, "object": "text_completion", "created": self.created, "model": self.req.model,
-                      "choices": [], "usage": _usage(answer)})
+                      "choices": [], "usage": openai.usage(answer)})
             )
         out.append(b"data: [DONE]\n\n")
         return b"".join(out)

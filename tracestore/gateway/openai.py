@@ -179,7 +179,8 @@ def _tool_calls(answer: Answer, *, indexed: bool) -> list[dict[str, Any]]:
     return out
 
 
-def _usage(answer: Answer) -> dict[str, int]:
+def usage(answer: Answer) -> dict[str, int]:
+    """The OpenAI ``usage`` object of an answer (chat and legacy completions alike)."""
     return {
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,
@@ -216,7 +217,7 @@ def response(req: ChatRequest, answer: Answer, rid: str, piece: Any) -> dict[str
                 "finish_reason": _FINISH[answer.finish],
             }
         ],
-        "usage": _usage(answer),
+        "usage": usage(answer),
     }
 
 
@@ -272,7 +273,7 @@ class Stream:
                         "created": self.created,
                         "model": self.req.model,
                         "choices": [],
-                        "usage": _usage(answer),
+                        "usage": usage(answer),
                     }
                 )
             )
@@ -289,4 +290,4 @@ def models(model: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "tracestore"}]}
 
 
-__all__ = ["NAME", "Stream", "error_body", "models", "parse", "response"]
+__all__ = ["NAME", "Stream", "error_body", "models", "parse", "response", "usage"]
