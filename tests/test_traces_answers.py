@@ -1,4 +1,4 @@
-"""Answers kept for retries (``tracestore/traces/answers.py``, ``lua/answer_keep.lua``) on every backend."""
+"""Answers kept for retries (``tracestore/traces/answers.py``, ``lua/session_field_keep.lua``) on every backend."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def keep_answer(ctx: Context, sid: str, digest: str, record: dict[str, Any], *, 
         raise InvalidInput("record", "an answer record is a JSON object")
     value = orjson.dumps({"v": 1, **record})
     k = ctx.keys
-    reply = yield Eval(script("answer_keep"), (k.ans(sid), k.dead(sid)), (sid, field, duration_ms("ttl_s", ttl_s), value))
+    reply = yield Eval(script("session_field_keep"), (k.ans(sid), k.dead(sid)), (sid, field, duration_ms("ttl_s", ttl_s), value))
     del reply  # {}: the status was the whole reply
     return None
 

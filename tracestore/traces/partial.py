@@ -89,7 +89,7 @@ def keep_partial(
     value = _encode(Partial(tuple(ids), tuple(logprobs), tuple(versions), int(input_len), int(kept_ms)))
     k = ctx.keys
     reply = yield Eval(
-        script("partial_keep"),
+        script("session_field_keep"),
         (k.part(sid), k.dead(sid)),
         (sid, node_id(key_text), duration_ms("ttl_s", ttl_s), value),
     )
