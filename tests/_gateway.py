@@ -126,8 +126,10 @@ class CliServer:
         end = time.monotonic() + timeout_s
         while True:
             v = self.metric(name, **labels)
-            if v >= value or time.monotonic() > end:
+            if v >= value:
                 return v
+            if time.monotonic() > end:
+                raise AssertionError(f"{name}{labels or ''} stayed at {v} for {timeout_s} s (waited for {value})")
             time.sleep(0.02)
 
 

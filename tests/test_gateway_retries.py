@@ -28,7 +28,8 @@ MSGS = [{"role": "user", "content": "reach 3 from 1"}]
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[CliServer]:
-    e = CliServer("engine", "--port", "0", "--max-len", "2048", "--seed", "0").start()
+    # a context of 8,192: the abandoned attempt below generates for ~16 s on a quiet machine
+    e = CliServer("engine", "--port", "0", "--max-len", "8192", "--seed", "0").start()
     yield e
     e.stop()
 
@@ -188,16 +189,28 @@ def test_an_sdk_retry_after_a_timeout_continues_the_running_attempt(gw: tuple[_R
     assert _nodes(st, sid) == 2  # one turn, recorded once
 
 
-def test_a_client_that_leaves_and_never_retries_is_aborted(gw: tuple[_Run, TraceStore], engine: CliServer) -> None:
-    """Without a retry within the grace period the attempt is aborted, nothing recorded (as without retries)."""
-    run, st = gw
-    sid = f"r-{uuid.uuid4().hex[:12]}"
-    gone = run.a.metric("tracestore_gateway_aborted_total", reason="client_disconnect")
-    with pytest.raises(openai.APITimeoutError):
-        # ~1,950 tokens: several seconds past the 3 s grace even on a quiet machine
-        _chat(_client(run.a.url, timeout=0.5), sid, max_tokens=1950, extra_body={"ignore_eos": True})
-    run.a.wait_metric("tracestore_gateway_aborted_total", gone + 1, timeout_s=30.0, reason="client_disconnect")
-    assert _nodes(st, sid) == 0
+def test_a_client_that_leaves_and_never_retries_is_aborted(engine: CliServer, url: str) -> None:
+    """Without a retry within the grace period the attempt is aborted, nothing recorded (as without retries).
+
+    A gateway of its own (1 s of grace, and its own abort counter) and an answer of 8,000 tokens, which
+    takes ~16 s on a quiet machine: the abort at ~1.5 s comes long before the answer could."""
+    run = f"leave-{uuid.uuid4().hex[:10]}"
+    gw = CliServer("gateway", "--engine", engine.url, "--url", url, "--run", run, "--port", "0", "--retry-grace", "1").start()
+    st = TraceStore.connect(url, run=run)
+    try:
+        sid = f"r-{uuid.uuid4().hex[:12]}"
+        before = _requests(engine)
+        with pytest.raises(openai.APITimeoutError):
+            _chat(_client(gw.url, timeout=0.5), sid, max_tokens=8000, extra_body={"ignore_eos": True})
+        assert gw.wait_metric("tracestore_gateway_aborted_total", 1, timeout_s=30.0, reason="client_disconnect") == 1
+        assert _requests(engine) == before + 1
+        assert _nodes(st, sid) == 0
+        # the session is not poisoned: its next turn is answered and recorded
+        _chat(_client(gw.url), sid)
+        assert _nodes(st, sid) == 2
+    finally:
+        st.close()
+        gw.stop()
 
 
 def test_an_anthropic_messages_retry_is_replayed(gw: tuple[_Run, TraceStore], engine: CliServer) -> None:
