@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tracestore import TraceStore
 from tracestore.errors import CorruptData, InvalidInput, SessionReleased
+from tracestore.traces import KeptAnswer
 
 D = "0123456789abcdef0123456789abcdef"
 
@@ -34,3 +37,26 @@ def test_a_damaged_kept_answer_is_corrupt_data(store: TraceStore, raw: bytes) ->
     store.redis.hset(store.keys.ans("s"), D, raw)  # type: ignore[union-attr]
     with pytest.raises(CorruptData):
         store.read_answer("s", D)
+
+
+def test_record_turn_keeps_the_answer_in_the_same_write(store: TraceStore) -> None:
+    """``record_turn(..., answer=KeptAnswer(...))``: the turn and its kept answer in one script; a
+    retry of the record writes the same answer again; a bad record refuses the turn before any I/O."""
+    store.open_session("s", "w")
+    rec = {"rid": "req-1", "resp": " b", "n": 2, "content": "b"}
+    m = store.lookup("s", "a")
+    kw: dict[str, Any] = {"prefix": m, "delta_token_ids": [1], "response_token_ids": [2, 3],
+                          "response_logprobs": [-0.5, -0.25], "version": 0}
+    t = store.record_turn("s", "a", " b", answer=KeptAnswer(D, rec, 60.0), **kw)
+    assert t.written == 2
+    assert store.read_answer("s", D) == {"v": 1, **rec}
+    assert 0 < store.redis.pttl(store.keys.ans("s")) <= 60_000  # type: ignore[union-attr]
+    assert store.record_turn("s", "a", " b", answer=KeptAnswer(D, rec, 60.0), **kw).written == 0
+    assert store.read_answer("s", D) == {"v": 1, **rec}
+    for bad in (KeptAnswer("nothex", rec), KeptAnswer(D, {"x": object()})):
+        with pytest.raises(InvalidInput):
+            store.record_turn("s2", "a", " b", answer=bad, **{**kw, "prefix": store.lookup("s2", "a")})
+    assert store.redis.exists(store.keys.idx("s2")) == 0  # type: ignore[union-attr]
+    store.record_turn("s", "a c", " d", prefix=store.lookup("s", "a c"), delta_token_ids=[4],
+                      response_token_ids=[5], response_logprobs=[-1.0], version=0)
+    assert store.redis.hlen(store.keys.ans("s")) == 1  # type: ignore[union-attr]  # without one: none kept

@@ -29,7 +29,7 @@ from typing import Any
 from .. import traces
 from ..errors import InvalidInput, PrefixChanged
 from ..scripts import gather
-from ..traces import Partial, PrefixMatch
+from ..traces import KeptAnswer, Partial, PrefixMatch
 from .chat import Answer, ApiError, ChatRequest, invalid
 from .completions import CompletionRequest
 from .failures import Unrecordable
@@ -95,7 +95,7 @@ class TokenPrompts(TitoPrompts):
 
     async def write(
         self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int,
-        versions: Sequence[int] | None = None,
+        versions: Sequence[int] | None = None, kept: KeptAnswer | None = None,
     ) -> None:
         """``record_turn``: the new ids under the prompt's key, the answer's ids under key + their key."""
         plan: _Plan = prep.state
@@ -107,7 +107,7 @@ class TokenPrompts(TitoPrompts):
             await self.store.record_turn(
                 prep.sid, plan.key, response, prefix=plan.match, delta_token_ids=plan.delta,
                 response_token_ids=answer.output_ids, response_logprobs=answer.logprobs, version=version,
-                delta_expert_key=dkey, response_expert_key=rkey, fork=prep.fork, response_versions=versions,
+                delta_expert_key=dkey, response_expert_key=rkey, fork=prep.fork, response_versions=versions, answer=kept,
             )
         except PrefixChanged:
             raise

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from ..errors import InvalidInput, PrefixChanged
 from ..session import AsyncTurnRecorder, ExpertHolder, Request
 from ..store import AsyncTraceStore
-from ..traces import Partial, Trace
+from ..traces import KeptAnswer, Partial, Trace
 from .chat import Answer, ApiError, ChatRequest, Message
 from .engines import EngineOutput
 from .experts import PutAhead, put_parts
@@ -64,10 +64,11 @@ class PromptMode(Protocol):
 
     async def write(
         self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int,
-        versions: Sequence[int] | None = None,
+        versions: Sequence[int] | None = None, kept: KeptAnswer | None = None,
     ) -> None:  # pragma: no cover - protocol
-        """Record the turn (the commit point); ``versions``: per answer token, when they differ.
-        Raises Unrecordable, NodeConflict, PrefixChanged..."""
+        """Record the turn (the commit point); ``versions``: per answer token, when they differ;
+        ``kept``: the answer record for its retries, written with the turn (a mode that cannot
+        replay is never given one). Raises Unrecordable, NodeConflict, PrefixChanged..."""
         ...
 
     async def export(self, sid: str) -> Trace | None:  # pragma: no cover - protocol
@@ -141,7 +142,7 @@ class TemplatePrompts:
 
     async def write(
         self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int,
-        versions: Sequence[int] | None = None,
+        versions: Sequence[int] | None = None, kept: KeptAnswer | None = None,
     ) -> None:
         """``record_turn`` through the recorder: the delta under the old prompt, the answer under the
         template's rendering of the conversation with the answer (1 round trip)."""

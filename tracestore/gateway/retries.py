@@ -47,6 +47,7 @@ import orjson
 from aiohttp import web
 
 from ..errors import TracestoreError
+from ..traces import KeptAnswer
 from .chat import Answer, ChatRequest, ToolCall
 from .stream import TextStream
 
@@ -168,21 +169,17 @@ class Retries:
         s.metrics.retries.labels("replayed").inc()
         return await respond(turn, answer, str(rec["rid"]), answer.version, "replayed")
 
-    def keep(self, turn: Any, answer: Answer) -> asyncio.Task[None] | None:
-        """The store write that keeps ``answer`` for later retries, started now (beside the turn's
-        record; a failure is logged: a later retry then generates again); None when the prompt
-        mode cannot replay or the request does not lead its turn."""
+    def kept(self, turn: Any, answer: Answer) -> KeptAnswer | None:
+        """The answer record to keep for later retries, written with the turn's record (one
+        round trip); None when the prompt mode cannot replay or the request does not lead its turn."""
         prompts = turn.s.prompts
         if turn.digest is None or turn.sid is None or not isinstance(prompts, Replayable):
             return None
         record = _record(answer, turn.flight.rid if turn.flight is not None else "", prompts.response_suffix(answer))
-        return asyncio.ensure_future(_keep(turn, record))
+        return KeptAnswer(turn.digest, record, RETRY_WINDOW_S)
 
-    async def recorded(self, turn: Any, answer: Answer, keep: asyncio.Task[None] | None) -> None:
-        """The turn was recorded: wait for its answer to be kept (``keep``), then the requests
-        that joined it get its answer."""
-        if keep is not None:
-            await asyncio.shield(keep)
+    def recorded(self, turn: Any, answer: Answer) -> None:
+        """The turn was recorded (its answer kept with it): the requests that joined it get its answer."""
         fut = self._release(turn)
         if fut is not None and not fut.done():
             rid = turn.flight.rid if turn.flight is not None else ""
@@ -242,14 +239,6 @@ class Retries:
             return None
         del self.running[key]
         return running.answer
-
-
-async def _keep(turn: Any, record: dict[str, Any]) -> None:
-    s = turn.s
-    try:
-        await s.db(s.store.keep_answer(turn.sid, turn.digest, record, ttl_s=RETRY_WINDOW_S))
-    except TracestoreError as exc:
-        log.warning("gateway: could not keep the answer of session %s for retries: %s", turn.sid, exc)
 
 
 async def respond(turn: Any, answer: Answer, rid: str, version: int | None, outcome: str) -> web.StreamResponse:

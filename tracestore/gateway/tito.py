@@ -49,7 +49,7 @@ from ..errors import InvalidInput, PrefixChanged
 from ..scripts import gather
 from ..session import ExpertHolder
 from ..store import AsyncTraceStore
-from ..traces import Partial, PrefixMatch, TokenIds, Trace
+from ..traces import KeptAnswer, Partial, PrefixMatch, TokenIds, Trace
 from .chat import Answer, ApiError, ChatRequest, Message, invalid
 from .engines import EngineOutput
 from .experts import put_parts
@@ -170,7 +170,7 @@ class TitoPrompts:
 
     async def write(
         self, prep: Prepared, req: ChatRequest, answer: Answer, experts: Any, version: int,
-        versions: Sequence[int] | None = None,
+        versions: Sequence[int] | None = None, kept: KeptAnswer | None = None,
     ) -> None:
         """``record_turn``: the delta node under the request's key, the answer under key + its line."""
         plan: _Plan = prep.state
@@ -192,6 +192,7 @@ class TitoPrompts:
                 response_expert_key=rkey,
                 fork=prep.fork,
                 response_versions=versions,
+                answer=kept,
             )
         except PrefixChanged:
             raise

@@ -351,14 +351,14 @@ class Turn:
         experts = await s.prompts.put_experts(prep, gen.output())
         versions = gen.versions if len(gen.distinct_versions) > 1 else None
         t0 = time.perf_counter()
+        kept = s.retries.kept(self, answer)  # the answer kept for retries, in the same write
         flight.record_task = asyncio.ensure_future(
-            s.db(s.prompts.write(prep, self.req, answer, experts, flight.lease.version, versions))
+            s.db(s.prompts.write(prep, self.req, answer, experts, flight.lease.version, versions, kept))
         )
-        keep = s.retries.keep(self, answer)  # the answer kept for retries, written beside the record
         try:
             with s.spans.child(self.span, "record"):
                 await asyncio.shield(flight.record_task)
-                await s.retries.recorded(self, answer, keep)
+            s.retries.recorded(self, answer)
         finally:
             self.timing.store_s += time.perf_counter() - t0
         s.metrics.turns.inc()

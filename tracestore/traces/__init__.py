@@ -50,7 +50,7 @@ The package is split by job: :mod:`~tracestore.traces.types` (value types),
 
 from __future__ import annotations
 
-from .answers import keep_answer, read_answer
+from .answers import KeptAnswer, keep_answer, read_answer
 from .index import node_id
 from .partial import Partial, drop_partial, keep_partial, read_partial
 from .reads import export_many, export_training_trace, lookup, search, trace_keys
@@ -60,6 +60,7 @@ from .types import Node, PrefixMatch, Segment, Trace, Turn
 from .write import insert, record_turn
 
 __all__ = [
+    "KeptAnswer",
     "Node",
     "Partial",
     "PrefixMatch",

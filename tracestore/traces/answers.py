@@ -12,6 +12,10 @@ versions stay where they are, in the trace (read back with
 ``export_training_trace``). The hash expires ``ttl_s`` after the last answer
 kept in it and goes with the session's data when that is purged.
 
+The gateway keeps it in the same write as the turn (``record_turn(...,
+answer=KeptAnswer(...))``, one round trip); :func:`keep_answer` keeps one on
+its own.
+
 Nothing is pickled: the value is JSON (``{"v": 1, ...}``); one that does not
 decode raises CorruptData.
 """
@@ -19,6 +23,7 @@ decode raises CorruptData.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -37,6 +42,28 @@ def _field(digest: str) -> str:
     return digest
 
 
+@dataclass(frozen=True)
+class KeptAnswer:
+    """An answer record to keep with the turn ``record_turn`` writes (its ``answer=``): the retry
+    ``digest`` (32 hex), the JSON object ``record``, and how long the session's answers are kept
+    after the last one (``ttl_s``)."""
+
+    digest: str
+    record: dict[str, Any]
+    ttl_s: float = 600.0
+
+    def args(self) -> tuple[str, int, bytes]:
+        """``(field, ttl ms, value)`` for the scripts; InvalidInput before any I/O."""
+        field = _field(self.digest)
+        if not isinstance(self.record, dict):
+            raise InvalidInput("record", "an answer record is a JSON object")
+        try:
+            value = orjson.dumps({"v": 1, **self.record})
+        except TypeError as exc:
+            raise InvalidInput("record", f"an answer record is a JSON object: {exc}") from None
+        return field, duration_ms("ttl_s", self.ttl_s), value
+
+
 def keep_answer(ctx: Context, sid: str, digest: str, record: dict[str, Any], *, ttl_s: float = 600.0) -> Op[None]:
     """Keep ``record`` (a JSON object) as the answer of the turn whose retry digest is ``digest``.
 
@@ -44,12 +71,9 @@ def keep_answer(ctx: Context, sid: str, digest: str, record: dict[str, Any], *, 
     session's data was purged. Idempotent. One round trip.
     """
     validate_id("session id", sid)
-    field = _field(digest)
-    if not isinstance(record, dict):
-        raise InvalidInput("record", "an answer record is a JSON object")
-    value = orjson.dumps({"v": 1, **record})
+    field, ttl_ms, value = KeptAnswer(digest, record, ttl_s).args()
     k = ctx.keys
-    reply = yield Eval(script("session_field_keep"), (k.ans(sid), k.dead(sid)), (sid, field, duration_ms("ttl_s", ttl_s), value))
+    reply = yield Eval(script("session_field_keep"), (k.ans(sid), k.dead(sid)), (sid, field, ttl_ms, value))
     del reply  # {}: the status was the whole reply
     return None
 
@@ -72,4 +96,4 @@ def read_answer(ctx: Context, sid: str, digest: str) -> Op[dict[str, Any] | None
     return rec
 
 
-__all__ = ["keep_answer", "read_answer"]
+__all__ = ["KeptAnswer", "keep_answer", "read_answer"]

@@ -22,6 +22,7 @@ from ..nodecache import node_cache
 from ..replies import Reply
 from ..scripts import Eval, Op, script
 from ..validate import validate_id
+from .answers import KeptAnswer
 from .continuation import Checkpoint, Continuation, cont_key
 from .index import SessionIndex, cache_payload, hasher, hex_id, idx_key, node_id, utf8
 from .reads import WINDOW, read_path
@@ -353,6 +354,7 @@ def record_turn(
     response_expert_key: str | None = None,
     fork: str | None = None,
     response_versions: Sequence[int] | None = None,
+    answer: KeptAnswer | None = None,
     op_id: str | None = None,
 ) -> Op[Turn]:
     """Record one turn atomically: the delta node and the response node.
@@ -369,7 +371,9 @@ def record_turn(
     the weight version of each response token when they differ (a
     generation continued across a weight update; none newer than
     ``version``): the export's ``versions`` then carry them, and the response
-    node's version is the oldest. Re-recording an equal
+    node's version is the oldest. ``answer``: an answer record kept with
+    the turn, in the same write, for its retries (the gateway's; read back
+    with :func:`~tracestore.traces.answers.read_answer`). Re-recording an equal
     turn is a no-op (safe to retry); nothing is written when anything is
     invalid.
 
@@ -394,6 +398,7 @@ def record_turn(
         (delta_token_ids, response_token_ids, response_logprobs),
         (delta_expert_key, response_expert_key), codec.fork_flag(fork), response_versions,
     )
+    kept: tuple[str, int, bytes] | tuple[str, int, str] = ("", 0, "") if answer is None else answer.args()
     nodes = _turn_nodes(ctx, turn)
     new = [nodes.response] if nodes.delta is None else [nodes.delta, nodes.response]
     k = ctx.keys
@@ -402,7 +407,8 @@ def record_turn(
     for x in new:
         args.extend(x.args(ctx.config.store_text))
     args.append(wid)
-    keys: tuple[str, ...] = (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid), k.turn_shard(sid))
+    args.extend(kept)
+    keys: tuple[str, ...] = (k.idx(sid), k.tok(sid), k.txt(sid), k.dead(sid), k.turn_shard(sid), k.ans(sid))
     op = ctx.op(op_id, "turn")
     if op.given:  # a caller's op id: record the reply (without one, content replays suffice)
         keys += (k.data_op(sid, op.id),)
