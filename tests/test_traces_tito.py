@@ -4,6 +4,8 @@ canonical conversation key."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests._gateway import dump_run
@@ -86,6 +88,36 @@ def test_kept_tokens_round_trip_expire_with_the_session_and_drop(store: TraceSto
         store.keep_partial("s", "p", [1], [0.0], [1], 3)
 
 
+def test_lookup_partial_reads_the_kept_tokens_in_the_lookups_round_trip(store: TraceStore) -> None:
+    """``traces.lookup_partial``: the same match as ``lookup`` and the same kept tokens as
+    ``read_partial``, cold and warm, in one script call each (the kept tokens ride in read_index)."""
+    from tracestore import traces
+
+    ctx = store.context
+    store.open_session("s", "w")
+    _turn(store, "s", "ab", "c", [1, 2])
+    store.keep_partial("s", "abcd", [5, 6], [-0.1, -0.2], [3, 4], 9, kept_ms=7, ttl_s=60)
+    sent: list[Any] = []
+
+    def spied(op: Any) -> Any:  # the requests the operation yields, each one round trip
+        try:
+            req = next(op)
+            while True:
+                sent.append(req)
+                req = op.send((yield req))
+        except StopIteration as stop:
+            return stop.value
+
+    match, partial = store.run(spied(traces.lookup_partial(ctx, "s", "abcd")))
+    assert [(r.script.name, len(r.keys)) for r in sent] == [("read_index", 4)]  # warm: one call carries both
+    plain = store.lookup("s", "abcd")
+    assert (match.text_len, list(match.token_ids)) == (plain.text_len, list(plain.token_ids)) == (3, [7, 7, 1, 2])
+    assert partial == store.read_partial("s", "abcd")
+    assert partial is not None and partial.ids == (5, 6) and partial.versions == (3, 4) and partial.input_len == 9
+    assert store.run(traces.lookup_partial(ctx, "s", "ab"))[1] is None
+    assert store.run(traces.lookup_partial(ctx, "unknown", "ab")) == (store.lookup("unknown", "ab"), None)
+
+
 def test_a_damaged_kept_value_is_corrupt_data(store: TraceStore) -> None:
     from tracestore.traces.index import node_id
 
@@ -93,6 +125,10 @@ def test_a_damaged_kept_value_is_corrupt_data(store: TraceStore) -> None:
     store.redis.hset(store.keys.part("s"), node_id("k"), b"p1,3,0,2\nshort")  # type: ignore[union-attr]
     with pytest.raises(CorruptData):
         store.read_partial("s", "k")
+    from tracestore import traces
+
+    with pytest.raises(CorruptData):
+        store.run(traces.lookup_partial(store.context, "s", "k"))
 
 
 def test_the_conversation_key_is_canonical() -> None:

@@ -28,7 +28,6 @@ from typing import Any
 
 from .. import traces
 from ..errors import InvalidInput, PrefixChanged
-from ..scripts import gather
 from ..traces import KeptAnswer, Partial, PrefixMatch
 from .chat import Answer, ApiError, ChatRequest, invalid
 from .completions import CompletionRequest
@@ -76,8 +75,7 @@ class TokenPrompts(TitoPrompts):
         ids = self.prompt_ids(req)
         key = token_key(ids)
         ctx = self.store.context
-        got = await self.store.run(gather([traces.lookup(ctx, sid, key), traces.read_partial(ctx, sid, key)]))
-        match, partial = got[0], got[1]
+        match, partial = await self.store.run(traces.lookup_partial(ctx, sid, key))  # one round trip
         assert isinstance(match, PrefixMatch) and (partial is None or isinstance(partial, Partial))
         covered = key.count(" ", 0, match.text_len) if match.text_len else 0
         if covered != len(match.token_ids) or list(match.token_ids) != ids[:covered]:

@@ -46,7 +46,6 @@ from typing import Any
 from .. import traces
 from ..conversation import key_parts, message_key
 from ..errors import InvalidInput, PrefixChanged
-from ..scripts import gather
 from ..session import ExpertHolder
 from ..store import AsyncTraceStore
 from ..traces import KeptAnswer, Partial, PrefixMatch, TokenIds, Trace
@@ -124,8 +123,7 @@ class TitoPrompts:
         for p in parts:
             ends.append(ends[-1] + len(p))  # ends[i + 1]: after message i - 1 (ends[1]: the header)
         ctx = self.store.context
-        got = await self.store.run(gather([traces.lookup(ctx, sid, key), traces.read_partial(ctx, sid, key)]))
-        match, partial = got[0], got[1]  # one round trip for both
+        match, partial = await self.store.run(traces.lookup_partial(ctx, sid, key))  # one round trip
         assert isinstance(match, PrefixMatch) and (partial is None or isinstance(partial, Partial))
         fork: str | None = None
         if match.text_len == len(key):  # the same messages again: a retry of this turn

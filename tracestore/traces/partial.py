@@ -27,6 +27,8 @@ from ..errors import CorruptData, InvalidInput
 from ..scripts import Cmd, Eval, Op, script
 from ..validate import duration_ms, validate_id
 from .index import node_id, utf8
+from .reads import Rider, lookup_riding
+from .types import PrefixMatch
 
 _HEAD = b"p1,"
 
@@ -108,6 +110,18 @@ def read_partial(ctx: Context, sid: str, key_text: str) -> Op[Partial | None]:
     return None if raw is None else _decode(k.part(sid), field, bytes(raw))
 
 
+def lookup_partial(ctx: Context, sid: str, key_text: str) -> Op[tuple[PrefixMatch, Partial | None]]:
+    """:func:`~tracestore.traces.lookup` of ``key_text`` and :func:`read_partial` of the same key,
+    in the lookup's round trip (1 warm, 2 cold: the kept tokens ride in its first script call).
+    Raises as both."""
+    validate_id("session id", sid)
+    k = ctx.keys
+    rider = Rider(k.part(sid), node_id(key_text))
+    match = yield from lookup_riding(ctx, sid, key_text, rider)
+    raw = rider.value
+    return match, (None if raw is None else _decode(k.part(sid), rider.field, raw))
+
+
 def drop_partial(ctx: Context, sid: str, key_text: str) -> Op[None]:
     """Forget the tokens kept of that turn (it was recorded, or given up). Idempotent; one round trip."""
     validate_id("session id", sid)
@@ -116,4 +130,4 @@ def drop_partial(ctx: Context, sid: str, key_text: str) -> Op[None]:
     return None
 
 
-__all__ = ["Partial", "drop_partial", "keep_partial", "read_partial"]
+__all__ = ["Partial", "drop_partial", "keep_partial", "lookup_partial", "read_partial"]

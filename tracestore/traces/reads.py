@@ -8,6 +8,7 @@ fetches the payloads the cache lacks, so a warm read is one round trip.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .. import codec, replies
@@ -26,11 +27,22 @@ from .types import HashedPrefix, Node, PrefixMatch, Segment, Trace
 WINDOW = 40
 
 
+@dataclass
+class Rider:
+    """One field of another hash of the session's slot, read in the same round trip as the index
+    (:func:`read_path`'s ``rider``); ``value`` is set by the read (None: no such field)."""
+
+    key: str
+    field: str
+    value: bytes | None = None
+
+
 def read_path(
     ctx: Context,
     sid: str,
     pick: Callable[[SessionIndex], Node | None],
     skip: Callable[[list[Node]], int] = lambda path: 0,
+    rider: Rider | None = None,
 ) -> Op[tuple[SessionIndex, list[Node], dict[str, bytes]]]:
     """Resolve ``pick(index) -> node | None`` and fetch the payloads of its path.
 
@@ -39,7 +51,7 @@ def read_path(
     those of the other nodes. Warm (cached index still current, payloads
     cached): one round trip, the version check. Cold or changed index: the
     same round trip returns the index; a second fetches the payloads the
-    cache lacks.
+    cache lacks. ``rider``: a field read in the first round trip too.
     """
     k = ctx.keys
     cache = node_cache(ctx)
@@ -49,17 +61,18 @@ def read_path(
     if snap is not None:
         guess = snap.path(pick(snap))
         want = [n for n in guess[skip(guess) :] if cache.get(tok_key(sid, snap.epoch, n)) is None]
-    reply = yield Eval(
-        script("read_index"),
-        (k.idx(sid), k.tok(sid), k.dead(sid)),
-        (
-            snap.epoch if snap else "", snap.version if snap else -1, snap.chain if snap else "",
-            *(snap.nums[n.id] for n in want if snap),
-        ),
-    )
+    keys: tuple[str, ...] = (k.idx(sid), k.tok(sid), k.dead(sid))
+    head: tuple[Any, ...] = (snap.epoch if snap else "", snap.version if snap else -1, snap.chain if snap else "")
+    if rider is not None:
+        keys, head = (*keys, rider.key), (*head, rider.field)
+    reply = yield Eval(script("read_index"), keys, (*head, *(snap.nums[n.id] for n in want if snap)))
     r = Reply(reply, "read_index")
     dead, epoch, version, chain, changed = r.flag(), r.text(), r.int(), r.text(), r.flag()
     index_pairs = r.take(r.int())
+    fetched_first = list(r.rest())
+    if rider is not None:
+        last = fetched_first.pop()
+        rider.value = as_bytes(last) if last != b"" else None
     if dead:
         cache.discard(idx_key(sid))
         cache.discard(cont_key(sid))
@@ -72,7 +85,7 @@ def read_path(
         cache.put(idx_key(sid), snap, snap.nbytes)
     assert snap is not None
     got: dict[str, bytes] = {}
-    for n, data in zip(want, r.rest(), strict=True):
+    for n, data in zip(want, fetched_first, strict=True):
         # asked by the number the cached index gave: it counts only when the index read gives
         # that node the same number and write id (after a rollback, a number can name another node)
         assert old is not None
@@ -113,7 +126,7 @@ def read_path(
             if any(not n.same_write(now.nodes.get(n.id)) or now.nums.get(n.id) != snap.nums[n.id] for n in missing):
                 cache.discard(idx_key(sid))
                 cache.discard(cont_key(sid))
-                return (yield from read_path(ctx, sid, pick, skip))
+                return (yield from read_path(ctx, sid, pick, skip, rider))
         for n, data in zip(missing, fetched, strict=True):
             if dead2 or epoch2 != epoch or data == b"":  # purged (or purged and reopened) meanwhile
                 cache.discard(idx_key(sid))
@@ -159,6 +172,11 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
     cache lacks come in the same reply), 2 when the index changed or is not
     cached (index, then the payloads the cache lacks).
     """
+    return (yield from lookup_riding(ctx, sid, prompt_text, None))
+
+
+def lookup_riding(ctx: Context, sid: str, prompt_text: str, rider: Rider | None) -> Op[PrefixMatch]:
+    """:func:`lookup`, with ``rider`` read in its first round trip (:func:`read_path`)."""
     validate_id("session id", sid)
     if not isinstance(prompt_text, str):
         utf8("prompt_text", prompt_text)  # raises InvalidInput
@@ -188,7 +206,7 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
                     return i + 1
         return 0
 
-    snap, path, payloads = yield from read_path(ctx, sid, pick, skip)
+    snap, path, payloads = yield from read_path(ctx, sid, pick, skip, rider)
     node = path[-1] if path else None
     b = used[0]
     k = skip(path)
@@ -372,4 +390,4 @@ def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[Pro
     return PromptMismatch(sid, m, n, nearest, window)
 
 
-__all__ = ["export_many", "export_training_trace", "lookup", "read_path", "search", "trace_keys"]
+__all__ = ["Rider", "export_many", "export_training_trace", "lookup", "lookup_riding", "read_path", "search", "trace_keys"]
