@@ -85,11 +85,36 @@ class Spans:
         if turn is None or self._tracer is None:
             yield None
             return
-        from opentelemetry import trace
-
-        ctx = trace.set_span_in_context(turn)
-        with self._tracer.start_as_current_span(name, context=ctx, attributes=_clean(attributes)) as span:
+        # started and ended here, never made the current span: nothing inside creates spans, and
+        # attaching a context per child cost more than the span itself
+        span = self._tracer.start_span(name, context=self._context(turn), attributes=_clean(attributes))
+        try:
             yield span
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(self._status_error(str(exc) or type(exc).__name__))
+            raise
+        finally:
+            span.end()
+
+    def _context(self, turn: Any) -> Any:
+        """The context whose current span is ``turn`` (made once per turn)."""
+        ctx = getattr(turn, "_tracestore_context", None)
+        if ctx is None:
+            from opentelemetry import trace
+
+            ctx = trace.set_span_in_context(turn)
+            try:
+                turn._tracestore_context = ctx
+            except AttributeError:  # a span type without a __dict__: make it each time
+                pass
+        return ctx
+
+    @staticmethod
+    def _status_error(description: str) -> Any:
+        from opentelemetry.trace import Status, StatusCode
+
+        return Status(StatusCode.ERROR, description)
 
     @staticmethod
     def set(span: Any, **attributes: Any) -> None:
