@@ -84,7 +84,9 @@ def test_a_dead_engine_makes_the_gateway_unhealthy_and_sdk_calls_fail_fast(stand
 def test_the_gateways_default_owner_is_heart_beaten_and_released_by_gc_once_it_is_gone(standalone_url: str) -> None:
     engine = CliServer("engine", "--port", "0").start()
     run = f"live-{uuid.uuid4().hex[:8]}"
-    gw = CliServer("gateway", "--engine", engine.url, "--url", standalone_url, "--run", run, "--port", "0").start()
+    gw = CliServer(
+        "gateway", "--engine", engine.url, "--url", standalone_url, "--run", run, "--port", "0", "--owner-ttl", "3",
+    ).start()
     st = TraceStore.connect(standalone_url, run=run)
     try:
         openai.OpenAI(base_url=gw.url + "/v1", api_key="unused").chat.completions.create(
@@ -96,8 +98,8 @@ def test_the_gateways_default_owner_is_heart_beaten_and_released_by_gc_once_it_i
         gw.kill()  # gone: nothing heart-beats its tag any more
         assert st.gate.drain(10).drained
         released: list[str] = []
-        # the tag's heartbeat deadline (30 s) passes, then gc releases what it owned
-        assert _wait(lambda: bool(released.extend(st.gc(scan_data=False).sessions_released) or released), timeout_s=90)
+        # the tag's heartbeat deadline (--owner-ttl 3 s) passes, then gc releases what it owned
+        assert _wait(lambda: bool(released.extend(st.gc(scan_data=False).sessions_released) or released), timeout_s=60)
         assert "c-1" in released and st.owner_of("c-1") is None
     finally:
         gw.stop()

@@ -121,6 +121,14 @@ def _announce(url: str) -> None:
 @click.option("--name", default=None, help="Lease holder name (default gateway-<host>-<pid>).")
 @click.option("--lease-ttl", type=float, default=120.0, show_default=True, help="Gate lease ttl, seconds (renewed while a request runs).")
 @click.option(
+    "--owner-ttl",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Heartbeat ttl of the gateway's default owner tag, seconds: once a gateway is gone this long, "
+    "`tracestore gc` releases the sessions it opened.",
+)
+@click.option(
     "--gate-poll-ms",
     type=float,
     default=50.0,
@@ -170,6 +178,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
         model=kw["model"],
         name=kw["name"],
         lease_ttl_s=kw["lease_ttl"],
+        owner_ttl_s=kw["owner_ttl"],
         gate_poll_s=kw["gate_poll_ms"] / 1000,
         max_body_bytes=int(kw["max_body_mb"] * (1 << 20)),
         engine_timeout_s=kw["engine_timeout"],

@@ -55,6 +55,9 @@ class GatewayConfig:
     model: str | None = None
     name: str | None = None
     lease_ttl_s: float = 120.0
+    #: The gateway's default owner tag is heart-beaten with this ttl: a gateway gone for longer has its
+    #: sessions released by the next ``gc``.
+    owner_ttl_s: float = 30.0
     gate_poll_s: float = 0.05
     max_body_bytes: int = 32 << 20
     engine_timeout_s: float = 600.0
@@ -86,7 +89,7 @@ class GatewayConfig:
                 validate_id("gateway name", self.name)
         except InvalidId as exc:
             raise ConfigError(str(exc)) from None
-        for name in ("lease_ttl_s", "gate_poll_s", "engine_timeout_s", "hold_timeout_s"):
+        for name in ("lease_ttl_s", "owner_ttl_s", "gate_poll_s", "engine_timeout_s", "hold_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.retry_grace_s <= 3600:

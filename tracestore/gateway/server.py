@@ -180,7 +180,10 @@ class Gateway:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         make = engine_class(self.config.engine_api)
         self.engines = {url: make(url, self._session, timeout) for url in self.config.engines}
-        self.liveness = Liveness(self.store, self.engines, self.owner, self.name, engine_api=self.config.engine_api)
+        self.liveness = Liveness(
+            self.store, self.engines, self.owner, self.name, engine_api=self.config.engine_api,
+            owner_ttl_s=self.config.owner_ttl_s,
+        )
         features = TemplateFeatures()
         max_context: int | None = None
         if self.config.startup_checks:
