@@ -185,6 +185,8 @@ def _run_keys_on_server(st: TraceStore, run: str) -> list[str]:
     return [k for k in _keys_of_server(st) if k.startswith((f"ts:{{{run}}}", f"ts:{{{run}/", f"ts:{{{run}|"))]
 
 
+# seven CLI processes per backend: the standalone server and the cluster's primaries are the two cases
+@pytest.mark.backends("valkey", "cluster")
 def test_a_run_whose_record_is_gone_is_removed_by_run_delete_and_gc_with_force(url: str, run_id: str) -> None:
     """A client that outlived its store's data writes again without the run's record (the
     gateway after a server restart writes ts:{gw-1}... keys): every command answered

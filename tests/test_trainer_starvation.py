@@ -38,7 +38,8 @@ from tracestore.trainer.learner import Learner
 from tracestore.trainer.producer import Producer
 from tracestore.trainer.rollout import RolloutWorker
 
-pytestmark = pytest.mark.ray
+# the roles on Ray over the store; the store's own buffer tests run on every backend
+pytestmark = [pytest.mark.ray, pytest.mark.backends("valkey", "cluster")]
 
 
 @pytest.fixture(scope="module", autouse=True)
