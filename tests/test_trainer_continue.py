@@ -217,6 +217,7 @@ def test_abort_mode_throws_the_stopped_generations_away(rollout: Any) -> None:
         assert r.store.trace_keys(s.sid) == []
 
 
+@pytest.mark.backends("valkey", "cluster")  # a gateway process per test: the store's own tests cover the backends
 @pytest.mark.parametrize("mode", ["continue", "abort"])
 def test_http_agents_the_gateway_holds_and_the_report_reads_its_counters(
     url: str, tmp_path: Any, mode: str
