@@ -417,3 +417,44 @@ def test_vllm_shape_is_what_the_openai_sdk_reads() -> None:
             client.completions.create(model="another-model", prompt=PROMPT, max_tokens=1)
     finally:
         server.stop()
+
+
+def test_every_adapter_module_registers_its_own_name_and_the_gateway_refuses_another() -> None:
+    """A new engine is one module of tracestore/gateway/engines: it is found by its file, registers
+    under its module's name, and ``--engine-api`` takes exactly those names (another: exit 2)."""
+    import subprocess
+    import sys
+
+    from tracestore.gateway.engines.base import adapter_modules, engine_apis
+
+    assert adapter_modules() == engine_apis() == sorted(APIS)
+    for api in APIS:
+        assert engine_class(api).api == api  # type: ignore[attr-defined]
+    with pytest.raises(KeyError, match="choose one of"):
+        engine_class("tgi")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracestore.cli", "gateway", "--engine", "http://127.0.0.1:9", "--engine-api", "tgi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--engine-api 'tgi'" in lines[0] and "sglang" in lines[0] and "vllm" in lines[0]
+
+
+def test_engine_bodies_carry_a_stored_paths_ids_as_the_same_json_without_a_list() -> None:
+    """The ids of a stored path (int32 ``TokenIds``) go into the engines' JSON bodies as a numpy view
+    and come out as the same JSON array as a list; extending one shares its buffer."""
+    import orjson
+
+    from tracestore.gateway.engines.base import JSON_OPTS, extend_ids, ids_json
+    from tracestore.gateway.engines.sglang import SGLangEngine
+    from tracestore.traces import TokenIds
+
+    path = TokenIds(range(1000, 1100))
+    ids = extend_ids(path, [7, 8, 9])
+    assert isinstance(ids, TokenIds) and list(ids) == [*range(1000, 1100), 7, 8, 9]
+    assert extend_ids(ids, []) is ids and extend_ids([1, 2], [3]) == [1, 2, 3]
+    assert orjson.dumps(ids_json(ids), option=JSON_OPTS) == orjson.dumps(list(ids))
+    assert ids_json([1, 2]) == [1, 2]
+    req = EngineRequest("r-1", ids, Sampling(max_tokens=4))
+    assert orjson.loads(SGLangEngine.payload(req, stream=False))["input_ids"] == list(ids)

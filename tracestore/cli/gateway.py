@@ -64,11 +64,10 @@ def _announce(url: str) -> None:
 )
 @click.option(
     "--engine-api",
-    type=click.Choice(["sglang", "vllm"]),
     default="sglang",
     show_default=True,
-    help="The engines' protocol: SGLang's native /generate, or vLLM's OpenAI-compatible "
-    "/v1/completions with token ids.",
+    help="The engines' protocol, an adapter of tracestore.gateway.engines: sglang (SGLang's native "
+    "/generate) or vllm (vLLM's OpenAI-compatible /v1/completions with token ids).",
 )
 @url_option
 @click.option(

@@ -29,11 +29,12 @@ from collections.abc import Iterable, Sequence
 
 import orjson
 
-from ..validate import one_of
+from ..keys import validate_id
 from .holders import Abort
 from .types import DeadLease
 
-#: Engine wire shapes an HTTP abort knows (DESIGN section 13).
+#: Engine wire shapes whose abort call this module knows (DESIGN section 13); for any other
+#: adapter of the gateway, only a gone engine stops a request.
 APIS = ("sglang", "vllm")
 #: Pause before the second connection attempt that shows an engine gone (s).
 REFUSED_RECHECK_S = 0.2
@@ -76,10 +77,11 @@ def _gone(engine: str, timeout_s: float) -> bool:
 def abort_request(engine: str, request: str, *, api: str = "sglang", timeout_s: float = 5.0) -> bool:
     """Stop request ``request`` at ``engine`` (its base URL); True when it is known stopped.
 
-    See the module docstring for what counts. InvalidInput for an unknown
-    ``api``. A few HTTP requests (one abort; two health checks when refused).
+    See the module docstring for what counts: an ``api`` whose abort call is
+    not known here (not in :data:`APIS`) is stopped only when its engine is
+    gone, as vLLM's. A few HTTP requests (one abort; two health checks when
+    refused).
     """
-    one_of("api", api, APIS)
     if api == "sglang":
         done = _post(engine.rstrip("/") + "/abort_request", orjson.dumps({"rid": request}), timeout_s)
         if done is not None:
@@ -92,9 +94,9 @@ def http_abort(api: str = "sglang", *, timeout_s: float = 5.0, workers: int = 8)
 
     Returns the ids of the leases whose requests :func:`abort_request`
     showed stopped; a lease without an engine or request id is not.
-    InvalidInput for an unknown ``api``.
+    InvalidInput for an ``api`` that is not a name.
     """
-    one_of("api", api, APIS)
+    validate_id("engine api", api)
 
     def abort(leases: Sequence[DeadLease]) -> Iterable[str]:
         todo = [d for d in leases if d.engine and d.request]

@@ -28,8 +28,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ..errors import SessionReleased
+from ..errors import SessionReleased, StorageError, TracestoreError
 from ..gate import AdmitRequest, Lease
+from ..scripts import Op, new_op_id
 from ..store import AsyncTraceStore
 from .engines import Engine
 from .metrics import Metrics
@@ -70,6 +71,37 @@ class Flight:
     def generating(self) -> bool:
         """True while the engine works on it."""
         return self.engine_started and not self.engine_done
+
+
+@dataclass
+class Admitted:
+    """An admission with riders (:meth:`Admission.admit_with`): the lease, or why there is none,
+    and each rider's result or error, in order."""
+
+    lease: Lease | BaseException
+    results: list[Any]
+
+
+class _Rider:
+    """An operation riding in an admission's round trip; its result or error kept in place (an
+    error never stops the batch's other operations, whatever its type)."""
+
+    def __init__(self, op: Op[Any]) -> None:
+        self._op = op
+        self.result: Any = None
+        self._done = False
+
+    def run(self) -> Op[None]:
+        try:
+            self.result = yield from self._op
+        except Exception as exc:
+            self.result = exc
+        self._done = True
+
+    def failed(self, exc: BaseException) -> None:
+        """The batch's round trip failed as a whole: a rider it cut short has that error."""
+        if not self._done:
+            self.result, self._done = exc, True
 
 
 class Coalescer(Generic[X, Y]):
@@ -154,7 +186,7 @@ class Admission:
         self._open.set()
         self._watcher: asyncio.Task[None] | None = None
         self._closing = False  # set by close(): the watcher ends even if a call swallowed its cancellation
-        self._admits: Coalescer[AdmitRequest, Lease] = Coalescer(self._admit_batch, 1000)
+        self._admits: Coalescer[tuple[AdmitRequest, tuple[Op[Any], ...]], Admitted] = Coalescer(self._admit_batch, 1000)
         self._settles: Coalescer[tuple[Lease, str], None] = Coalescer(self._settle_batch, 1000)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -246,7 +278,21 @@ class Admission:
         abort the request at its engine and resolve the lease (``gate.dead_holder_leases``).
         Raises what ``gate.admit`` raises (GateSealed, SessionReleased...).
         """
-        return await self._admits.submit(AdmitRequest(sid, self.holder, engine, rid))
+        got = await self.admit_with(sid, engine, rid)
+        if isinstance(got.lease, BaseException):
+            raise got.lease
+        return got.lease
+
+    async def admit_with(self, sid: str, engine: str | None, rid: str | None, *riders: Op[Any]) -> Admitted:
+        """:meth:`admit`, with ``riders`` (operations that only read: a turn's prepare and route)
+        sent in the same pipelined round trip as the admissions of this loop iteration.
+
+        Never raises for one request's failure: the lease, or why there is none, and each
+        rider's result, or its error, come back in place (:class:`Admitted`). A round trip that
+        fails as a whole is every rider's error; the batch's admission is then sent again alone
+        with its op id (the first reply if it ran), its leases settled if that is unknown too.
+        """
+        return await self._admits.submit((AdmitRequest(sid, self.holder, engine, rid), riders))
 
     async def settle(self, lease: Lease, outcome: str) -> None:
         """Settle ``lease`` (coalesced); a failure is logged, and the lease then expires into
@@ -275,27 +321,61 @@ class Admission:
         self.unregister(flight)
         return self.settle(flight.lease, "completed") if flight.lease is not None else None
 
-    async def _admit_batch(self, reqs: list[AdmitRequest]) -> list[Lease | BaseException]:
-        """One ``admit_many`` for the admissions of one loop iteration.
+    async def _admit_batch(self, items: list[tuple[AdmitRequest, tuple[Op[Any], ...]]]) -> list[Admitted | BaseException]:
+        """One pipelined round trip for the admissions of one loop iteration and their riders:
+        ``admit_many`` (all or nothing) and every rider's first request.
 
-        admit_many is all or nothing: when one session of the batch was released,
-        each is admitted alone so that only that one is refused. A batch whose reply is
-        outcome-unknown settles its lease ids itself (``on_unconfirmed="settle"``), so nothing
-        is left to expire into the poison set.
+        When one session of the batch was released, each is admitted alone so that only that
+        one is refused. An admission whose reply is unknown is sent again alone with its op id
+        and ``on_unconfirmed="settle"``, so nothing is left to expire into the poison set.
         """
-        try:
-            leases: list[Lease | BaseException] = list(
-                await self._db(self.store.gate.admit_many(reqs, self.ttl_s, on_unconfirmed="settle"))
-            )
+        reqs = [r for r, _ in items]
+        op_id = new_op_id()
+        admitted: list[list[Lease]] = []
+        riders = [_Rider(op) for _, ops in items for op in ops]
+
+        def admit() -> Op[list[Lease]]:
+            leases = yield from self.store.ops.gate.admit_many(reqs, self.ttl_s, op_id=op_id)
+            admitted.append(leases)
             return leases
-        except SessionReleased:
-            if len(reqs) == 1:
-                raise
-        alone = await asyncio.gather(
-            *(self._db(self.store.gate.admit_many([r], self.ttl_s, on_unconfirmed="settle")) for r in reqs),
-            return_exceptions=True,
-        )
-        return [x[0] if isinstance(x, list) else x for x in alone]
+
+        leases: list[Lease] | list[Lease | BaseException] | BaseException
+        try:
+            got = await self._db(self.store.gather(admit(), *(r.run() for r in riders), errors_in_place=True))
+            leases = got[0]
+        except TracestoreError as exc:  # the round trip failed as a whole
+            leases = admitted[0] if admitted else exc
+            for r in riders:
+                r.failed(exc)
+        if isinstance(leases, BaseException):
+            leases = await self._admit_again(reqs, leases, op_id)
+        out: list[Admitted | BaseException] = []
+        at = 0
+        for i, (_, ops) in enumerate(items):
+            lease = leases[i] if isinstance(leases, list) else leases
+            out.append(Admitted(lease, [r.result for r in riders[at : at + len(ops)]]))
+            at += len(ops)
+        return out
+
+    async def _admit_again(
+        self, reqs: list[AdmitRequest], exc: BaseException, op_id: str
+    ) -> list[Lease | BaseException] | BaseException:
+        """After a batch's admission failed with ``exc``: each admitted alone when one session was
+        released; sent again with its op id when its outcome is unknown; else ``exc`` for all."""
+        if isinstance(exc, SessionReleased) and len(reqs) > 1:
+            alone = await asyncio.gather(
+                *(self._db(self.store.gate.admit_many([r], self.ttl_s, on_unconfirmed="settle")) for r in reqs),
+                return_exceptions=True,
+            )
+            return [x[0] if isinstance(x, list) else x for x in alone]
+        if isinstance(exc, StorageError):  # OutcomeUnknown, a lost connection
+            try:
+                return list(await self._db(
+                    self.store.gate.admit_many(reqs, self.ttl_s, op_id=op_id, on_unconfirmed="settle")
+                ))
+            except Exception as again:
+                return again
+        return exc
 
     async def _settle_batch(self, items: list[tuple[Lease, str]]) -> list[None | BaseException]:
         """Settle the leases of one loop iteration: one pipelined ``settle_many`` per outcome."""
@@ -337,4 +417,4 @@ class Admission:
                 await asyncio.sleep(self.poll_s)
 
 
-__all__ = ["Admission", "Coalescer", "Flight"]
+__all__ = ["Admission", "Admitted", "Coalescer", "Flight"]

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from ..errors import InvalidId, SessionReleased, TracestoreError
 from ..keys import validate_id
+from ..store import AsyncTraceStore
 from . import anthropic
 from .body import read_body
 from .chat import ApiError, invalid
@@ -24,6 +25,7 @@ from .prompts import PromptMode
 
 async def count_tokens(
     request: web.Request,
+    store: AsyncTraceStore,
     prompts: PromptMode,
     model: str,
     max_body_bytes: int,
@@ -38,7 +40,7 @@ async def count_tokens(
     if sid is None:
         return {"input_tokens": len(prompts.plain(req))}
     try:
-        prep = await db(prompts.prepare(validate_id("session id", sid), req))
+        prep = await db(store.run(prompts.prepare(validate_id("session id", sid), req)))
     except InvalidId as exc:
         raise invalid(str(exc), "session_id") from None
     except SessionReleased as exc:

@@ -28,9 +28,11 @@ from typing import Any
 
 from .. import traces
 from ..errors import InvalidInput, PrefixChanged
+from ..scripts import Op
 from ..traces import KeptAnswer, Partial, PrefixMatch
 from .chat import Answer, ApiError, ChatRequest, invalid
 from .completions import CompletionRequest
+from .engines import extend_ids
 from .failures import Unrecordable
 from .prompts import Prepared
 from .tito import TitoPrompts
@@ -70,19 +72,19 @@ class TokenPrompts(TitoPrompts):
             req.prompt_ids = ids
         return req.prompt_ids
 
-    async def prepare(self, sid: str, req: ChatRequest) -> Prepared:
+    def prepare(self, sid: str, req: ChatRequest) -> Op[Prepared]:
         """The stored path's ids plus the prompt's ids after it (1 round trip: lookup and kept tokens)."""
         ids = self.prompt_ids(req)
         key = token_key(ids)
         ctx = self.store.context
-        match, partial = await self.store.run(traces.lookup_partial(ctx, sid, key))  # one round trip
+        match, partial = yield from traces.lookup_partial(ctx, sid, key)  # one round trip
         assert isinstance(match, PrefixMatch) and (partial is None or isinstance(partial, Partial))
         covered = key.count(" ", 0, match.text_len) if match.text_len else 0
         if covered != len(match.token_ids) or list(match.token_ids) != ids[:covered]:
             raise ApiError("conflict", f"session {sid!r} holds a path that is not keyed by its token ids", param="prompt")
         fork = "client_edit" if match.text_len < len(key) and match.extended else None
         delta = ids[covered:]
-        ids_in = [*match.token_ids, *delta]
+        ids_in = extend_ids(match.token_ids, delta)
         if partial is not None and (partial.input_len != len(ids_in) or fork is not None):
             partial = None  # kept after another input: not this turn's (it expires)
         return Prepared(sid, ids_in, len(delta), _Plan(key, match, delta), fork, key=key, partial=partial)

@@ -1,8 +1,8 @@
 """How a turn's engine input is built and how its answer is recorded: the gateway's prompt modes.
 
 A prompt mode turns a request's canonical messages into the token ids the
-engine receives (:meth:`PromptMode.prepare`, reading the session's stored
-trace) and records the answer as the session's next turn
+engine receives (:meth:`PromptMode.prepare`, an operation reading the session's
+stored trace) and records the answer as the session's next turn
 (:meth:`PromptMode.write`). The gateway's request path does not depend on
 which mode it runs.
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import InvalidInput, PrefixChanged
+from ..scripts import Op
 from ..session import AsyncTurnRecorder, ExpertHolder, Request
 from ..store import AsyncTraceStore
 from ..traces import KeptAnswer, Partial, Trace
@@ -38,7 +39,7 @@ class Prepared:
     this turn (the rest came from the store), and the mode's own state (``state``)."""
 
     sid: str
-    input_ids: list[int]
+    input_ids: Sequence[int]
     new_tokens: int
     state: Any
     #: Why this turn leaves the stored path it matched (``client_edit``, ``template``), or None.
@@ -54,8 +55,10 @@ class PromptMode(Protocol):
 
     name: str
 
-    async def prepare(self, sid: str, req: ChatRequest) -> Prepared:  # pragma: no cover - protocol
-        """The engine input of ``req`` in session ``sid``; writes nothing. Raises store errors, ApiError."""
+    def prepare(self, sid: str, req: ChatRequest) -> Op[Prepared]:  # pragma: no cover - protocol
+        """The operation that makes the engine input of ``req`` in session ``sid``; writes nothing.
+        Built, not run: the gateway runs it in its admission round trip (:mod:`.admission`), so
+        its reads share one pipeline with the turn's lease and route. Raises store errors, ApiError."""
         ...
 
     async def put_experts(self, prep: Prepared, out: EngineOutput) -> Any:  # pragma: no cover - protocol
@@ -113,7 +116,7 @@ class TemplatePrompts:
 
         return AsyncTurnRecorder(self.store, render, self.tok.encode, PutAhead() if self.holder is not None else None)
 
-    async def prepare(self, sid: str, req: ChatRequest) -> Prepared:
+    def prepare(self, sid: str, req: ChatRequest) -> Op[Prepared]:
         """Render, look up the longest stored text prefix, tokenise the rest (1 round trip warm).
 
         A turn whose stored prefix ends where a stored node already continues, with new ids to
@@ -121,7 +124,7 @@ class TemplatePrompts:
         re-rendered history from a client's edit; ``tito`` can).
         """
         rec = self._recorder(req)
-        r = await rec.prepare(sid, req.messages)
+        r = yield from rec.ops.prepare(sid, req.messages)
         fork = "template" if r.prefix.extended and r.delta_ids else None
         return Prepared(sid, r.input_ids, len(r.delta_ids), (rec, r), fork=fork, key=r.prompt_text)
 

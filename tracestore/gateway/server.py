@@ -202,7 +202,7 @@ class Gateway:
             prompts=self.prompts,
             admission=self.admission,
             metrics=self.metrics,
-            router=self.store.router(list(self.config.engines)),
+            router=self.store.ops.router(list(self.config.engines)),
             engines=self.engines,
             db=self._db,
             spawn=self._spawn,
@@ -372,7 +372,7 @@ class Gateway:
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         try:
-            return _json(await count_tokens(request, self.prompts, self.model, self.config.max_body_bytes, self._db))
+            return _json(await count_tokens(request, self.store, self.prompts, self.model, self.config.max_body_bytes, self._db))
         except ApiError as err:
             return self._error(anthropic, err)
 

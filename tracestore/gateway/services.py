@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SessionExists
-from ..router import AsyncRouter
+from ..router import RouterOps
 from ..store import AsyncTraceStore
 from .admission import Admission, Flight
 from .chat import Answer, ChatRequest, ToolCall
@@ -42,7 +42,8 @@ class Services:
     prompts: PromptMode
     admission: Admission
     metrics: Metrics
-    router: AsyncRouter
+    #: The router's operations (a turn's route rides in its admission round trip).
+    router: RouterOps
     engines: dict[str, Engine]
     db: Callable[[Awaitable[Any]], Awaitable[Any]]
     spawn: Callable[[Awaitable[Any]], None]

@@ -46,11 +46,12 @@ from typing import Any
 from .. import traces
 from ..conversation import key_parts, message_key
 from ..errors import InvalidInput, PrefixChanged
+from ..scripts import Op
 from ..session import ExpertHolder
 from ..store import AsyncTraceStore
 from ..traces import KeptAnswer, Partial, PrefixMatch, TokenIds, Trace
 from .chat import Answer, ApiError, ChatRequest, Message, invalid
-from .engines import EngineOutput
+from .engines import EngineOutput, extend_ids
 from .experts import put_parts
 from .failures import Unrecordable
 from .prompts import Prepared
@@ -112,7 +113,7 @@ class TitoPrompts:
                 out = out[len(end) :]
         return out
 
-    async def prepare(self, sid: str, req: ChatRequest) -> Prepared:
+    def prepare(self, sid: str, req: ChatRequest) -> Op[Prepared]:
         """The stored path's ids plus the new messages' ids (1 round trip warm; 2 on a fork that
         backs off to a prompt's parent)."""
         if req.messages[-1]["role"] == "assistant":
@@ -123,7 +124,7 @@ class TitoPrompts:
         for p in parts:
             ends.append(ends[-1] + len(p))  # ends[i + 1]: after message i - 1 (ends[1]: the header)
         ctx = self.store.context
-        match, partial = await self.store.run(traces.lookup_partial(ctx, sid, key))  # one round trip
+        match, partial = yield from traces.lookup_partial(ctx, sid, key)  # one round trip
         assert isinstance(match, PrefixMatch) and (partial is None or isinstance(partial, Partial))
         fork: str | None = None
         if match.text_len == len(key):  # the same messages again: a retry of this turn
@@ -134,7 +135,7 @@ class TitoPrompts:
                 # a stored prompt whose answer the client replaced: fork at the prompt's parent
                 fork = "client_edit"
                 parent = match.path[-2] if len(match.path) > 1 else None
-                match = await self.store.lookup(sid, key[: parent.end]) if parent is not None else _NOTHING
+                match = (yield from traces.lookup(ctx, sid, key[: parent.end])) if parent is not None else _NOTHING
                 covered = ends.index(match.text_len) - 1 if match.text_len else 0
             elif match.extended:
                 fork = "client_edit"
@@ -145,7 +146,7 @@ class TitoPrompts:
                 generated = match.node is not None and match.node.generated
                 delta = self.tok.encode(self.suffix_text(req, covered, stored[-1] if stored and generated else None))
         plan = _Plan(key, match, delta)
-        ids = [*match.token_ids, *delta]
+        ids = extend_ids(match.token_ids, delta)  # the stored path's int32 ids, not a list of them
         if partial is not None and (partial.input_len != len(ids) or fork is not None):
             partial = None  # kept after another input: not this turn's (it expires)
         return Prepared(sid, ids, len(delta), plan, fork, key=key, partial=partial)

@@ -2,9 +2,11 @@
 
 In order (DESIGN section 10):
 
-1. **route, admit, prepare**, concurrently, one round trip: ``router.acquire``
-   (retired: 410), a gate lease (sealed: 503 with ``Retry-After``) and the
-   prompt mode's ``prepare`` (the engine input, from the stored trace);
+1. **route, admit, prepare**, one pipelined round trip shared with the other
+   turns admitted in the same loop iteration (:meth:`.Admission.admit_with`):
+   a gate lease (sealed: 503 with ``Retry-After``), ``router.acquire``
+   (retired: 410) and the prompt mode's ``prepare`` (the engine input, from
+   the stored trace);
 2. **engine**: the ids to the session's engine, streamed or not;
 3. **record**: the first time this process records a turn of the session,
    ``open_session(sid, owner)`` (so a refused request opens nothing; an open
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import orjson
@@ -36,9 +38,9 @@ from aiohttp import web
 
 from ..errors import GateSealed, TracestoreError
 from ..gate import Lease
-from .admission import Flight
+from .admission import Admitted, Flight
 from .chat import Answer, ApiError, ChatRequest, Wire, invalid, new_id
-from .engines import EngineLost, EngineOutput, EngineRefused, EngineRequest
+from .engines import EngineLost, EngineOutput, EngineRefused, EngineRequest, extend_ids
 from .failures import Failure, TurnAborted, classify, first
 from .generation import Generation
 from .metrics import Timing
@@ -144,18 +146,14 @@ class Turn:
         rid = new_id("req-")  # chosen first: the lease records it (and the engine, when known)
         hint = s.route_hint(sid)
         phase = asyncio.ensure_future(
-            asyncio.gather(
-                s.db(s.prompts.prepare(sid, self.req)),
-                s.db(s.router.acquire(sid)),
-                s.admission.admit(sid, hint, rid),
-                return_exceptions=True,
-            )
+            s.admission.admit_with(sid, hint, rid, s.prompts.prepare(sid, self.req), s.router.acquire(sid))
         )
         try:
-            prep, entry, lease = await asyncio.shield(phase)
+            got = await asyncio.shield(phase)
         except asyncio.CancelledError:
             s.spawn(self._settle_phase(phase))
             raise
+        lease, (prep, entry) = got.lease, got.results
         self.timing.store_s += time.perf_counter() - t0
         if isinstance(lease, GateSealed) and not isinstance(prep, BaseException) and not isinstance(entry, BaseException):
             s.admission.abort_all("weight_update")  # learnt of a seal: stop what runs now
@@ -175,15 +173,15 @@ class Turn:
         self.flight = Flight(rid, sid, s.engines[str(entry)], lease)
         return self.flight
 
-    async def _settle_phase(self, phase: asyncio.Future[Any]) -> None:
+    async def _settle_phase(self, phase: asyncio.Future[Admitted]) -> None:
         """After a cancelled admission phase: settle its lease, if one was admitted."""
-        results = await phase
-        if isinstance(results[2], Lease):
-            await self.s.admission.settle(results[2], "aborted")
+        got = await phase
+        if isinstance(got.lease, Lease):
+            await self.s.admission.settle(got.lease, "aborted")
 
     # -- 3: the engine call ----------------------------------------------------------------
 
-    async def _serve(self, flight: Flight, input_ids: list[int]) -> web.StreamResponse:
+    async def _serve(self, flight: Flight, input_ids: Sequence[int]) -> web.StreamResponse:
         s = self.s
         self.flight = flight
         self.first_version = flight.lease.version if flight.lease is not None else None
@@ -192,7 +190,7 @@ class Turn:
         if self.prep is not None:
             s.metrics.tokens.labels("prompt_new").inc(self.prep.new_tokens)
         # the generation prompt may open the reasoning block itself (DeepSeek R1's "<think>\n")
-        self.opened = s.tok.reasoning.opens(s.tok.decode(input_ids[-8:])) if input_ids else False
+        self.opened = s.tok.reasoning.opens(s.tok.decode(list(input_ids[-8:]))) if input_ids else False
         kept = self.prep.partial if self.prep is not None else None
         gen = Generation(len(input_ids)) if kept is None else Generation.resumed(len(input_ids), kept.ids, kept.logprobs, kept.versions)
         self.gen = gen
@@ -236,7 +234,7 @@ class Turn:
             self.request[STATUS_KEY] = f.error.status
             return await self.out.error(f.error)
 
-    async def _generate(self, input_ids: list[int]) -> None:
+    async def _generate(self, input_ids: Sequence[int]) -> None:
         """Engine calls until the answer is whole; a call a weight update stopped is held and
         continued (``--on-weight-update continue``), else the turn is aborted."""
         s, gen = self.s, self.gen
@@ -258,7 +256,8 @@ class Turn:
             if budget <= 0:
                 gen.finish, gen.matched = "length", None
                 return
-            ereq = EngineRequest(flight.rid, [*input_ids, *gen.ids], s.sampling(self.req, budget), s.experts and self.sid is not None)
+            context = extend_ids(input_ids, gen.ids)
+            ereq = EngineRequest(flight.rid, context, s.sampling(self.req, budget), s.experts and self.sid is not None)
             version = flight.lease.version if flight.lease is not None else 0
             gen.begin()
             flight.engine_started, flight.engine_done = True, False
@@ -283,7 +282,7 @@ class Turn:
                 raise TurnAborted(reason)
             await self._hold(input_ids)
 
-    async def _hold(self, input_ids: list[int]) -> None:
+    async def _hold(self, input_ids: Sequence[int]) -> None:
         """Settle the lease (the drain goes on), keep the tokens so far in the store (a retry on
         any gateway resumes from them), wait for the gate to reopen, and admit the turn again
         (a new engine request id) to continue it."""

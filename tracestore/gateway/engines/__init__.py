@@ -14,6 +14,7 @@ from .base import (
     Sampling,
     engine_apis,
     engine_class,
+    extend_ids,
     register,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "Sampling",
     "engine_apis",
     "engine_class",
+    "extend_ids",
     "register",
 ]

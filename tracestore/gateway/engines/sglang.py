@@ -33,12 +33,14 @@ import aiohttp
 import orjson
 
 from .base import (
+    JSON_OPTS,
     Chunk,
     EngineInfo,
     EngineLost,
     EngineOutput,
     EngineRejected,
     EngineRequest,
+    ids_json,
     register,
 )
 from .http import detail, gone, json_object, post, probe, sse_events
@@ -75,12 +77,13 @@ class SGLangEngine:
         return orjson.dumps(
             {
                 "rid": req.rid,
-                "input_ids": list(req.input_ids),
+                "input_ids": ids_json(req.input_ids),
                 "sampling_params": sp,
                 "return_logprob": True,
                 "return_routed_experts": req.routed_experts,
                 "stream": stream,
-            }
+            },
+            option=JSON_OPTS,
         )
 
     @staticmethod

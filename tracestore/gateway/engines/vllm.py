@@ -57,12 +57,14 @@ import aiohttp
 import orjson
 
 from .base import (
+    JSON_OPTS,
     Chunk,
     EngineInfo,
     EngineLost,
     EngineOutput,
     EngineRejected,
     EngineRequest,
+    ids_json,
     register,
 )
 from .http import detail, json_object, post, probe, sse_events
@@ -100,7 +102,7 @@ class VLLMEngine:
         """The JSON body of a streamed ``/v1/completions`` call."""
         s = req.sampling
         body: dict[str, Any] = {
-            "prompt": list(req.input_ids),
+            "prompt": ids_json(req.input_ids),
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
@@ -118,7 +120,7 @@ class VLLMEngine:
             body["stop"] = list(s.stop)
         if s.seed is not None:
             body["seed"] = s.seed
-        return orjson.dumps(body)
+        return orjson.dumps(body, option=JSON_OPTS)
 
     def chunk(self, data: bytes, last_id: int | None) -> Chunk | None:
         """One SSE payload as a :class:`Chunk` (None for a chunk without a choice: the usage).
