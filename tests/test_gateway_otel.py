@@ -75,6 +75,13 @@ def test_one_span_per_turn_with_its_four_children_and_the_clients_trace(engine: 
             children = [s for s in spans if s.parent is not None and s.parent.span_id == t.context.span_id]
             assert sorted(c.name for c in children) == ["admit", "engine", "record", "settle"]
             assert all(c.context.trace_id == t.context.trace_id for c in children)
+            # each child spans its own part of the turn, in order, inside the turn (the settlement
+            # runs after the answer went out: it starts inside the turn and may end after it)
+            by = {c.name: c for c in children}
+            assert t.start_time <= by["admit"].start_time < by["admit"].end_time <= by["engine"].start_time
+            assert by["engine"].start_time < by["engine"].end_time <= by["record"].start_time < by["record"].end_time
+            assert by["record"].end_time <= t.end_time and t.start_time < by["settle"].start_time < by["settle"].end_time
+            assert by["engine"].attributes["tracestore.version"] == 0 and by["settle"].attributes["tracestore.outcome"] == "completed"
         # turn 2 had only its new message tokenised: the rest came from the store
         assert turns[1].attributes["tracestore.tokens.new"] < turns[1].attributes["tracestore.tokens.prompt"]
     finally:

@@ -13,6 +13,11 @@ Spans go to the OTLP/HTTP exporter (the ``otel`` extra: ``opentelemetry-sdk``
 and ``opentelemetry-exporter-otlp-proto-http``), configured by the standard
 ``OTEL_*`` variables.
 
+The spans cost the request nothing of the SDK on its path: a turn notes its
+start, its children's times and attributes as it goes, and its spans are
+made when it ends, after its answer went out, with those times (a child that
+ends later, a settlement, is made when it ends).
+
 Without it every call here is a no-op costing one attribute check: the
 library emits nothing unless asked.
 """
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -72,43 +79,46 @@ class Spans:
         """True when spans are emitted."""
         return self._tracer is not None
 
-    def turn(self, headers: Mapping[str, str], attributes: dict[str, Any]) -> Any:
-        """Start the turn's span (a child of the client's ``traceparent``, when it sends one); None when off."""
+    def turn(self, headers: Mapping[str, str], attributes: dict[str, Any]) -> _Turn | None:
+        """Begin the turn's span (a child of the client's ``traceparent``, when it sends one); None when off.
+
+        Nothing of the SDK runs yet: the turn's start, its children's times and attributes are
+        noted, and the spans are made when the turn ends (:meth:`end`), after its answer went
+        out, with those times: the same spans, off the request's path.
+        """
         if self._tracer is None:
             return None
-        parent = self._propagator.extract(carrier=dict(headers))
-        return self._tracer.start_span("tracestore.turn", context=parent, attributes=attributes)
+        parent = headers.get("traceparent")
+        carrier = {"traceparent": parent, "tracestate": headers.get("tracestate", "")} if parent else None
+        return _Turn(time.time_ns(), carrier, _clean(attributes))
 
     @contextlib.contextmanager
-    def child(self, turn: Any, name: str, **attributes: Any) -> Iterator[Any]:
-        """A child span of ``turn`` around a block (``admit``, ``engine``, ``record``, ``settle``)."""
+    def child(self, turn: _Turn | None, name: str, **attributes: Any) -> Iterator[None]:
+        """A child span of ``turn`` around a block (``admit``, ``engine``, ``record``, ``settle``): its
+        times noted, the span made with the turn's (at once when the turn has ended already)."""
         if turn is None or self._tracer is None:
             yield None
             return
-        # started and ended here, never made the current span: nothing inside creates spans, and
-        # attaching a context per child cost more than the span itself
-        span = self._tracer.start_span(name, context=self._context(turn), attributes=_clean(attributes))
+        t0 = time.time_ns()
+        error: BaseException | None = None
         try:
-            yield span
+            yield None
         except BaseException as exc:
-            span.record_exception(exc)
-            span.set_status(self._status_error(str(exc) or type(exc).__name__))
+            error = exc
             raise
         finally:
-            span.end()
+            child = _Child(name, t0, time.time_ns(), _clean(attributes), error)
+            if turn.span is None:
+                turn.children.append(child)
+            else:  # after the turn's answer (a settlement): made now
+                self._emit(turn, child)
 
-    def _context(self, turn: Any) -> Any:
-        """The context whose current span is ``turn`` (made once per turn)."""
-        ctx = getattr(turn, "_tracestore_context", None)
-        if ctx is None:
-            from opentelemetry import trace
-
-            ctx = trace.set_span_in_context(turn)
-            try:
-                turn._tracestore_context = ctx
-            except AttributeError:  # a span type without a __dict__: make it each time
-                pass
-        return ctx
+    def _emit(self, turn: _Turn, child: _Child) -> None:
+        span = self._tracer.start_span(child.name, context=turn.context, attributes=child.attributes, start_time=child.start)
+        if child.error is not None:
+            span.record_exception(child.error, timestamp=child.end)
+            span.set_status(self._status_error(str(child.error) or type(child.error).__name__))
+        span.end(end_time=child.end)
 
     @staticmethod
     def _status_error(description: str) -> Any:
@@ -117,23 +127,56 @@ class Spans:
         return Status(StatusCode.ERROR, description)
 
     @staticmethod
-    def set(span: Any, **attributes: Any) -> None:
-        """Set attributes on a span (None values left out; no-op without a span)."""
-        if span is not None:
-            span.set_attributes(_clean(attributes))
+    def set(turn: _Turn | None, **attributes: Any) -> None:
+        """Set attributes on the turn's span (None values left out; no-op without one)."""
+        if turn is not None:
+            turn.attributes.update(_clean(attributes))
 
-    @staticmethod
-    def end(span: Any, status: int | None = None) -> None:
-        """End the turn's span with its HTTP status (an error status for 5xx)."""
-        if span is None:
+    def end(self, turn: _Turn | None, status: int | None = None) -> None:
+        """End the turn: make its span (with its HTTP status; an error status for 5xx) and its children's."""
+        if turn is None or self._tracer is None or turn.span is not None:
             return
-        if status is not None:
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
-                from opentelemetry.trace import Status, StatusCode
+        from opentelemetry import trace
 
-                span.set_status(Status(StatusCode.ERROR))
+        parent = self._propagator.extract(carrier=turn.carrier) if turn.carrier is not None else None
+        attrs = turn.attributes
+        if status is not None:
+            attrs["http.response.status_code"] = status
+        span = self._tracer.start_span("tracestore.turn", context=parent, attributes=attrs, start_time=turn.start)
+        turn.span = span
+        turn.context = trace.set_span_in_context(span)
+        for child in turn.children:
+            self._emit(turn, child)
+        turn.children.clear()
+        if status is not None and status >= 500:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR))
         span.end()
+
+
+@dataclass
+class _Child:
+    """A child span's name, times (ns since the epoch), attributes and the exception it ended with."""
+
+    name: str
+    start: int
+    end: int
+    attributes: dict[str, Any]
+    error: BaseException | None
+
+
+@dataclass
+class _Turn:
+    """A turn being traced: its start, the client's trace context, attributes and children so far;
+    ``span`` once it ended (:meth:`Spans.end`)."""
+
+    start: int
+    carrier: dict[str, str] | None
+    attributes: dict[str, Any]
+    children: list[_Child] = field(default_factory=list)
+    span: Any = None
+    context: Any = None
 
 
 def turn_attributes(flight: Any, prep: Any, gen: Any) -> dict[str, Any]:
