@@ -512,7 +512,7 @@ def test_engine_killed_mid_request_502_and_lease_aborted_not_poisoned(gateways: 
     25: a dead engine needs no operator)."""
     eng = CliServer("engine", "--port", "0", "--max-len", "2048").start()
     try:
-        g = next(_gw(gateways, url, eng.url))
+        g = next(_gw(gateways, url, eng.url, "--engine-wait", "0"))  # fails at once (test_gateway_engines: the wait)
         client, s = g.oai(), sid()
         out: dict[str, Any] = {}
 

@@ -189,7 +189,7 @@ def test_a_weight_update_aborts_requests_in_flight(gws: dict[str, Gw], engines: 
 @pytest.mark.parametrize("api", APIS)
 def test_a_killed_engine_is_engine_lost_and_a_refused_one_engine_unreachable(standalone_url: str, api: str) -> None:
     eng = CliServer("engine", "--api", api, "--port", "0", "--max-len", "2048").start()
-    g = Gw(standalone_url, eng.url, api)
+    g = Gw(standalone_url, eng.url, api, "--engine-wait", "0")  # fail at once (the wait: the next test)
     try:
         s = f"kill-{uuid.uuid4().hex[:8]}"
         out: dict[str, Any] = {}
@@ -222,3 +222,65 @@ def test_a_killed_engine_is_engine_lost_and_a_refused_one_engine_unreachable(sta
     finally:
         g.close()
         eng.stop()
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_an_engine_restarted_within_the_wait_costs_the_agents_nothing(standalone_url: str, api: str) -> None:
+    """The engine is killed under a streamed answer and restarted on its port within ``--engine-wait``:
+    the stream goes on where it was cut, whole, and a turn sent while no engine listened is answered
+    once it is back; each is recorded once, every lease is settled, nothing is poisoned."""
+    eng = CliServer("engine", "--api", api, "--port", "0", "--max-len", "2048").start()
+    port = eng.url.rsplit(":", 1)[1]
+    g = Gw(standalone_url, eng.url, api, "--engine-wait", "60")
+    again: CliServer | None = None
+    try:
+        s1, s2 = f"cut-{uuid.uuid4().hex[:8]}", f"down-{uuid.uuid4().hex[:8]}"
+        out: dict[str, Any] = {}
+
+        def streamed() -> None:
+            ids: list[str] = []
+            stream = g.oai(max_retries=2).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=400, stream=True,
+                stream_options={"include_usage": True}, extra_headers={"X-Session-Id": s1}, extra_body=LONG,
+            )
+            for chunk in stream:
+                if chunk.choices:
+                    ids.append(chunk.choices[0].delta.content or "")
+                if chunk.usage is not None:
+                    out["usage"] = chunk.usage
+            out["text"] = "".join(ids)
+
+        def whole() -> None:
+            r = g.oai(max_retries=2).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "y"}], max_tokens=40, extra_headers={"X-Session-Id": s2}, extra_body=LONG,
+            )
+            out["whole"] = r
+
+        t1 = threading.Thread(target=streamed)
+        t1.start()
+        deadline = time.monotonic() + 30
+        while eng.get("/get_model_info").json()["generated_tokens"] < 20:  # the stream is under way
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
+        eng.kill()
+        t2 = threading.Thread(target=whole)  # sent while no engine listens
+        t2.start()
+        assert g.server.wait_metric("tracestore_gateway_in_flight", 2) == 2
+        time.sleep(0.5)
+        again = CliServer("engine", "--api", api, "--port", port, "--max-len", "2048").start()
+        t1.join(120)
+        t2.join(120)
+        assert out["usage"].completion_tokens == 400 and "whole" in out  # no error seen by either agent
+        assert out["whole"].usage is not None and out["whole"].usage.completion_tokens == 40
+        tr = g.trace(s1)
+        assert labelled(tr) == 400  # one answer of 400 tokens, recorded once
+        assert lease_outcomes(g.store, s1) == ["aborted", "completed"]
+        assert lease_outcomes(g.store, s2)[-1] == "completed" and set(lease_outcomes(g.store, s2)) <= {"aborted", "completed"}
+        assert g.store.gate.status().poisoned == 0 and g.store.gate.status().live == 0
+        assert g.server.metric("tracestore_gateway_engine_waits_total", event="resumed") >= 2
+        assert g.server.metric("tracestore_gateway_requests_total", route="chat_completions", status="502") == 0
+    finally:
+        g.close()
+        eng.stop()
+        if again is not None:
+            again.stop()

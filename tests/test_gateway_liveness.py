@@ -62,7 +62,9 @@ def test_a_gateway_whose_store_lost_the_run_records_nothing_and_says_so(own_serv
 def test_a_dead_engine_makes_the_gateway_unhealthy_and_sdk_calls_fail_fast(standalone_url: str) -> None:
     engine = CliServer("engine", "--port", "0").start()
     run = f"live-{uuid.uuid4().hex[:8]}"
-    gw = CliServer("gateway", "--engine", engine.url, "--url", standalone_url, "--run", run, "--port", "0").start()
+    gw = CliServer(
+        "gateway", "--engine", engine.url, "--url", standalone_url, "--run", run, "--port", "0", "--engine-wait", "1",
+    ).start()
     try:
         assert gw.get("/health").json()["checks"]["engines"] == {engine.url: True}
         engine.kill()
@@ -74,7 +76,7 @@ def test_a_dead_engine_makes_the_gateway_unhealthy_and_sdk_calls_fail_fast(stand
         with pytest.raises(openai.InternalServerError) as ei:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Session-Id": "b-1"})
         assert ei.value.status_code == 502 and ei.value.body["code"] == "engine_unreachable"  # type: ignore[index]
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 1 + 5  # the 1 s --engine-wait, then no retry
         assert gw.metric("tracestore_gateway_requests_total", route="chat_completions", status="502") - before == 1  # not retried
     finally:
         gw.stop()

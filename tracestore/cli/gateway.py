@@ -56,6 +56,14 @@ def _announce(url: str) -> None:
     help="Seconds a non-streamed turn whose client left goes on, so that the client's retry joins it (0: abort at once).",
 )
 @click.option(
+    "--engine-wait",
+    type=click.FloatRange(min=0.0, max=3600.0),
+    default=10.0,
+    show_default=True,
+    help="Seconds a turn whose engine refused it, or died under it, waits for the engine to answer "
+    "again and then goes on (a stream where it was cut); past that, or with 0, it fails with 502.",
+)
+@click.option(
     "--hold-timeout",
     type=click.FloatRange(min=0.001),
     default=600.0,
@@ -167,6 +175,7 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
         on_weight_update=kw["on_weight_update"],
         hold_timeout_s=kw["hold_timeout"],
         retry_grace_s=kw["retry_grace"],
+        engine_wait_s=kw["engine_wait"],
         otel=kw["otel"],
         url=kw["url"],
         run=kw["run"],

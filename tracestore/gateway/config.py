@@ -49,6 +49,9 @@ class GatewayConfig:
     hold_timeout_s: float = 600.0
     #: A non-streamed turn whose client left goes on this long for its retry to join it (0: aborted at once).
     retry_grace_s: float = 10.0
+    #: How long a turn whose engine refused or lost it (provably stopped) waits for the engine to
+    #: answer again before it fails (0: fails at once).
+    engine_wait_s: float = 10.0
     tokenizer: str = "builtin"
     tool_parser: str = "hermes"
     reasoning_parser: str = "none"
@@ -94,6 +97,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.retry_grace_s <= 3600:
             raise ConfigError(f"retry_grace_s must be in [0, 3600], got {self.retry_grace_s}")
+        if not 0 <= self.engine_wait_s <= 3600:
+            raise ConfigError(f"engine_wait_s must be in [0, 3600], got {self.engine_wait_s}")
         if self.redis_connections < 8:
             raise ConfigError(f"redis_connections must be at least 8, got {self.redis_connections}")
         for name in ("max_body_bytes", "default_max_tokens", "trace_sessions"):

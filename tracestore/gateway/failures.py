@@ -7,7 +7,10 @@ and the metric that counts it. The outcome follows what is *known* about the
 request (DESIGN section 6): ``failed`` when the engine provably did not
 generate for it or nothing was recorded, ``aborted`` when the gateway or a
 weight update stopped it, ``unknown`` when the engine may have run it and we
-cannot tell (the gate is then poisoned until someone resolves the lease).
+cannot tell (the gate is then poisoned until someone resolves the lease). A
+lost engine connection is ``unknown`` in the table; the turn first asks the
+engine (``Engine.stopped``) and settles ``aborted`` when the request provably
+runs no more (:mod:`.turn`, :mod:`.holds`).
 """
 
 from __future__ import annotations

@@ -85,6 +85,9 @@ class Metrics:
         self.held = Counter(
             f"{ns}_held", "Generations a weight update stopped, by what became of them.", ["event"], registry=r
         )
+        self.engine_waits = Counter(
+            f"{ns}_engine_waits", "Turns that waited for their engine to come back, by how it ended.", ["event"], registry=r
+        )
         self.retries = Counter(
             f"{ns}_retries", "Retried turns answered without a new generation, by how.", ["outcome"], registry=r
         )

@@ -36,8 +36,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..errors import GateSealed, TracestoreError
+from ..errors import GateSealed
 from ..gate import Lease
+from . import holds
 from .admission import Admitted, Flight
 from .chat import Answer, ApiError, ChatRequest, Wire, invalid, new_id
 from .engines import EngineLost, EngineOutput, EngineRefused, EngineRequest, extend_ids
@@ -158,7 +159,7 @@ class Turn:
         if isinstance(lease, GateSealed) and not isinstance(prep, BaseException) and not isinstance(entry, BaseException):
             s.admission.abort_all("weight_update")  # learnt of a seal: stop what runs now
             if s.config.on_weight_update == "continue":
-                lease = await self._wait_for_gate(sid, hint, rid)  # the agent does not see the update at all
+                lease = await holds.wait_for_gate(self, sid, hint, rid)  # the agent does not see the update at all
         errors = [x for x in (prep, entry, lease) if isinstance(x, BaseException)]
         if errors:
             if isinstance(lease, Lease):
@@ -270,6 +271,10 @@ class Turn:
                             await self.out.push(chunk.ids, chunk.finish is not None, chunk.finish == "stop")
                     else:
                         gen.add_output(await flight.engine.generate(ereq), version)
+            except (EngineRefused, EngineLost) as exc:
+                if await holds.engine_back(self, exc):
+                    continue  # the engine answers again: the same turn goes on under a new lease
+                raise
             finally:
                 self.timing.engine_s += time.perf_counter() - t0
             flight.engine_done = True
@@ -280,57 +285,7 @@ class Turn:
             reason = flight.abort_reason or "engine_abort"
             if reason != "weight_update" or s.config.on_weight_update != "continue" or self.sid is None:
                 raise TurnAborted(reason)
-            await self._hold(input_ids)
-
-    async def _hold(self, input_ids: Sequence[int]) -> None:
-        """Settle the lease (the drain goes on), keep the tokens so far in the store (a retry on
-        any gateway resumes from them), wait for the gate to reopen, and admit the turn again
-        (a new engine request id) to continue it."""
-        s, flight, gen = self.s, self.flight, self.gen
-        assert flight is not None and self.sid is not None
-        # the engine request is over: settle first, so the drain never waits on the keeping
-        await s.admission.settle_flight(flight, "aborted")
-        s.metrics.held.labels("held").inc()
-        if self.prep is not None and self.prep.key is not None:
-            try:
-                await s.db(
-                    s.store.keep_partial(
-                        self.sid, self.prep.key, gen.ids, gen.logprobs, gen.versions, len(input_ids),
-                        ttl_s=s.config.hold_timeout_s,
-                    )
-                )
-                self.kept = True
-            except TracestoreError as exc:  # kept in this process only: a retry elsewhere regenerates
-                log.warning("gateway: could not keep the tokens of held turn %s: %s", flight.rid, exc)
-        rid = new_id("req-")
-        lease = await self._wait_for_gate(self.sid, flight.engine.url, rid)
-        nxt = Flight(rid, self.sid, flight.engine, lease)
-        self.flight = nxt
-        s.admission.register(nxt)
-        self.continued = True
-
-    async def _wait_for_gate(self, sid: str, engine: str | None, rid: str) -> Lease:
-        """Wait (at most ``--hold-timeout``) until the gate reopens and admits ``sid``; its lease.
-
-        Raises TurnAborted("hold_timeout") when it does not, and what admission raises
-        otherwise (SessionReleased...). Streams get keep-alive comments meanwhile.
-        """
-        s = self.s
-        deadline = time.monotonic() + s.config.hold_timeout_s
-        with s.admission.holding():
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    s.metrics.held.labels("timed_out").inc()
-                    raise TurnAborted("hold_timeout")
-                if not await s.admission.wait_open(min(left, 10.0)):
-                    if self.out is not None:
-                        await self.out.keepalive()
-                    continue
-                try:
-                    return await s.admission.admit(sid, engine, rid)
-                except GateSealed:
-                    s.admission.sealed()
+            await holds.hold(self, input_ids)
 
     # -- the answer and 4: the record -------------------------------------------------------
 
