@@ -6,8 +6,9 @@ its turn a second later) through one ``tracestore gateway`` in front of
 ``tracestore engine``, and an updater that runs a weight update every 3 s
 and never clears poison. One fault per scenario, after 10 s of load, then 25 s
 more: ``baseline`` (none), ``engine`` (SIGKILL, restarted on its port 1 s
-later), ``gateway`` (SIGKILL, restarted on its port 1 s later), on the
-embedded server; ``primary`` (SIGKILL of the control slot's primary of a
+later), ``gateway`` (SIGKILL, restarted on its port 1 s later),
+``gateway_pair`` (the same, with a second gateway process on the same port,
+``--reuse-port``: the agents' retries land on it), on the embedded server; ``primary`` (SIGKILL of the control slot's primary of a
 3+3 cluster with a 2 s node timeout: the cluster fails over by itself).
 
 Per scenario: calls ok / failed (by error) and in the fault window (calls
@@ -39,22 +40,25 @@ from tracestore.servers.ports import free_port
 MODEL = "tracestore-reference"
 AGENTS = 16
 TOK = BuiltinTokenizer()
-SCENARIOS = ("baseline", "engine", "gateway", "primary")
+SCENARIOS = ("baseline", "engine", "gateway", "gateway_pair", "primary")
 
 
 def engine_proc(port: int) -> CliServer:
     return CliServer("engine", "--port", str(port), "--max-len", "4096", "--max-batch", "64").start()
 
 
-def gateway_proc(engine_url: str, url: str, run: str, port: int) -> CliServer:
-    return CliServer("gateway", "--engine", engine_url, "--url", url, "--run", run, "--port", str(port)).start()
+def gateway_proc(engine_url: str, url: str, run: str, port: int, *extra: str) -> CliServer:
+    return CliServer("gateway", "--engine", engine_url, "--url", url, "--run", run, "--port", str(port), *extra).start()
 
 
 def scenario(name: str, url: str, fault: str, cluster: LocalCluster | None = None, load_s: tuple[float, float] = (10.0, 25.0)) -> dict[str, Any]:
     run = f"rel-{name}-{uuid.uuid4().hex[:6]}"
     eport, gport = free_port(), free_port()
     eng = engine_proc(eport)
-    gw = gateway_proc(eng.url, url, run, gport)
+    pair = fault == "gateway_pair"  # two gateway processes on one port (--reuse-port); one is killed
+    extra = ("--reuse-port",) if pair else ()
+    gw = gateway_proc(eng.url, url, run, gport, *extra)
+    other = gateway_proc(eng.url, url, run, gport, *extra) if pair else None
     gw_url = gw.url
     st = TraceStore.connect(url, run=run)
     upd_store = TraceStore.connect(url, run=run)
@@ -120,10 +124,10 @@ def scenario(name: str, url: str, fault: str, cluster: LocalCluster | None = Non
         time.sleep(1.0)
         procs["eng"] = engine_proc(eport)
         healed = time.monotonic()
-    elif fault == "gateway":
+    elif fault in ("gateway", "gateway_pair"):
         gw.kill()
         time.sleep(1.0)
-        procs["gw"] = gateway_proc(eng.url, url, run, gport)
+        procs["gw"] = gateway_proc(eng.url, url, run, gport, *extra)
         healed = time.monotonic()
     elif fault == "primary":
         assert cluster is not None
@@ -194,6 +198,8 @@ def scenario(name: str, url: str, fault: str, cluster: LocalCluster | None = Non
           f"gate {gate_end['state']} live {gate_end['live']} poisoned {gate_end['poisoned']}, not recorded exactly {out['ok_not_recorded_exactly_n']}, "
           f"failed but recorded {out['failed_but_recorded_n']}", flush=True)
     procs["gw"].stop()
+    if other is not None:
+        other.stop()
     procs["eng"].stop()
     st.close()
     upd_store.close()
@@ -206,7 +212,7 @@ def run(quick: bool) -> dict[str, Any]:
     res: dict[str, Any] = {"agents": AGENTS, "load_s": list(load)}
     server = EmbeddedServer().start()
     try:
-        for f in ("baseline", "engine", "gateway"):
+        for f in ("baseline", "engine", "gateway", "gateway_pair"):
             res[f] = scenario(f, server.url, f, None, load)
     finally:
         server.stop()

@@ -163,3 +163,45 @@ def test_a_killed_gateways_lease_is_resolved_by_a_live_one_and_the_next_update_s
         b.stop()
         engine.stop()
         st.close()
+
+
+def test_two_gateways_on_one_port_carry_an_agent_through_the_death_of_one(standalone_url: str) -> None:
+    """``--reuse-port``: two gateway processes of a run serve one port. The one serving an agent's
+    call is killed mid-generation; the SDK's default retry connects to the other, which answers
+    it: the agent sees no error, the turn is recorded once, and the dead one's lease is resolved."""
+    from tracestore.servers.ports import free_port
+
+    engine = CliServer("engine", "--port", "0", "--max-len", "8192").start()
+    run = f"pair-{uuid.uuid4().hex[:8]}"
+    port = str(free_port())
+    args = ("--engine", engine.url, "--url", standalone_url, "--run", run, "--port", port, "--reuse-port")
+    pair = [CliServer("gateway", *args).start(), CliServer("gateway", *args).start()]
+    st = TraceStore.connect(standalone_url, run=run)
+    out: dict[str, object] = {}
+
+    def agent() -> None:
+        out["reply"] = openai.OpenAI(base_url=pair[0].url + "/v1", api_key="unused").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=3000,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "p-1"},
+        )
+
+    t = threading.Thread(target=agent)
+    try:
+        assert pair[0].url == pair[1].url  # one address
+        t.start()
+        assert _wait(lambda: st.gate.status().live == 1)
+        serving = next(g for g in pair if g.metric("tracestore_gateway_in_flight") == 1)
+        serving.kill()  # dies holding the call, its lease and its engine request
+        t.join(120)
+        reply = out["reply"]
+        assert isinstance(reply, openai.types.chat.ChatCompletion) and reply.usage is not None
+        assert reply.usage.completion_tokens == 3000
+        assert len(st.trace_keys("p-1")) == 2  # one turn: its prompt node and its answer node
+        assert _wait(lambda: st.gate.status().live == 0 and st.gate.status().poisoned == 0, timeout_s=30)
+        outcomes = lease_outcomes(st, "p-1")
+        assert outcomes.count("completed") == 1 and set(outcomes) <= {"completed", "aborted"}, outcomes
+    finally:
+        for g in pair:
+            g.stop()
+        engine.stop()
+        st.close()

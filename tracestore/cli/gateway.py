@@ -89,6 +89,13 @@ def _announce(url: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free port).")
 @click.option(
+    "--reuse-port",
+    is_flag=True,
+    help="Let several gateway processes of the run serve this port (SO_REUSEPORT): the kernel spreads "
+    "connections over them, and a client whose gateway died retries onto another, which resumes "
+    "its held turn. Needs an explicit --port.",
+)
+@click.option(
     "--tokenizer",
     default="builtin",
     show_default=True,
@@ -195,7 +202,10 @@ def gateway(engines: tuple[str, ...], **kw: Any) -> None:
     )
     try:
         cfg.validate()
-        serve_forever(lambda: make_app(cfg), kw["host"], kw["port"], _announce)
+        if kw["reuse_port"] and not kw["port"]:
+            fail("--reuse-port needs an explicit --port (with 0 each process would pick its own)", EXIT_CONFIG)
+            return
+        serve_forever(lambda: make_app(cfg), kw["host"], kw["port"], _announce, reuse_port=kw["reuse_port"])
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
     except TracestoreError as exc:  # an InvalidId (--run, --owner) is a usage error too: exit 2

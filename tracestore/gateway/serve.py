@@ -24,13 +24,15 @@ from aiohttp import web
 AppFactory = Callable[[], Awaitable[web.Application]]
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Bind ``app`` on ``host:port``; returns the runner and the URL actually bound."""
+async def start_site(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> tuple[web.AppRunner, str]:
+    """Bind ``app`` on ``host:port``; returns the runner and the URL actually bound. ``reuse_port``:
+    SO_REUSEPORT, so that several processes serve one port (the kernel spreads new connections
+    over them; a client whose process died connects to another on its retry)."""
     # auto_decompress off: a body's Content-Encoding is the handler's to decode (the gateway answers an
     # encoding it does not take, or a body that is not what its header says, with a 4xx in the caller's shape)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0, auto_decompress=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     try:
         await site.start()
     except BaseException:
@@ -41,12 +43,15 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     return runner, f"http://{shown}:{bound}"
 
 
-def serve_forever(make_app: AppFactory, host: str, port: int, announce: Callable[[str], None]) -> None:
-    """Run the app until SIGINT/SIGTERM; ``announce(url)`` is called once it listens."""
+def serve_forever(
+    make_app: AppFactory, host: str, port: int, announce: Callable[[str], None], *, reuse_port: bool = False
+) -> None:
+    """Run the app until SIGINT/SIGTERM; ``announce(url)`` is called once it listens (``reuse_port``:
+    see :func:`start_site`)."""
 
     async def main() -> None:
         app = await make_app()
-        runner, url = await start_site(app, host, port)
+        runner, url = await start_site(app, host, port, reuse_port=reuse_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
