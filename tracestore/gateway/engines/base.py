@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import aiohttp
+import numpy as np  # the gateway extra has numpy (imported here, not on a first turn)
 import orjson
 
 from ...traces import TokenIds
@@ -276,8 +277,6 @@ def ids_json(ids: Sequence[int]) -> Any:
         return ids
     buf = ids.array() if isinstance(ids, TokenIds) else ids
     if isinstance(buf, array) and buf.typecode == "i":
-        import numpy as np  # the gateway extra has numpy
-
         return np.frombuffer(buf, dtype=np.int32)
     return list(ids)
 
