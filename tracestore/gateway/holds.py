@@ -1,5 +1,7 @@
 """Where a turn waits: for the gate to reopen, or for its engine to come back.
 
+Functions of a :class:`~.turn.Turn` (``turn``), which calls them.
+
 * **Held** (``--on-weight-update continue``): a weight update stopped the
   turn's generation. Its lease is settled (the drain goes on), its tokens so
   far are kept in the store (a retry on any gateway resumes from them), and
@@ -20,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..errors import GateSealed, TracestoreError
 from ..gate import Lease
@@ -29,16 +31,13 @@ from .chat import new_id
 from .engines import EngineLost, EngineRefused
 from .failures import TurnAborted
 
-if TYPE_CHECKING:
-    from .turn import Turn
-
 log = logging.getLogger(__name__)
 
 #: How often a turn waiting for its engine to come back asks for its health (s).
 ENGINE_POLL_S = 0.25
 
 
-async def hold(turn: Turn, input_ids: Sequence[int]) -> None:
+async def hold(turn: Any, input_ids: Sequence[int]) -> None:
     """Settle the lease (the drain goes on), keep the tokens so far in the store (a retry on
     any gateway resumes from them), wait for the gate to reopen, and admit the turn again
     (a new engine request id) to continue it."""
@@ -65,7 +64,7 @@ async def hold(turn: Turn, input_ids: Sequence[int]) -> None:
     s.admission.register(nxt)
     turn.continued = True
 
-async def engine_back(turn: Turn, exc: EngineRefused | EngineLost) -> bool:
+async def engine_back(turn: Any, exc: EngineRefused | EngineLost) -> bool:
     """The engine refused or lost this turn's request: when the request provably runs no more
     (refused; or lost, and its engine stopped it or is gone), settle its lease, wait (at most
     ``--engine-wait``) for the engine to answer again and admit the turn anew; True then (the
@@ -96,7 +95,7 @@ async def engine_back(turn: Turn, exc: EngineRefused | EngineLost) -> bool:
     s.admission.register(nxt)
     return True
 
-async def wait_for_gate(turn: Turn, sid: str, engine: str | None, rid: str) -> Lease:
+async def wait_for_gate(turn: Any, sid: str, engine: str | None, rid: str) -> Lease:
     """Wait (at most ``--hold-timeout``) until the gate reopens and admits ``sid``; its lease.
 
     Raises TurnAborted("hold_timeout") when it does not, and what admission raises
@@ -115,7 +114,8 @@ async def wait_for_gate(turn: Turn, sid: str, engine: str | None, rid: str) -> L
                     await turn.out.keepalive()
                 continue
             try:
-                return await s.admission.admit(sid, engine, rid)
+                lease: Lease = await s.admission.admit(sid, engine, rid)
+                return lease
             except GateSealed:
                 s.admission.sealed()
 
