@@ -137,6 +137,11 @@ class Report:
     gateway_410s: int | None
     agent_turns_given_up: int | None
     gateway_overhead_p50_ms: float | None
+    #: The p50 of each part of the gateway's own time of a turn (ms; the parts of
+    #: ``tracestore_gateway_latency_seconds{part}``: parse, admit, experts, record, respond, other)
+    #: and of its engine call; p50s of parts do not add up to the p50 of the whole.
+    gateway_overhead_parts_p50_ms: dict[str, float] | None
+    gateway_engine_p50_ms: float | None
     # the cluster: where each role ran, rollout workers lost mid-run and how each was reclaimed
     placement: dict[str, str]
     workers_lost: dict[str, dict[str, int]]
@@ -190,6 +195,7 @@ def build_report(
     holders = [w.holder for w in end.workers] + ([gw.holder] if gw is not None else [])
     by_status = gw.gateway.by_status if gw is not None else {}
     overhead = gw.gateway.overhead_p50_s if gw is not None else None
+    parts = gw.gateway.parts_p50_s if gw is not None else {}
     steps_done = cfg.steps + 1 - start.step
     return Report(
         mode=cfg.mode,
@@ -239,6 +245,8 @@ def build_report(
         gateway_410s=by_status.get("410", 0) if gw is not None else None,
         agent_turns_given_up=http.gave_up if http is not None else None,
         gateway_overhead_p50_ms=1000 * overhead if overhead is not None else None,
+        gateway_overhead_parts_p50_ms={k: 1000 * v for k, v in parts.items() if k != "engine"} if gw is not None else None,
+        gateway_engine_p50_ms=1000 * parts["engine"] if "engine" in parts else None,
         placement=end.placement,
         workers_lost={w: end.learner.lost_workers.get(w, {}) for w in end.lost_workers},
         reclaimed_after_crash=start.reclaimed,
@@ -324,6 +332,8 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("gateway 410s", "gateway_410s"),
     ("agent turns given up after retries", "agent_turns_given_up"),
     ("p50 gateway overhead (ms)", "gateway_overhead_p50_ms"),
+    ("  by part (p50, ms)", "gateway_overhead_parts_p50_ms"),
+    ("p50 gateway engine call (ms)", "gateway_engine_p50_ms"),
 ]
 
 
@@ -336,6 +346,8 @@ def report_rows(report: Report) -> list[list[object]]:
             v = len(set(v.values())) or "-"
         elif key == "tracestore_time_share_by_role":
             v = " / ".join(f"{100 * x:.1f}%" for x in v.values())
+        elif key == "gateway_overhead_parts_p50_ms" and v is not None:
+            v = ", ".join(f"{k} {x:.3g}" for k, x in v.items()) or "-"
         elif key == "workers_lost":
             v = ", ".join(v) if v else 0
         elif isinstance(v, float):

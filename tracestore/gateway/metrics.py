@@ -40,6 +40,7 @@ benchmarks) apart.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -51,14 +52,30 @@ _BUCKETS = (
 )
 
 
+#: The parts of a turn's own time (``latency_seconds{part}`` and the report's overhead split):
+#: ``parse`` body read and parse, ``admit`` the admission round trip (gate lease, route,
+#: prepare; with the wait for its coalesced batch), ``experts`` decoding routed experts and
+#: putting them into the holder, ``record`` open and ``record_turn``, ``respond`` the answer
+#: built and written; ``other`` is what is left of total minus the engine call.
+PARTS = ("parse", "admit", "experts", "record", "respond")
+
+
 @dataclass
 class Timing:
     """Where one request's time went: ``engine_s`` in engine calls, ``store_s`` in store calls on
-    its path (``start``: ``perf_counter`` when it arrived)."""
+    its path, ``parts`` the gateway's own time by part (:data:`PARTS`; ``start``:
+    ``perf_counter`` when the handler began)."""
 
     start: float = field(default_factory=time.perf_counter)
     engine_s: float = 0.0
     store_s: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, part: str, since: float) -> float:
+        """Count the time from ``since`` (a ``perf_counter``) to now in ``part``; returns now."""
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - since
+        return now
 
 
 class Metrics:
@@ -93,9 +110,51 @@ class Metrics:
         )
         self.gate_polls = Counter(f"{ns}_gate_polls", "Gate status reads of the seal watcher.", registry=r)
 
+    def observe(self, timing: Timing, total: float, recent: Recent) -> None:
+        """A turn's latency by part into the histograms and ``recent`` (total and engine always;
+        ``overhead``, its parts and ``other`` when an engine was called)."""
+        lat = self.latency
+        lat.labels("total").observe(total)
+        recent.add("total", total)
+        if timing.store_s:
+            lat.labels("tracestore").observe(timing.store_s)
+        if not timing.engine_s:
+            return
+        lat.labels("engine").observe(timing.engine_s)
+        recent.add("engine", timing.engine_s)
+        own = total - timing.engine_s
+        recent.add("overhead", own)
+        for part in PARTS:
+            x = timing.parts.get(part, 0.0)
+            lat.labels(part).observe(x)
+            recent.add(part, x)
+        other = max(0.0, own - sum(timing.parts.values()))
+        lat.labels("other").observe(other)
+        recent.add("other", other)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return bytes(generate_latest(self.registry))
 
 
-__all__ = ["Metrics", "Timing"]
+class Recent:
+    """The last ``keep`` samples of each series (seconds), for percentiles in reports."""
+
+    def __init__(self, keep: int = 10_000) -> None:
+        self._keep = keep
+        self._series: dict[str, deque[float]] = {}
+
+    def add(self, name: str, x: float) -> None:
+        """Append ``x`` to series ``name``."""
+        q = self._series.get(name)
+        if q is None:
+            q = self._series[name] = deque(maxlen=self._keep)
+        q.append(x)
+
+    def pct(self, name: str, q: float) -> float | None:
+        """The ``q`` quantile of series ``name`` (None: no sample)."""
+        xs = sorted(self._series.get(name, ()))
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+__all__ = ["PARTS", "Metrics", "Recent", "Timing"]

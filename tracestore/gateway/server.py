@@ -17,7 +17,6 @@ import copy
 import dataclasses
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,7 +39,7 @@ from .endpoints import session_and_owner, trace_body
 from .engines import Engine, engine_class
 from .idprompts import TokenPrompts
 from .liveness import Liveness, health_body
-from .metrics import Metrics, Timing
+from .metrics import PARTS, Metrics, Recent, Timing
 from .parsers import reasoning_parser
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
@@ -74,11 +73,9 @@ class GatewayStats:
     overhead_p50_s: float | None
     overhead_p99_s: float | None
     total_p50_s: float | None
-
-
-def _pct(xs: deque[float], q: float) -> float | None:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+    #: p50 of each part of the overhead (:data:`.metrics.PARTS` and ``other``) and of the
+    #: engine call, in seconds (empty: no sample).
+    parts_p50_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Gateway:
@@ -112,8 +109,7 @@ class Gateway:
         self.metrics = Metrics()
         self._owns_store = owns_store
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._overhead: deque[float] = deque(maxlen=10_000)
-        self._total: deque[float] = deque(maxlen=10_000)
+        self._recent = Recent()
         self._status: dict[str, int] = {}
         # Each store call holds one pooled connection; past the pool size redis-py raises
         # instead of waiting, so calls queue here (a few connections stay for the watcher).
@@ -249,9 +245,12 @@ class Gateway:
             requests=sum(self._status.values()),
             by_status=dict(self._status),
             in_flight=len(self.admission.flights),
-            overhead_p50_s=_pct(self._overhead, 0.5),
-            overhead_p99_s=_pct(self._overhead, 0.99),
-            total_p50_s=_pct(self._total, 0.5),
+            overhead_p50_s=self._recent.pct("overhead", 0.5),
+            overhead_p99_s=self._recent.pct("overhead", 0.99),
+            total_p50_s=self._recent.pct("total", 0.5),
+            parts_p50_s={
+                p: x for p in (*PARTS, "other", "engine") if (x := self._recent.pct(p, 0.5)) is not None
+            },
         )
 
     # -- what every request shares ----------------------------------------------------------
@@ -277,16 +276,9 @@ class Gateway:
         finally:
             self.metrics.requests.labels(route, status).inc()
             if turn:
-                total = time.perf_counter() - timing.start
                 self._status[status] = self._status.get(status, 0) + 1
-                self._total.append(total)
                 self.metrics.in_flight.dec()
-                self.metrics.latency.labels("total").observe(total)
-                if timing.engine_s:
-                    self.metrics.latency.labels("engine").observe(timing.engine_s)
-                    self._overhead.append(total - timing.engine_s)
-                if timing.store_s:
-                    self.metrics.latency.labels("tracestore").observe(timing.store_s)
+                self.metrics.observe(timing, time.perf_counter() - timing.start, self._recent)
 
     def _error(self, wire: Wire, err: ApiError) -> web.Response:
         return web.Response(
@@ -398,6 +390,7 @@ class Gateway:
                 code="model_not_found",
             )
         sid, owner = session_and_owner(request, body, self.owner)
+        request[TIMING].add("parse", request[TIMING].start)
         if wire is responses:  # previous_response_id: the conversation kept in the store (and its session)
             req, sid = await stateful.resolve(self.store, self._db, body, req, sid)
         services = self.completion_services if wire is completions else self.services

@@ -155,7 +155,7 @@ class Turn:
             s.spawn(self._settle_phase(phase))
             raise
         lease, (prep, entry) = got.lease, got.results
-        self.timing.store_s += time.perf_counter() - t0
+        self.timing.store_s += self.timing.add("admit", t0) - t0
         if isinstance(lease, GateSealed) and not isinstance(prep, BaseException) and not isinstance(entry, BaseException):
             s.admission.abort_all("weight_update")  # learnt of a seal: stop what runs now
             if s.config.on_weight_update == "continue":
@@ -204,10 +204,13 @@ class Turn:
             if self.out is not None and gen.ids:  # resumed: what the client has not seen yet
                 await self.out.push(gen.ids, False, False)
             await self._generate(input_ids)
+            t0 = time.perf_counter()
             answer = self._answer(gen.output(), len(input_ids))
+            self.timing.add("respond", t0)
             await self._record(answer, gen)
             if self.req.on_recorded is not None and self.sid is not None:
                 await self.req.on_recorded(answer)  # Responses: keep the items (previous_response_id)
+            t0 = time.perf_counter()
             if self.out is not None:
                 resp = await self.out.end(answer)
             else:
@@ -218,6 +221,7 @@ class Turn:
                 )
                 await resp.prepare(self.request)
                 await resp.write_eof()
+            self.timing.add("respond", t0)
             assert self.flight is not None
             settling = s.admission.completed(self.flight)
             if settling is not None:
@@ -301,10 +305,11 @@ class Turn:
         assert flight is not None and flight.lease is not None and self.sid is not None
         t0 = time.perf_counter()
         await s.open_once(self.sid, self.owner)
-        self.timing.store_s += time.perf_counter() - t0
+        t1 = self.timing.add("record", t0)
+        self.timing.store_s += t1 - t0
         experts = await s.prompts.put_experts(prep, gen.output())
         versions = gen.versions if len(gen.distinct_versions) > 1 else None
-        t0 = time.perf_counter()
+        t0 = self.timing.add("experts", t1)
         kept = s.retries.kept(self, answer)  # the answer kept for retries, in the same write
         flight.record_task = asyncio.ensure_future(
             s.db(s.prompts.write(prep, self.req, answer, experts, flight.lease.version, versions, kept))
@@ -314,7 +319,7 @@ class Turn:
                 await asyncio.shield(flight.record_task)
             s.retries.recorded(self, answer)
         finally:
-            self.timing.store_s += time.perf_counter() - t0
+            self.timing.store_s += self.timing.add("record", t0) - t0
         s.metrics.turns.inc()
         s.metrics.tokens.labels("completion").inc(answer.completion_tokens)
         if prep.fork is not None:
