@@ -43,9 +43,48 @@ class PutAhead:
         return self.keys.pop(0)
 
 
-async def put_parts(holder: ExpertHolder, sid: str, b64: str, shape: Sequence[int] | None, prefix: int, delta: int, output: int) -> tuple[Any, list[str]]:
+#: A batch of routed experts up to this many bytes is put from the event loop itself: Ray keeps
+#: objects this small in the process's own memory store, so the put costs tens of microseconds,
+#: less than the two thread switches a worker thread would cost (each a wait for a core on a
+#: busy machine). A bigger batch goes to a worker thread (a put into the shared object store blocks).
+INLINE_BYTES = 64 * 1024
+
+
+class Puts:
+    """The routed-expert puts of one gateway into ``holder``: the parts every turn hands in
+    during one event-loop iteration are put together, from the loop when small
+    (:data:`INLINE_BYTES`), else from one worker thread (before: two thread hops per turn)."""
+
+    def __init__(self, holder: ExpertHolder) -> None:
+        from .admission import Coalescer  # admission imports the engines; this module is lighter
+
+        self.holder = holder
+        self._batches: Coalescer[tuple[str, list[Any]], list[str]] = Coalescer(self._flush, 4096)
+
+    async def put(self, sid: str, parts: Sequence[Any]) -> list[str]:
+        """Put ``parts`` of session ``sid``; their keys, in order."""
+        return await self._batches.submit((sid, list(parts)))
+
+    async def _flush(self, items: list[tuple[str, list[Any]]]) -> list[list[str] | BaseException]:
+        pairs = [(sid, x) for sid, parts in items for x in parts]
+        if sum(int(getattr(x, "nbytes", 0)) for _, x in pairs) <= INLINE_BYTES:
+            keys = self._put(pairs)
+        else:
+            keys = await asyncio.get_running_loop().run_in_executor(None, self._put, pairs)
+        out: list[list[str] | BaseException] = []
+        for _, parts in items:
+            out.append(keys[: len(parts)])
+            keys = keys[len(parts) :]
+        return out
+
+    def _put(self, pairs: list[tuple[str, Any]]) -> list[str]:
+        # one put per part (not put_many's shared list): a key's ref stays its own value
+        return [self.holder.put(sid, x) for sid, x in pairs]
+
+
+async def put_parts(puts: Puts, sid: str, b64: str, shape: Sequence[int] | None, prefix: int, delta: int, output: int) -> tuple[Any, list[str]]:
     """Decode an engine's routed experts (``prefix + delta + output - 1`` rows) and put the delta's
-    rows (when ``delta``) and the answer's rows into ``holder`` ahead of the write.
+    rows (when ``delta``) and the answer's rows into the holder of ``puts`` ahead of the write.
 
     Returns the array (with its dummy row 0) and the keys, delta's first. Raises ValueError when
     the rows do not match the tokens.
@@ -53,16 +92,7 @@ async def put_parts(holder: ExpertHolder, sid: str, b64: str, shape: Sequence[in
     experts = decode_experts(b64, shape, prefix + delta + output - 1)
     p, d = prefix, delta
     parts = ([experts[p : p + d]] if d else []) + [experts[p + d :]]
-    return experts, await put_ahead(holder, sid, parts)
+    return experts, await puts.put(sid, parts)
 
 
-async def put_ahead(holder: ExpertHolder, sid: str, parts: Sequence[Any]) -> list[str]:
-    """Put each part into ``holder`` on a worker thread; their keys, in order.
-
-    ``ray.put`` blocks; on the event loop it would stall every other request.
-    """
-    loop = asyncio.get_running_loop()
-    return [await loop.run_in_executor(None, holder.put, sid, x) for x in parts]
-
-
-__all__ = ["PutAhead", "decode_experts", "put_ahead", "put_parts"]
+__all__ = ["INLINE_BYTES", "PutAhead", "Puts", "decode_experts", "put_parts"]

@@ -28,7 +28,7 @@ from ..store import AsyncTraceStore
 from ..traces import KeptAnswer, Partial, Trace
 from .chat import Answer, ApiError, ChatRequest, Message
 from .engines import EngineOutput
-from .experts import PutAhead, put_parts
+from .experts import PutAhead, Puts, put_parts
 from .failures import Unrecordable
 from .tokenizer import ChatTokenizer
 
@@ -96,6 +96,7 @@ class TemplatePrompts:
         self.store = store
         self.tok = tok
         self.holder = holder
+        self.puts = Puts(holder) if holder is not None else None
         self.remember = remember
         self._last: OrderedDict[str, tuple[list[Message], Message, ChatRequest]] = OrderedDict()
 
@@ -130,13 +131,13 @@ class TemplatePrompts:
 
     async def put_experts(self, prep: Prepared, out: EngineOutput) -> Any:
         """Split the engine's rows into the delta's and the answer's and put both ahead of the write."""
-        if self.holder is None or out.routed_experts is None:
+        if self.puts is None or out.routed_experts is None:
             return None
         rec, r = prep.state
         assert isinstance(r, Request) and isinstance(rec.holder, PutAhead)
         try:
             experts, rec.holder.keys = await put_parts(
-                self.holder, prep.sid, out.routed_experts, out.experts_shape,
+                self.puts, prep.sid, out.routed_experts, out.experts_shape,
                 len(r.prefix.token_ids), len(r.delta_ids), len(out.output_ids),
             )
         except ValueError as exc:

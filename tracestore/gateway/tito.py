@@ -52,7 +52,7 @@ from ..store import AsyncTraceStore
 from ..traces import KeptAnswer, Partial, PrefixMatch, TokenIds, Trace
 from .chat import Answer, ApiError, ChatRequest, Message, invalid
 from .engines import EngineOutput, extend_ids
-from .experts import put_parts
+from .experts import Puts, put_parts
 from .failures import Unrecordable
 from .prompts import Prepared
 from .tokenizer import ChatTokenizer
@@ -84,6 +84,7 @@ class TitoPrompts:
         self.store = store
         self.tok = tok
         self.holder = holder
+        self.puts = Puts(holder) if holder is not None else None
         self.remember = remember
         self.stop_ids = frozenset(tok.stop_token_ids)
         self._last: OrderedDict[str, str] = OrderedDict()
@@ -155,12 +156,12 @@ class TitoPrompts:
 
     async def put_experts(self, prep: Prepared, out: EngineOutput) -> Any:
         """Put the delta's and the answer's routed-expert rows into the holder ahead of the write."""
-        if self.holder is None or out.routed_experts is None:
+        if self.puts is None or out.routed_experts is None:
             return None
         plan: _Plan = prep.state
         try:
             experts, keys = await put_parts(
-                self.holder, prep.sid, out.routed_experts, out.experts_shape,
+                self.puts, prep.sid, out.routed_experts, out.experts_shape,
                 len(plan.match.token_ids), len(plan.delta), len(out.output_ids),
             )
         except ValueError as exc:
