@@ -142,6 +142,10 @@ class Report:
     #: and of its engine call; p50s of parts do not add up to the p50 of the whole.
     gateway_overhead_parts_p50_ms: dict[str, float] | None
     gateway_engine_p50_ms: float | None
+    #: Seconds the gateway's event-loop thread ran on a core and waited runnable for one during
+    #: the run (Linux; None elsewhere): the CPU contention its turns queue behind.
+    gateway_loop_run_s: float | None
+    gateway_loop_wait_s: float | None
     # the cluster: where each role ran, rollout workers lost mid-run and how each was reclaimed
     placement: dict[str, str]
     workers_lost: dict[str, dict[str, int]]
@@ -247,6 +251,8 @@ def build_report(
         gateway_overhead_p50_ms=1000 * overhead if overhead is not None else None,
         gateway_overhead_parts_p50_ms={k: 1000 * v for k, v in parts.items() if k != "engine"} if gw is not None else None,
         gateway_engine_p50_ms=1000 * parts["engine"] if "engine" in parts else None,
+        gateway_loop_run_s=gw.gateway.loop_run_s if gw is not None else None,
+        gateway_loop_wait_s=gw.gateway.loop_wait_s if gw is not None else None,
         placement=end.placement,
         workers_lost={w: end.learner.lost_workers.get(w, {}) for w in end.lost_workers},
         reclaimed_after_crash=start.reclaimed,
@@ -334,6 +340,7 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("p50 gateway overhead (ms)", "gateway_overhead_p50_ms"),
     ("  by part (p50, ms)", "gateway_overhead_parts_p50_ms"),
     ("p50 gateway engine call (ms)", "gateway_engine_p50_ms"),
+    ("gateway loop on a core / waiting for one (s)", "gateway_loop_run_s"),
 ]
 
 
@@ -348,6 +355,9 @@ def report_rows(report: Report) -> list[list[object]]:
             v = " / ".join(f"{100 * x:.1f}%" for x in v.values())
         elif key == "gateway_overhead_parts_p50_ms" and v is not None:
             v = ", ".join(f"{k} {x:.3g}" for k, x in v.items()) or "-"
+        elif key == "gateway_loop_run_s" and v is not None:
+            w = report.gateway_loop_wait_s
+            v = f"{v:.3g} / {w:.3g}" if w is not None else f"{v:.3g} / -"
         elif key == "workers_lost":
             v = ", ".join(v) if v else 0
         elif isinstance(v, float):

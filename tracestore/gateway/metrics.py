@@ -137,6 +137,19 @@ class Metrics:
         return bytes(generate_latest(self.registry))
 
 
+def thread_sched(tid: int | None) -> tuple[float, float] | None:
+    """Seconds thread ``tid`` of this process ran on a core and waited runnable for one (Linux
+    ``schedstat``; None elsewhere): how much of a turn's wait is CPU contention."""
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
 class Recent:
     """The last ``keep`` samples of each series (seconds), for percentiles in reports."""
 
@@ -157,4 +170,4 @@ class Recent:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-__all__ = ["PARTS", "Metrics", "Recent", "Timing"]
+__all__ = ["PARTS", "Metrics", "Recent", "Timing", "thread_sched"]

@@ -16,6 +16,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from .endpoints import session_and_owner, trace_body
 from .engines import Engine, engine_class
 from .idprompts import TokenPrompts
 from .liveness import Liveness, health_body
-from .metrics import PARTS, Metrics, Recent, Timing
+from .metrics import PARTS, Metrics, Recent, Timing, thread_sched
 from .parsers import reasoning_parser
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
@@ -76,6 +77,10 @@ class GatewayStats:
     #: p50 of each part of the overhead (:data:`.metrics.PARTS` and ``other``) and of the
     #: engine call, in seconds (empty: no sample).
     parts_p50_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Seconds the event loop's thread ran on a core and waited runnable for one since start
+    #: (None: not Linux): a wait above the run time means the loop queues for the CPU.
+    loop_run_s: float | None = None
+    loop_wait_s: float | None = None
 
 
 class Gateway:
@@ -110,6 +115,8 @@ class Gateway:
         self._owns_store = owns_store
         self._tasks: set[asyncio.Task[Any]] = set()
         self._recent = Recent()
+        self._loop_tid: int | None = None
+        self._loop_sched: tuple[float, float] | None = None
         self._status: dict[str, int] = {}
         # Each store call holds one pooled connection; past the pool size redis-py raises
         # instead of waiting, so calls queue here (a few connections stay for the watcher).
@@ -214,6 +221,7 @@ class Gateway:
         self.completion_services = dataclasses.replace(
             self.services, tok=raw, prompts=TokenPrompts(self.store, raw, self.holder, self.config.trace_sessions)
         )
+        self._loop_tid, self._loop_sched = threading.get_native_id(), thread_sched(threading.get_native_id())
         self.admission.start()
         self.liveness.start()
 
@@ -241,7 +249,10 @@ class Gateway:
 
     def stats(self) -> GatewayStats:
         """Counters for reports: chat requests by status, in flight, latency percentiles."""
+        now, then = thread_sched(self._loop_tid), self._loop_sched
         return GatewayStats(
+            loop_run_s=now[0] - then[0] if now and then else None,
+            loop_wait_s=now[1] - then[1] if now and then else None,
             requests=sum(self._status.values()),
             by_status=dict(self._status),
             in_flight=len(self.admission.flights),
