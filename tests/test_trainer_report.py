@@ -62,3 +62,34 @@ def test_store_time_outside_busy_blocks_never_makes_a_share_above_one() -> None:
     for row in report_rows(build_report(TrainConfig(steps=20), Start(1, False), [], end, Phases(0, 0, 0, 0, 0))):
         if str(row[0]).startswith("share of time"):
             assert row[1] == f"{100 * total:.1f}%"
+
+
+def test_the_gateway_overhead_is_reported_by_part() -> None:
+    """With HTTP agents the report splits the gateway's own time (its p50 per part), gives the
+    engine call's p50 and the event loop's time on a core and waiting for one; local agents: None."""
+    import dataclasses
+
+    from tracestore.gateway.metrics import Metrics, Recent, Timing
+    from tracestore.gateway.server import GatewayStats
+    from tracestore.trainer.gateway_actor import GatewayActorStats
+
+    recent, metrics = Recent(), Metrics()
+    timing = Timing(start=0.0, engine_s=0.050, parts={"parse": 0.001, "admit": 0.002, "record": 0.003})
+    metrics.observe(timing, 0.060, recent)  # 10 ms own time: 6 in parts, 4 other
+    parts = {p: x for p in ("parse", "admit", "experts", "record", "respond", "other", "engine") if (x := recent.pct(p, 0.5)) is not None}
+    assert abs(parts["other"] - 0.004) < 1e-9 and parts["experts"] == 0.0
+    assert metrics.registry.get_sample_value("tracestore_gateway_latency_seconds_count", {"part": "admit"}) == 1
+    holder = HolderStats(sessions=0, refs=0, bytes=0, events=0, dropped=0, reconciles=0)
+    stats = GatewayStats(1, {"200": 1}, 0, recent.pct("overhead", 0.5), None, 0.060, parts, loop_run_s=2.0, loop_wait_s=3.0)
+    end = dataclasses.replace(_end((0.0, 1.0), (0.0, 1.0), (0.0, 1.0)), gateway=GatewayActorStats(stats, holder))
+    rep = _report(end, steps_done=20)
+    assert abs(rep["gateway_overhead_p50_ms"] - 10.0) < 1e-6  # type: ignore[operator]
+    split = rep["gateway_overhead_parts_p50_ms"]
+    assert isinstance(split, dict) and "engine" not in split and abs(split["record"] - 3.0) < 1e-6
+    assert abs(rep["gateway_engine_p50_ms"] - 50.0) < 1e-6  # type: ignore[operator]
+    assert rep["gateway_loop_run_s"] == 2.0 and rep["gateway_loop_wait_s"] == 3.0
+    rows = dict((str(r[0]), r[1]) for r in report_rows(build_report(TrainConfig(steps=20), Start(1, False), [], end, Phases(0, 0, 0, 0, 0))))
+    assert str(rows["  by part (p50, ms)"]).startswith("parse 1, admit 2, experts 0, record 3")
+    assert rows["gateway loop on a core / waiting for one (s)"] == "2 / 3"
+    local = _report(_end((0.0, 1.0), (0.0, 1.0), (0.0, 1.0)), steps_done=20)
+    assert local["gateway_overhead_parts_p50_ms"] is None and local["gateway_loop_run_s"] is None

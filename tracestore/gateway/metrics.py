@@ -15,7 +15,9 @@ metric                          type       labels / meaning
 ``engine_errors_total``         counter    ``kind``: ``refused``, ``lost``, ``rejected``
 ``latency_seconds``             histogram  ``part``: ``engine`` (engine call),
                                            ``tracestore`` (store calls on the request's
-                                           path), ``total`` (request in, answer out)
+                                           path), ``total`` (request in, answer out),
+                                           the own time's parts (:data:`PARTS`) and
+                                           ``other`` (turns with an engine call)
 ``tokens_total``                counter    ``kind``: ``prompt``, ``prompt_new`` (tokenised
                                            this turn, the rest came from the trie),
                                            ``completion``, ``discarded`` (generated, then
