@@ -52,6 +52,15 @@ under ``py-spy record -f raw`` (100 Hz, idle samples left out); its stacks are s
 (``benchmarks/profile_parts.py``: parse, canonicalise/hash, render/tokenise, store, engine I/O,
 HTTP server, gateway logic, event loop, other).
 
+What one full run showed about the method (docs/benchmarks.md, "Gateway at scale"): the one
+client process is not the bottleneck (0.06-0.18 of a core, ~0.3 ms of CPU per turn, against
+1.6-3.6 ms per turn in the gateways); the closed-loop p99 (seconds) is queueing behind 512
+requests in flight, the paced figures are the latency to read; the RSS per idle session
+depends on the order of the sizes: the gateways' node cache (``tracestore/nodecache.py``, an LRU
+bounded at 64 MB of declared bytes) fills during the first passes (the 1,000 x 20 figure, ~105
+KB a session per gateway, is mostly that cache), so by the 10,000-session pass it is at its
+bound and the figure is close to the sessions' own state.
+
 ``--quick``: 200 sessions x 3 turns, the embedded store, the SGLang shape, 1 and 2 gateways, and
 the profile at 200 x 3. On this shared 2-core machine the driver, the gateways, the engine and
 the servers compete for the two cores: absolute figures move with the load, ratios measured in
