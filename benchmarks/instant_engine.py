@@ -1,10 +1,17 @@
-"""An instant engine for the gateway benchmark: SGLang's ``/generate`` answered at once.
+"""An instant engine for the gateway benchmarks: SGLang's ``/generate`` and vLLM's
+``/v1/completions`` with token ids, answered at once (one process serves both shapes).
 
 It parses the request (as any engine must) and replies with a fixed answer
 (``--answer`` encoded by the builtin tokenizer, then the stop id) and fixed
 log-probabilities, so that a benchmark measures what sits in front of it,
 not a model. It remembers the ``input_ids`` of the last request
 (``GET /last``) so the benchmark can send exactly those ids to it directly.
+
+The vLLM shape answers what ``tracestore/gateway/engines/vllm.py`` sends
+(always streamed): one SSE chunk with the prompt's ids (``prompt_token_ids``,
+as vLLM's first chunk with ``return_token_ids``), every answer id, one
+logprob each and ``finish_reason: "stop"`` with ``stop_reason: null`` (an EOS
+stop), then ``data: [DONE]``; ``GET /v1/models`` gives the model card.
 
 Run: ``python -m benchmarks.instant_engine --port 0`` (prints ``listening on URL``).
 """
@@ -27,6 +34,7 @@ class InstantEngine:
     def __init__(self, answer: str) -> None:
         self.ids = [*TOKENIZER.encode(answer), TOKENIZER.stop_id]
         self.lps = [[-0.5, t, None] for t in self.ids]
+        self.text = answer
         self.last: list[int] = []
         self.requests = 0
 
@@ -45,6 +53,32 @@ class InstantEngine:
         }
         return web.Response(body=orjson.dumps({"output_ids": self.ids, "meta_info": meta}), content_type="application/json")
 
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's streamed ``/v1/completions`` with token ids: the whole answer in one chunk."""
+        body: dict[str, Any] = orjson.loads(await request.read())
+        ids = body["prompt"]
+        self.last = ids
+        self.requests += 1
+        choice = {
+            "index": 0,
+            "text": self.text,
+            "token_ids": self.ids,
+            "logprobs": {"token_logprobs": [-0.5] * len(self.ids), "tokens": None, "top_logprobs": None, "text_offset": None},
+            "finish_reason": "stop",
+            "stop_reason": None,
+            "prompt_token_ids": ids,
+        }
+        chunk = {"id": f"cmpl-{body.get('request_id', '')}", "object": "text_completion", "choices": [choice]}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": "instant", "object": "model", "owned_by": "vllm", "root": "instant", "max_model_len": 1 << 20}
+        return web.json_response({"object": "list", "data": [card]})
+
     async def last_ids(self, request: web.Request) -> web.Response:
         return web.Response(body=orjson.dumps(self.last), content_type="application/json")
 
@@ -55,6 +89,8 @@ class InstantEngine:
         app = web.Application(client_max_size=256 << 20)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.ok)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/last", self.last_ids)
         app.router.add_get("/health", self.ok)
         return app
