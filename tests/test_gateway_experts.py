@@ -82,3 +82,67 @@ def test_routed_experts_go_to_the_holder_and_the_trace(url: str, run_id: str, en
         holder.close()
         store.close()
 
+
+
+def test_a_held_turn_resumed_on_another_gateway_keeps_its_routed_experts(url: str, run_id: str, engine: CliServer) -> None:
+    """A weight update holds a turn on gateway A, whose tokens are kept in the store with the routed
+    experts they were generated with; A goes away; the client's retry on B resumes from them, and
+    the recorded turn has the routing of every token (before, the kept tokens' rows stayed in A)."""
+    import threading
+
+    import orjson
+
+    from tracestore.conversation import conversation_key
+
+    store = TraceStore.connect(url, run=run_id)
+    holders = [RefHolder(store, reconcile_s=1.0), RefHolder(store, reconcile_s=1.0)]
+    cfg = GatewayConfig(engines=(engine.url,), url=url, run=run_id)
+    a, b = (start_gateway(cfg, holder=h) for h in holders)
+    sid = f"h-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": "reach 4 from 2"}]
+    body = orjson.dumps({"model": "tracestore-reference", "messages": messages, "max_tokens": 200, "ignore_eos": True})
+    headers = {"X-Session-Id": sid}
+    generated = lambda: int(http("GET", engine.url + "/get_model_info").json()["generated_tokens"])  # noqa: E731
+    def first_attempt() -> None:
+        try:
+            http("POST", a.url + "/v1/chat/completions", body, headers)
+        except OSError:  # its gateway went away under it: the client retries elsewhere
+            pass
+
+    try:
+        t = threading.Thread(target=first_attempt, daemon=True)
+        before = generated()
+        t.start()
+        deadline = time.monotonic() + 60
+        while generated() < before + 40:
+            assert time.monotonic() < deadline, "the turn never generated"
+            time.sleep(0.01)
+        v0 = store.gate.status().version
+        store.gate.seal()
+        assert store.gate.drain(30).drained
+        deadline = time.monotonic() + 30
+        while (kept := store.read_partial(sid, conversation_key(messages))) is None:
+            assert time.monotonic() < deadline, "the held turn's tokens were not kept"
+            time.sleep(0.02)
+        assert kept.experts is not None and kept.experts.start + kept.experts.rows == kept.input_len + len(kept.ids)
+        a.stop()  # the gateway holding the turn goes away
+        store.gate.install(v0 + 1)
+        store.gate.reopen()
+        r = http("POST", b.url + "/v1/chat/completions", body, headers)  # the client's retry, elsewhere
+        assert r.status == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 200  # (the engine's context is 256)
+        tr = http("GET", f"{b.url}/v1/sessions/{sid}/trace").json()
+        assert tr["expert_keys"] is not None and len(tr["expert_keys"]) == 2 and all(tr["expert_keys"])
+        parts = ray.get(holders[1].get(tr["expert_keys"]))
+        routing = np.concatenate([np.asarray(p) for p in parts])
+        assert routing.shape[0] == len(tr["input_ids"])  # the dummy row, then every token but the last
+        shape = (kept.experts.rows, *kept.experts.row_shape)
+        rows = np.frombuffer(kept.experts.data, dtype="<i4").reshape(shape)
+        at = kept.experts.start
+        assert (routing[at : at + kept.experts.rows][1 if at == 0 else 0 :] == rows[1 if at == 0 else 0 :]).all()
+    finally:
+        for g in (a, b):
+            g.stop()
+        for h in holders:
+            h.close()
+        store.close()

@@ -88,6 +88,30 @@ def test_kept_tokens_round_trip_expire_with_the_session_and_drop(store: TraceSto
         store.keep_partial("s", "p", [1], [0.0], [1], 3)
 
 
+def test_kept_tokens_carry_the_routed_experts_they_were_generated_with(store: TraceStore) -> None:
+    """``keep_partial(experts=)``: the rows come back byte for byte (read and lookup alike); a
+    value kept without them still reads; rows that do not fit their shape are refused before I/O."""
+    from array import array
+
+    from tracestore import traces
+    from tracestore.traces import KeptExperts
+
+    store.open_session("s", "w")
+    rows = array("i", range(5 * 2 * 3)).tobytes()  # 5 rows of 2 layers x top-3
+    kept = KeptExperts(start=7, rows=5, row_shape=(2, 3), data=rows)
+    store.keep_partial("s", "the prompt", [5, 6, 7], [-0.1, -0.2, -0.3], [3, 3, 3], 9, ttl_s=60, experts=kept)
+    p = store.read_partial("s", "the prompt")
+    assert p is not None and p.ids == (5, 6, 7) and p.experts == kept
+    assert store.run(traces.lookup_partial(store.context, "s", "the prompt"))[1] == p
+    store.keep_partial("s", "the prompt", [5], [-0.1], [3], 9, ttl_s=60)  # replaced, without experts
+    p = store.read_partial("s", "the prompt")
+    assert p is not None and p.ids == (5,) and p.experts is None
+    for bad in (KeptExperts(7, 5, (2, 3), rows[:-4]), KeptExperts(-1, 5, (2, 3), rows), KeptExperts(7, 5, (), rows)):
+        with pytest.raises(InvalidInput):
+            store.keep_partial("s", "the prompt", [5], [-0.1], [3], 9, experts=bad)
+    assert store.read_partial("s", "the prompt") == p  # nothing written
+
+
 def test_lookup_partial_reads_the_kept_tokens_in_the_lookups_round_trip(store: TraceStore) -> None:
     """``traces.lookup_partial``: the same match as ``lookup`` and the same kept tokens as
     ``read_partial``, cold and warm, in one script call each (the kept tokens ride in read_index)."""

@@ -16,6 +16,7 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..traces import KeptExperts
 from .engines import Chunk, EngineOutput
 from .experts import decode_experts
 
@@ -39,11 +40,32 @@ class Generation:
     _start: int = 0
 
     @classmethod
-    def resumed(cls, prompt: int, ids: tuple[int, ...], logprobs: tuple[float, ...], versions: tuple[int, ...]) -> Generation:
-        """A generation continued from tokens kept in the store (their routed experts are not)."""
+    def resumed(
+        cls, prompt: int, ids: tuple[int, ...], logprobs: tuple[float, ...], versions: tuple[int, ...],
+        experts: KeptExperts | None = None,
+    ) -> Generation:
+        """A generation continued from tokens kept in the store, with the routed experts kept
+        with them (rows of the prompt's new tokens and of the kept ids); without them, or when
+        they do not cover those, the answer's experts are unknown (``experts_missing``)."""
         g = cls(prompt, list(ids), list(logprobs), list(versions))
-        g.experts_missing = bool(ids)
+        if experts is not None and ids and experts.start + experts.rows == prompt + len(ids):
+            import numpy as np  # the gateway extra has numpy; only routed experts need it
+
+            rows = np.frombuffer(experts.data, dtype="<i4").reshape(experts.rows, *experts.row_shape)
+            full = np.zeros((prompt + len(ids), *experts.row_shape), dtype=np.int32)
+            full[experts.start :] = rows  # (rows before start: the stored path's, never recorded again)
+            g.experts = full
+        else:
+            g.experts_missing = bool(ids)
         return g
+
+    def kept_experts(self, start: int) -> KeptExperts | None:
+        """The routed experts of input positions ``start`` on and of the ids so far, to keep with
+        them (None: none known)."""
+        if self.experts is None or self.experts_missing or not self.ids:
+            return None
+        rows = self.experts[start : self.prompt + len(self.ids)]
+        return KeptExperts(start, int(rows.shape[0]), tuple(int(x) for x in rows.shape[1:]), rows.astype("<i4").tobytes())
 
     def begin(self) -> None:
         """A new engine call starts (from the prompt plus :attr:`ids`)."""

@@ -51,7 +51,7 @@ async def hold(turn: Any, input_ids: Sequence[int]) -> None:
             await s.db(
                 s.store.keep_partial(
                     turn.sid, turn.prep.key, gen.ids, gen.logprobs, gen.versions, len(input_ids),
-                    ttl_s=s.config.hold_timeout_s,
+                    ttl_s=s.config.hold_timeout_s, experts=gen.kept_experts(len(input_ids) - turn.prep.new_tokens),
                 )
             )
             turn.kept = True

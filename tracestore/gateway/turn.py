@@ -193,7 +193,7 @@ class Turn:
         # the generation prompt may open the reasoning block itself (DeepSeek R1's "<think>\n")
         self.opened = s.tok.reasoning.opens(s.tok.decode(list(input_ids[-8:]))) if input_ids else False
         kept = self.prep.partial if self.prep is not None else None
-        gen = Generation(len(input_ids)) if kept is None else Generation.resumed(len(input_ids), kept.ids, kept.logprobs, kept.versions)
+        gen = Generation(len(input_ids)) if kept is None else Generation.resumed(len(input_ids), kept.ids, kept.logprobs, kept.versions, kept.experts)
         self.gen = gen
         if self.req.stream:
             self.out = TextStream(

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from .answers import KeptAnswer, keep_answer, read_answer
 from .index import node_id
-from .partial import Partial, drop_partial, keep_partial, lookup_partial, read_partial
+from .partial import KeptExperts, Partial, drop_partial, keep_partial, lookup_partial, read_partial
 from .reads import export_many, export_training_trace, lookup, search, trace_keys
 from .responses import chain, keep_response, read_responses
 from .tokens import TokenIds
@@ -61,6 +61,7 @@ from .write import insert, record_turn
 
 __all__ = [
     "KeptAnswer",
+    "KeptExperts",
     "Node",
     "Partial",
     "PrefixMatch",

@@ -12,7 +12,10 @@ gateway (the first one died holding it) resumes from them too.
 Value layout (bytes, nothing pickled): ``b"p1,<input_len>,<kept_ms>,<n>\\n"``
 then ``n`` int32 ids, ``n`` float32 logprobs and ``n`` int32 versions, little
 endian. ``input_len`` is the length of the engine input the tokens followed
-(a resume on another input is refused by the caller).
+(a resume on another input is refused by the caller). With the routed experts
+the kept tokens were generated with (:class:`KeptExperts`), the head is
+``b"p2,<input_len>,<kept_ms>,<n>,<start>,<rows>,<row shape, x-separated>\\n"``
+and the rows follow the versions as int32, little endian.
 """
 
 from __future__ import annotations
@@ -31,18 +34,41 @@ from .reads import Rider, lookup_riding
 from .types import PrefixMatch
 
 _HEAD = b"p1,"
+_HEAD_EXPERTS = b"p2,"
+
+
+@dataclass(frozen=True)
+class KeptExperts:
+    """The routed experts a kept turn was generated with: ``rows`` int32 rows of ``row_shape``
+    (layers, top-k), little endian in ``data``, for the engine-input positions from ``start`` on
+    (the turn's new prompt tokens and its kept ids; row ``i`` is the routing that produced
+    token ``i``), so that a resume on any gateway records the routing of every token."""
+
+    start: int
+    rows: int
+    row_shape: tuple[int, ...]
+    data: bytes
 
 
 @dataclass(frozen=True)
 class Partial:
     """Tokens kept of a stopped turn: ``ids``, one logprob and one weight version per id,
-    the length of the engine input they followed, and when they were kept (ms, server clock)."""
+    the length of the engine input they followed, when they were kept (ms, server clock), and
+    the routed experts they were generated with (None: none were kept)."""
 
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     input_len: int
     kept_ms: int
+    experts: KeptExperts | None = None
+
+
+def _row_values(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 def _encode(p: Partial) -> bytes:
@@ -52,21 +78,42 @@ def _encode(p: Partial) -> bytes:
     vs = array("i", (validate.version("partial.versions", v) for v in p.versions))
     if not (len(lps) == len(vs) == n):
         raise InvalidInput("partial", f"{n} ids, {len(lps)} logprobs, {len(vs)} versions")
-    head = _HEAD + f"{p.input_len},{p.kept_ms},{n}\n".encode()
-    return head + codec.pack(ids, lps, None, codec.VERSIONS, vs)
+    body = codec.pack(ids, lps, None, codec.VERSIONS, vs)
+    e = p.experts
+    if e is None:
+        return _HEAD + f"{p.input_len},{p.kept_ms},{n}\n".encode() + body
+    if e.start < 0 or e.rows < 0 or not e.row_shape or min(e.row_shape) < 1:
+        raise InvalidInput("partial.experts", f"start {e.start}, {e.rows} rows of shape {e.row_shape}")
+    if len(e.data) != 4 * e.rows * _row_values(e.row_shape):
+        raise InvalidInput("partial.experts", f"{len(e.data)} bytes for {e.rows} int32 rows of shape {e.row_shape}")
+    shape = "x".join(str(x) for x in e.row_shape)
+    return _HEAD_EXPERTS + f"{p.input_len},{p.kept_ms},{n},{e.start},{e.rows},{shape}\n".encode() + body + e.data
 
 
 def _decode(key: str, field: str, raw: bytes) -> Partial:
     try:
         head, body = raw.split(b"\n", 1)
-        if not head.startswith(_HEAD):
+        experts: KeptExperts | None = None
+        if head.startswith(_HEAD):
+            input_len, kept_ms, n = (int(x) for x in head[len(_HEAD) :].split(b","))
+        elif head.startswith(_HEAD_EXPERTS):
+            f = head[len(_HEAD_EXPERTS) :].split(b",")
+            if len(f) != 6:
+                raise ValueError("bad head")
+            input_len, kept_ms, n, start, rows = (int(x) for x in f[:5])
+            shape = tuple(int(x) for x in f[5].split(b"x"))
+            size = codec.payload_size(n, codec.VERSIONS)
+            data, body = body[size:], body[:size]
+            if len(data) != 4 * rows * _row_values(shape) or min(shape, default=0) < 1:
+                raise ValueError(f"{len(data)} bytes of routed experts for {rows} rows of {shape}")
+            experts = KeptExperts(start, rows, shape, bytes(data))
+        else:
             raise ValueError("unknown layout")
-        input_len, kept_ms, n = (int(x) for x in head[len(_HEAD) :].split(b","))
         p = codec.unpack(body, n, codec.VERSIONS)
     except (ValueError, InvalidInput) as exc:
         raise CorruptData(key, f"kept tokens do not decode ({exc})", field) from None
     assert p.versions is not None
-    return Partial(p.token_ids, p.logprobs, p.versions, input_len, kept_ms)
+    return Partial(p.token_ids, p.logprobs, p.versions, input_len, kept_ms, experts)
 
 
 def keep_partial(
@@ -80,15 +127,17 @@ def keep_partial(
     *,
     kept_ms: int = 0,
     ttl_s: float = 600.0,
+    experts: KeptExperts | None = None,
 ) -> Op[None]:
-    """Keep a stopped turn's tokens under its prompt key ``key_text`` (replacing what was kept).
+    """Keep a stopped turn's tokens under its prompt key ``key_text`` (replacing what was kept),
+    with the routed experts they were generated with when given.
 
     Raises InvalidId/InvalidInput before I/O; SessionReleased when the
     session's data was purged. Idempotent. One round trip.
     """
     validate_id("session id", sid)
     utf8("key_text", key_text)
-    value = _encode(Partial(tuple(ids), tuple(logprobs), tuple(versions), int(input_len), int(kept_ms)))
+    value = _encode(Partial(tuple(ids), tuple(logprobs), tuple(versions), int(input_len), int(kept_ms), experts))
     k = ctx.keys
     reply = yield Eval(
         script("session_field_keep"),
@@ -130,4 +179,4 @@ def drop_partial(ctx: Context, sid: str, key_text: str) -> Op[None]:
     return None
 
 
-__all__ = ["Partial", "drop_partial", "keep_partial", "lookup_partial", "read_partial"]
+__all__ = ["KeptExperts", "Partial", "drop_partial", "keep_partial", "lookup_partial", "read_partial"]
