@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import aiohttp
-import numpy as np  # the gateway extra has numpy (imported here, not on a first turn)
 import orjson
 
 from ...traces import TokenIds
@@ -265,6 +264,10 @@ def engine_class(api: str) -> EngineFactory:
     if api not in _REGISTRY:
         raise KeyError(f"unknown engine api {api!r}; choose one of {names}")
     factory: EngineFactory = _REGISTRY[api]
+    try:  # ids_json's numpy, imported with the engines rather than on a first turn's engine call
+        import numpy  # noqa: F401
+    except ImportError:  # (the gateway extra has it; the package imports without it)
+        pass
     return factory
 
 
@@ -277,6 +280,8 @@ def ids_json(ids: Sequence[int]) -> Any:
         return ids
     buf = ids.array() if isinstance(ids, TokenIds) else ids
     if isinstance(buf, array) and buf.typecode == "i":
+        import numpy as np  # the gateway extra has numpy (imported by engine_class: not on a first turn)
+
         return np.frombuffer(buf, dtype=np.int32)
     return list(ids)
 
