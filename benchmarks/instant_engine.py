@@ -38,11 +38,15 @@ class InstantEngine:
         self.last: list[int] = []
         self.requests = 0
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def _taken(self, request: web.Request, field: str) -> tuple[dict[str, Any], list[int]]:
+        """The request's body and its input ids (``field``), remembered as the last ones."""
         body: dict[str, Any] = orjson.loads(await request.read())
-        ids = body["input_ids"]
-        self.last = ids
+        self.last = body[field]
         self.requests += 1
+        return body, self.last
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body, ids = await self._taken(request, "input_ids")
         meta = {
             "id": body.get("rid", ""),
             "finish_reason": {"type": "stop", "matched": TOKENIZER.stop_id},
@@ -55,10 +59,7 @@ class InstantEngine:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """vLLM's streamed ``/v1/completions`` with token ids: the whole answer in one chunk."""
-        body: dict[str, Any] = orjson.loads(await request.read())
-        ids = body["prompt"]
-        self.last = ids
-        self.requests += 1
+        body, ids = await self._taken(request, "prompt")
         choice = {
             "index": 0,
             "text": self.text,
