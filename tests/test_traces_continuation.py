@@ -206,6 +206,43 @@ def test_steady_turns_hash_only_the_new_text(
     )
 
 
+def test_key_digest_resumes_from_the_continuation_and_equals_the_hash_of_the_whole_text(
+    store_factory: Callable[..., TraceStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``traces.key_digest``: blake2b-128 of the text (its first 16 hex are ``node_id``), whatever
+    the session's cached continuation is (current, behind another writer's turn, of a purged
+    epoch, unrelated to the text), and only the bytes after its deepest checkpoint are hashed."""
+    import hashlib
+
+    from tracestore.traces import key_digest, node_id
+    from tracestore.traces import reads
+
+    a, b = store_factory(), store_factory()
+    sid = "digest"
+    encoded: list[int] = []
+    real = reads.utf8
+    monkeypatch.setattr(reads, "utf8", lambda field, text: (encoded.append(len(text)), real(field, text))[1])
+
+    def check(st: TraceStore, text: str) -> int:
+        encoded.clear()
+        got = key_digest(st.context, sid, text)
+        assert got == hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        assert got[:16] == node_id(text)
+        return encoded[-1]
+
+    p1 = SYS + U1
+    assert check(a, p1) == len(p1)  # no continuation: the whole text
+    _turn(a, sid, p1, R1, [1, 2], [3])
+    p2 = p1 + R1 + U2
+    assert check(a, p2) == len(U2)  # warm: only the new message
+    assert check(a, p1 + "✓ other") == len("✓ other")  # leaves the last turn: a shallower checkpoint
+    assert check(a, "unrelated ✓") == len("unrelated ✓")  # no checkpoint prefixes it: all of it
+    _turn(b, sid, p2, R2, [4], [5])  # another writer went further: a's checkpoints still hash right
+    assert check(a, p2 + R2 + U3) == len(U2 + R2 + U3)  # from the end of a's own turn
+    with pytest.raises(InvalidInput):
+        key_digest(a.context, sid, "bad \ud800 surrogate")
+
+
 def test_other_client_wrote_the_session_further(store_factory: Callable[..., TraceStore]) -> None:
     a, b = store_factory(), store_factory()
     sid = "two-writers"

@@ -139,6 +139,9 @@ class ChatRequest:
     previous_response_id: str | None = None
     response_store: bool = True
     on_recorded: Callable[[Answer], Awaitable[None]] | None = None
+    #: What the prompt mode derived from the request, kept so it is computed once per request
+    #: (``tito``: the conversation key, its message ends and its digest: :meth:`.TitoPrompts.key_of`).
+    memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def parse_tools(self) -> bool:

@@ -72,12 +72,25 @@ class TokenPrompts(TitoPrompts):
             req.prompt_ids = ids
         return req.prompt_ids
 
+    def ids_key(self, sid: str, req: ChatRequest) -> tuple[str, str]:
+        """The prompt's key (its ids) and the key's digest (:func:`~tracestore.traces.key_digest`),
+        computed once per request (kept in ``req.memo``)."""
+        got: tuple[str, str] | None = req.memo.get("tokens")
+        if got is None:
+            key = token_key(self.prompt_ids(req))
+            got = req.memo["tokens"] = (key, traces.key_digest(self.store.context, sid, key))
+        return got
+
+    def retry_basis(self, sid: str, req: ChatRequest) -> str:
+        """What identifies the request's prompt in its retry digest: its key's digest."""
+        return self.ids_key(sid, req)[1]
+
     def prepare(self, sid: str, req: ChatRequest) -> Op[Prepared]:
         """The stored path's ids plus the prompt's ids after it (1 round trip: lookup and kept tokens)."""
         ids = self.prompt_ids(req)
-        key = token_key(ids)
+        key, digest = self.ids_key(sid, req)
         ctx = self.store.context
-        match, partial = yield from traces.lookup_partial(ctx, sid, key)  # one round trip
+        match, partial = yield from traces.lookup_partial(ctx, sid, key, digest)  # one round trip
         assert isinstance(match, PrefixMatch) and (partial is None or isinstance(partial, Partial))
         covered = key.count(" ", 0, match.text_len) if match.text_len else 0
         if covered != len(match.token_ids) or list(match.token_ids) != ids[:covered]:

@@ -6,7 +6,8 @@ sibling answer in the session, which the trainer then sees as a second
 sample of the turn. The rule (docs/gateway.md, Retries):
 
 **Same turn**: the same session, the same wire format, the same request
-(canonical messages or prompt ids, tools, ``chat_template_kwargs``) and the
+(canonical messages or prompt ids, tools, ``chat_template_kwargs``: in ``tito`` and
+``tokens`` mode, the digest of the session key they make) and the
 same sampling options (``max_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``stop``, ``seed``, ``ignore_eos``, ``tool_choice``); their
 *retry digest* (:func:`retry_digest`, sha256, 128 bits). Fields that only shape
@@ -88,8 +89,22 @@ def _options(req: ChatRequest) -> list[Any]:
     return [req.max_tokens, req.temperature, req.top_p, req.top_k, list(req.stop), req.seed, req.ignore_eos, req.tool_choice]
 
 
-def retry_digest(wire: str, req: ChatRequest) -> str:
-    """The retry digest of ``req`` on ``wire`` (see the module docstring): 32 hex characters."""
+@runtime_checkable
+class KeyedPrompts(Protocol):
+    """A prompt mode that names a request's prompt by a digest it computes anyway (its key's)."""
+
+    def retry_basis(self, sid: str, req: ChatRequest) -> str: ...  # pragma: no cover - protocol
+
+
+def retry_digest(wire: str, req: ChatRequest, basis: str | None = None) -> str:
+    """The retry digest of ``req`` on ``wire`` (see the module docstring): 32 hex characters.
+
+    ``basis``: the prompt mode's digest of the request's prompt (:class:`KeyedPrompts`: in
+    ``tito`` mode the conversation key's, which covers the canonical messages, tools and
+    template options and costs only the new messages' bytes on a warm session); without it
+    the messages, tools and options themselves are hashed."""
+    if basis is not None:
+        return sha256(orjson.dumps([wire, basis, _options(req)])).hexdigest()[:32]
     prompt = getattr(req, "prompt_ids", None)
     body = [wire, req.messages if prompt is None else list(prompt), req.tools, req.template_kwargs, _options(req)]
     # no key sorting: the parsers build canonical dicts in a fixed order, and a retry sends the same bytes
@@ -125,7 +140,9 @@ class Retries:
         (None: this request leads, or the attempt it waited for failed)."""
         if turn.sid is None or turn.request.headers.get(RETRY_HEADER, "").lower() == "new":
             return None
-        digest = retry_digest(turn.wire.NAME, turn.req)
+        prompts = turn.s.prompts
+        basis = prompts.retry_basis(turn.sid, turn.req) if isinstance(prompts, KeyedPrompts) else None
+        digest = retry_digest(turn.wire.NAME, turn.req, basis)
         key = (turn.sid, digest)
         while (running := self.running.get(key)) is not None and not running.answer.done():
             running.joined.set()

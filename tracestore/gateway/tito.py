@@ -114,18 +114,34 @@ class TitoPrompts:
                 out = out[len(end) :]
         return out
 
+    def key_of(self, sid: str, req: ChatRequest) -> tuple[str, list[int], str]:
+        """The request's conversation key, where each of its lines ends (``ends[i + 1]``: after
+        message ``i - 1``; ``ends[1]``: the header) and the key's digest
+        (:func:`~tracestore.traces.key_digest`: O(new messages) on a warm session). Computed
+        once per request (kept in ``req.memo``). Raises InvalidInput on a message no key is made of."""
+        got: tuple[str, list[int], str] | None = req.memo.get("tito")
+        if got is None:
+            parts = key_parts(req.messages, req.tools, req.template_kwargs)
+            key = "".join(parts)
+            ends = [0]
+            for p in parts:
+                ends.append(ends[-1] + len(p))
+            got = req.memo["tito"] = (key, ends, traces.key_digest(self.store.context, sid, key))
+        return got
+
+    def retry_basis(self, sid: str, req: ChatRequest) -> str:
+        """What identifies the request's prompt in its retry digest: its key's digest (the key is
+        the canonical messages, tools and template options: :mod:`tracestore.conversation`)."""
+        return self.key_of(sid, req)[2]
+
     def prepare(self, sid: str, req: ChatRequest) -> Op[Prepared]:
         """The stored path's ids plus the new messages' ids (1 round trip warm; 2 on a fork that
         backs off to a prompt's parent)."""
         if req.messages[-1]["role"] == "assistant":
             raise invalid("a final assistant message (prefill) is not supported", "messages")
-        parts = key_parts(req.messages, req.tools, req.template_kwargs)
-        key = "".join(parts)
-        ends = [0]
-        for p in parts:
-            ends.append(ends[-1] + len(p))  # ends[i + 1]: after message i - 1 (ends[1]: the header)
+        key, ends, digest = self.key_of(sid, req)
         ctx = self.store.context
-        match, partial = yield from traces.lookup_partial(ctx, sid, key)  # one round trip
+        match, partial = yield from traces.lookup_partial(ctx, sid, key, digest)  # one round trip
         assert isinstance(match, PrefixMatch) and (partial is None or isinstance(partial, Partial))
         fork: str | None = None
         if match.text_len == len(key):  # the same messages again: a retry of this turn

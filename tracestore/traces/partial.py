@@ -29,8 +29,8 @@ from ..context import Context
 from ..errors import CorruptData, InvalidInput
 from ..scripts import Cmd, Eval, Op, script
 from ..validate import duration_ms, validate_id
-from .index import node_id, utf8
-from .reads import Rider, lookup_riding
+from .index import ID_HEX, node_id, utf8
+from .reads import Rider, key_digest, lookup_riding
 from .types import PrefixMatch
 
 _HEAD = b"p1,"
@@ -159,13 +159,16 @@ def read_partial(ctx: Context, sid: str, key_text: str) -> Op[Partial | None]:
     return None if raw is None else _decode(k.part(sid), field, bytes(raw))
 
 
-def lookup_partial(ctx: Context, sid: str, key_text: str) -> Op[tuple[PrefixMatch, Partial | None]]:
+def lookup_partial(
+    ctx: Context, sid: str, key_text: str, digest: str | None = None
+) -> Op[tuple[PrefixMatch, Partial | None]]:
     """:func:`~tracestore.traces.lookup` of ``key_text`` and :func:`read_partial` of the same key,
     in the lookup's round trip (1 warm, 2 cold: the kept tokens ride in its first script call).
-    Raises as both."""
+    ``digest``: :func:`~tracestore.traces.key_digest` of ``key_text`` when the caller has it
+    (else it is computed, from the session's cached continuation). Raises as both."""
     validate_id("session id", sid)
     k = ctx.keys
-    rider = Rider(k.part(sid), node_id(key_text))
+    rider = Rider(k.part(sid), (digest or key_digest(ctx, sid, key_text))[:ID_HEX])
     match = yield from lookup_riding(ctx, sid, key_text, rider)
     raw = rider.value
     return match, (None if raw is None else _decode(k.part(sid), rider.field, raw))

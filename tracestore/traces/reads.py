@@ -19,7 +19,7 @@ from ..replies import Reply
 from ..scripts import Batch, Cmd, Eval, Op, gather, script
 from ..validate import validate_id
 from .continuation import Checkpoint, Continuation, cont_key
-from .index import SessionIndex, as_bytes, cache_payload, idx_key, node_id, tok_key, utf8
+from .index import SessionIndex, as_bytes, cache_payload, hasher, idx_key, node_id, tok_key, utf8
 from .tokens import TokenIds
 from .types import HashedPrefix, Node, PrefixMatch, Segment, Trace
 
@@ -173,6 +173,28 @@ def lookup(ctx: Context, sid: str, prompt_text: str) -> Op[PrefixMatch]:
     cached (index, then the payloads the cache lacks).
     """
     return (yield from lookup_riding(ctx, sid, prompt_text, None))
+
+
+def key_digest(ctx: Context, sid: str, key_text: str) -> str:
+    """The blake2b-128 digest of ``key_text``'s UTF-8 as 32 hex characters: its first 16 are
+    :func:`~tracestore.traces.index.node_id` of ``key_text``. No I/O.
+
+    O(the text after the session's cached continuation): the hash resumes from the
+    state kept at the deepest cached checkpoint that prefixes ``key_text`` (a hash of
+    that text, whatever the checkpoint's epoch), so a warm turn hashes only its new
+    messages, never the whole history. Raises InvalidInput on text that is not UTF-8.
+    """
+    if not isinstance(key_text, str):
+        utf8("key_text", key_text)  # raises InvalidInput
+    cont: Continuation | None = node_cache(ctx).get(cont_key(sid))
+    base = cont.base_for(key_text) if cont is not None else None
+    if base is None:
+        h = hasher()
+        h.update(utf8("key_text", key_text))
+    else:
+        h = base.state.copy()
+        h.update(utf8("key_text", key_text[base.node.end :]))
+    return str(h.hexdigest())
 
 
 def lookup_riding(ctx: Context, sid: str, prompt_text: str, rider: Rider | None) -> Op[PrefixMatch]:
@@ -390,4 +412,4 @@ def _mismatch(ctx: Context, sid: str, snap: SessionIndex, prompt: str) -> Op[Pro
     return PromptMismatch(sid, m, n, nearest, window)
 
 
-__all__ = ["Rider", "export_many", "export_training_trace", "lookup", "lookup_riding", "read_path", "search", "trace_keys"]
+__all__ = ["Rider", "export_many", "export_training_trace", "key_digest", "lookup", "lookup_riding", "read_path", "search", "trace_keys"]
