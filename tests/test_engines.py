@@ -441,6 +441,43 @@ def test_every_adapter_module_registers_its_own_name_and_the_gateway_refuses_ano
     assert len(lines) == 1 and "--engine-api 'tgi'" in lines[0] and "sglang" in lines[0] and "vllm" in lines[0]
 
 
+def test_a_paths_ids_json_is_kept_per_buffer_and_each_turn_writes_only_its_new_ids() -> None:
+    """``ids_json`` of a ``TokenIds`` path: the same JSON as its list on every turn, a branch, a
+    shorter view and a fresh path; the text kept for the buffer grows with it (the next turn
+    appends only its ids) and is dropped with the buffer."""
+    import gc
+
+    import orjson
+
+    from tracestore.gateway.engines import base
+    from tracestore.gateway.engines.base import JSON_OPTS, extend_ids, ids_json
+    from tracestore.traces import TokenIds
+
+    def dumped(ids: object) -> bytes:
+        return orjson.dumps({"input_ids": ids_json(ids)}, option=JSON_OPTS)  # type: ignore[arg-type]
+
+    path = TokenIds(range(500))
+    buf = path.shared()[0]
+    assert dumped(path) == orjson.dumps({"input_ids": list(range(500))})
+    for turn in range(3):  # each turn: the stored path plus this turn's ids, in the same buffer
+        path = extend_ids(path, [7 + turn, 8, 9])  # type: ignore[assignment]
+        assert path.shared()[0] is buf
+        assert dumped(path) == orjson.dumps({"input_ids": list(path)})
+        assert base._SENT._texts[id(buf)][1] == len(path)  # kept: the next turn appends to it
+    kept = base._SENT._texts[id(buf)][2]
+    assert base._SENT.text(*path.shared()) is kept  # the same view again: nothing written
+    short = path[:10]
+    assert dumped(short) == orjson.dumps({"input_ids": list(range(10))})
+    branch = extend_ids(short, [42])  # a fork at an earlier prompt: another buffer
+    assert dumped(branch) == orjson.dumps({"input_ids": [*range(10), 42]})
+    assert base._SENT._texts[id(buf)][2] is kept  # the longer path's text is not shortened
+    assert dumped(TokenIds()) == b'{"input_ids":[]}'
+    key = id(buf)
+    del path, short, buf, branch
+    gc.collect()
+    assert key not in base._SENT._texts
+
+
 def test_engine_bodies_carry_a_stored_paths_ids_as_the_same_json_without_a_list() -> None:
     """The ids of a stored path (int32 ``TokenIds``) go into the engines' JSON bodies as a numpy view
     and come out as the same JSON array as a list; extending one shares its buffer."""

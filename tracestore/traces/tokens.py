@@ -22,6 +22,7 @@ from .. import codec
 
 # Guards the append-only buffers: whoever extends a buffer first owns its tail.
 _EXTEND = threading.Lock()
+_Array = array  # (inside TokenIds, ``array`` names its method)
 
 
 def _int32(values: Iterable[int]) -> array:  # type: ignore[type-arg]
@@ -123,6 +124,12 @@ class TokenIds(Sequence[int]):
     def array(self) -> array:  # type: ignore[type-arg]
         """The ids as a new ``array('i')`` (one memory copy)."""
         return self._buf[: self._n]
+
+    def shared(self) -> tuple[_Array[int], int]:
+        """The buffer this view shares and its length: the ids are ``buffer[:length]``. The buffer
+        may hold more ids after them (other views'), and only ever grows at its end: read it,
+        never write to it."""
+        return self._buf, self._n
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         import numpy as np  # only ever called by numpy itself

@@ -35,6 +35,8 @@ standard library only: an engine whose abort call
 
 from __future__ import annotations
 
+import functools
+import weakref
 from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -271,18 +273,58 @@ def engine_class(api: str) -> EngineFactory:
     return factory
 
 
-def ids_json(ids: Sequence[int]) -> Any:
-    """``ids`` in the form the engines' JSON bodies take them (dumped with :data:`JSON_OPTS`):
-    token ids held as int32 (``TokenIds``, ``array('i')``: a stored path) as a numpy view,
-    which orjson writes without making a Python int per id (a 32k context: ~0.08 ms instead of
-    ~0.5 ms); a list or tuple as it is."""
-    if isinstance(ids, (list, tuple)):
-        return ids
-    buf = ids.array() if isinstance(ids, TokenIds) else ids
-    if isinstance(buf, array) and buf.typecode == "i":
+class _SentIds:
+    """The JSON text of the longest view of each shared id buffer sent so far (the stored paths
+    of the sessions in flight), so a session's next turn writes only its new ids: a path's
+    buffer only ever grows at its end (:meth:`TokenIds.extended`), so the text of its first
+    ``count`` ids never changes. An entry lives as long as its buffer (a weak reference)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, tuple[weakref.ref[Any], int, bytes]] = {}
+
+    def text(self, buf: array, n: int) -> bytes:  # type: ignore[type-arg]
+        """``buf[:n]`` as a JSON array's bytes; O(ids after the longest text kept for ``buf``)."""
         import numpy as np  # the gateway extra has numpy (imported by engine_class: not on a first turn)
 
-        return np.frombuffer(buf, dtype=np.int32)
+        key = id(buf)
+        got = self._texts.get(key)
+        count, text = (got[1], got[2]) if got is not None and got[0]() is buf else (0, b"[]")
+        if count == n:
+            return text
+        if count > n:  # a shorter view (a fork back to an earlier prompt): not kept
+            return orjson.dumps(np.frombuffer(buf[:n], dtype=np.int32), option=JSON_OPTS)
+        more = orjson.dumps(np.frombuffer(buf[count:n], dtype=np.int32), option=JSON_OPTS)  # a copy of the new ids
+        text = more if count == 0 else text[:-1] + b"," + more[1:]
+        if got is None or got[0]() is not buf:
+            ref = weakref.ref(buf, functools.partial(self._drop, key))
+        else:
+            ref = got[0]
+        self._texts[key] = (ref, n, text)
+        return text
+
+    def _drop(self, key: int, ref: weakref.ref[Any]) -> None:
+        got = self._texts.get(key)
+        if got is not None and got[0] is ref:
+            del self._texts[key]
+
+
+_SENT = _SentIds()
+
+
+def ids_json(ids: Sequence[int]) -> Any:
+    """``ids`` in the form the engines' JSON bodies take them (dumped with :data:`JSON_OPTS`):
+    token ids held as int32 (``TokenIds``: a stored path extended by the turn's new ids) as an
+    ``orjson.Fragment`` of their JSON text, kept per path buffer, so each turn writes only the
+    ids added since the session's last turn (a 32k context: ~0.2 ms less than writing them all);
+    an ``array('i')`` as a numpy view (no Python int per id); a list or tuple as it is."""
+    if isinstance(ids, (list, tuple)):
+        return ids
+    if isinstance(ids, TokenIds):
+        return orjson.Fragment(_SENT.text(*ids.shared()))
+    if isinstance(ids, array) and ids.typecode == "i":
+        import numpy as np
+
+        return np.frombuffer(ids, dtype=np.int32)
     return list(ids)
 
 
