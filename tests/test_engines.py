@@ -476,6 +476,16 @@ def test_a_paths_ids_json_is_kept_per_buffer_and_each_turn_writes_only_its_new_i
     del path, short, buf, branch
     gc.collect()
     assert key not in base._SENT._texts
+    small = base._SentIds(max_bytes=100)  # the texts are bounded: least recently sent first out
+    a, b = TokenIds(range(10)), TokenIds(range(20, 30))
+    assert small.text(*a.shared()) == orjson.dumps(list(range(10)))
+    assert small.text(*b.shared()) == orjson.dumps(list(range(20, 30)))
+    assert small.nbytes == 21 + 31 and len(small._texts) == 2
+    c = TokenIds(range(100, 115))
+    assert small.text(*c.shared()) == orjson.dumps(list(range(100, 115)))
+    assert id(a.shared()[0]) not in small._texts and small.nbytes <= 100
+    assert small.text(*TokenIds(range(1000, 1100)).shared()) == orjson.dumps(list(range(1000, 1100)))  # too long to keep
+    assert small.nbytes <= 100
 
 
 def test_engine_bodies_carry_a_stored_paths_ids_as_the_same_json_without_a_list() -> None:

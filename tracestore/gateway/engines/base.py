@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import weakref
 from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,13 +275,17 @@ def engine_class(api: str) -> EngineFactory:
 
 
 class _SentIds:
-    """The JSON text of the longest view of each shared id buffer sent so far (the stored paths
+    """The JSON text of the longest view of each shared id buffer sent lately (the stored paths
     of the sessions in flight), so a session's next turn writes only its new ids: a path's
     buffer only ever grows at its end (:meth:`TokenIds.extended`), so the text of its first
-    ``count`` ids never changes. An entry lives as long as its buffer (a weak reference)."""
+    ``count`` ids never changes. An entry lives while its buffer does (a weak reference) and
+    while the texts fit in ``max_bytes`` (least recently sent dropped first): a cache of the
+    turns in flight, not a copy of every idle session's path."""
 
-    def __init__(self) -> None:
-        self._texts: dict[int, tuple[weakref.ref[Any], int, bytes]] = {}
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._texts: OrderedDict[int, tuple[weakref.ref[Any], int, bytes]] = OrderedDict()
 
     def text(self, buf: array, n: int) -> bytes:  # type: ignore[type-arg]
         """``buf[:n]`` as a JSON array's bytes; O(ids after the longest text kept for ``buf``)."""
@@ -288,24 +293,32 @@ class _SentIds:
 
         key = id(buf)
         got = self._texts.get(key)
-        count, text = (got[1], got[2]) if got is not None and got[0]() is buf else (0, b"[]")
+        if got is not None and got[0]() is not buf:
+            got = None
+        count, text = (got[1], got[2]) if got is not None else (0, b"[]")
         if count == n:
+            if got is not None:
+                self._texts.move_to_end(key)
             return text
         if count > n:  # a shorter view (a fork back to an earlier prompt): not kept
             return orjson.dumps(np.frombuffer(buf[:n], dtype=np.int32), option=JSON_OPTS)
         more = orjson.dumps(np.frombuffer(buf[count:n], dtype=np.int32), option=JSON_OPTS)  # a copy of the new ids
-        text = more if count == 0 else text[:-1] + b"," + more[1:]
-        if got is None or got[0]() is not buf:
-            ref = weakref.ref(buf, functools.partial(self._drop, key))
-        else:
-            ref = got[0]
-        self._texts[key] = (ref, n, text)
-        return text
+        out = more if count == 0 else text[:-1] + b"," + more[1:]
+        self._drop(key, got[0] if got is not None else None)
+        if len(out) <= self.max_bytes:
+            ref = got[0] if got is not None else weakref.ref(buf, functools.partial(self._drop, key))
+            self._texts[key] = (ref, n, out)
+            self.nbytes += len(out)
+            while self.nbytes > self.max_bytes:
+                _, (_, _, old) = self._texts.popitem(last=False)
+                self.nbytes -= len(old)
+        return out
 
-    def _drop(self, key: int, ref: weakref.ref[Any]) -> None:
+    def _drop(self, key: int, ref: weakref.ref[Any] | None) -> None:
         got = self._texts.get(key)
-        if got is not None and got[0] is ref:
+        if got is not None and (ref is None or got[0] is ref):
             del self._texts[key]
+            self.nbytes -= len(got[2])
 
 
 _SENT = _SentIds()
