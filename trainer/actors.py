@@ -60,7 +60,11 @@ def start_ray(address: str | None = None) -> bool:
         return False
     quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address in (None, "", "local"):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, **quiet)
+        # workers at the driver's priority (Ray's default niceness for them is 15): the gateway of
+        # --agents http keeps it and the bulk roles lower their own (lower_priority)
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, _system_config={"worker_niceness": 0}, **quiet
+        )
         return True
     _check_address(address)
     token = enable_token_auth() if address != "auto" and not address.startswith("ray://") else None
@@ -443,6 +447,39 @@ def kill(handles: list[Handle]) -> None:
     """Kill actors without running their cleanup (a crash, an error, or after ``close``)."""
     for h in handles:
         ray.kill(h, no_restart=True)
+
+
+#: The CPU priority (nice value) of the run's bulk roles (the learner, the rollout workers and
+#: the producer): Ray's own default for its worker processes. The gateway of ``--agents http``
+#: stays at the niceness Ray started it with (0 on a private local Ray, :func:`start_ray`), so on
+#: a busy machine its event loop, which answers every agent turn, gets a core ahead of them.
+BULK_NICENESS = 15
+
+
+def lower_priority(niceness: int = BULK_NICENESS) -> int:
+    """Run this whole process (every thread, and the threads they start) at ``niceness`` or lower
+    priority; returns the niceness it now has.
+
+    Linux keeps a nice value per thread and ``setpriority(PRIO_PROCESS, 0)`` changes only the
+    calling thread's, so each thread of ``/proc/self/task`` is set (a Ray worker's own threads
+    were started before the actor's ``__init__`` runs). Only ever raises the nice value (lowers
+    the priority), which any user may do; a thread already nicer is left as it is. Elsewhere
+    than Linux, the calling process. Never raises: the priority is a preference.
+    """
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:  # a thread that ended meanwhile, or no setpriority here
+            pass
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError:
+        return niceness
 
 
 def node_id() -> str:

@@ -25,7 +25,7 @@ import torch
 
 from tracestore import GatePoisoned, Group, NotDrained, TraceStore
 
-from .actors import Handle, Workers, node_id
+from .actors import Handle, Workers, lower_priority, node_id
 from .batch import Batch, BatchBuilder
 from .checkpoint import CheckpointState, load_model, write_checkpoint
 from .clock import Backoff, Stopwatch
@@ -61,6 +61,7 @@ class Learner:
     def __init__(
         self, cfg: TrainConfig, workers: Workers, gateway: Handle | None = None, gateway_url: str | None = None
     ) -> None:
+        lower_priority()  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
         self.cfg = cfg
         # routed experts are borrowed from the workers, and from the gateway with --agents http
         holders: Workers = {GATEWAY_HOLDER: gateway} if gateway is not None else {}

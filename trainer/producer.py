@@ -33,7 +33,7 @@ from tracestore.replay import claim_retry
 from tracestore.replay import put_many as rb_put_many
 from tracestore.scripts import Op, gather
 
-from .actors import Workers, node_id
+from .actors import Workers, lower_priority, node_id
 from .clock import Backoff, Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import WorkerPool
@@ -79,6 +79,7 @@ class Producer:
     """A Ray actor (two threads: :meth:`run_forever` and :meth:`stop` run at once)."""
 
     def __init__(self, cfg: TrainConfig, workers: Workers, start_step: int, gateway_url: str | None = None) -> None:
+        lower_priority()  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
         self.cfg = cfg
         #: With --agents http: the session gateway the agents call (else workers run them).
         self.gateway_url = gateway_url

@@ -43,10 +43,11 @@ class PutAhead:
         return self.keys.pop(0)
 
 
-#: A batch of routed experts up to this many bytes is put from the event loop itself: Ray keeps
-#: objects this small in the process's own memory store, so the put costs tens of microseconds,
-#: less than the two thread switches a worker thread would cost (each a wait for a core on a
-#: busy machine). A bigger batch goes to a worker thread (a put into the shared object store blocks).
+#: A batch of routed experts up to this many bytes is put from the event loop itself, rather
+#: than paying the two thread switches of a worker thread (each a wait for a core, and for the
+#: GIL, on a busy machine). A bigger batch goes to a worker thread. Either way each ``ray.put``
+#: is a round trip to the raylet's object store, the loop blocked meanwhile: measured from an
+#: actor on 2 cores, about 1.1 ms of wall time (0.5 ms of CPU) per put even for 200 bytes.
 INLINE_BYTES = 64 * 1024
 
 
