@@ -214,8 +214,7 @@ def test_key_digest_resumes_from_the_continuation_and_equals_the_hash_of_the_who
     epoch, unrelated to the text), and only the bytes after its deepest checkpoint are hashed."""
     import hashlib
 
-    from tracestore.traces import key_digest, node_id
-    from tracestore.traces import reads
+    from tracestore.traces import key_digest, node_id, reads
 
     a, b = store_factory(), store_factory()
     sid = "digest"
