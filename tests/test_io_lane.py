@@ -3,12 +3,16 @@ client's script calls on one kept connection of its pool, outside redis-py's per
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tracestore import TraceStore
+from tracestore import AsyncTraceStore, TraceStore
+from tracestore.io.async_io import BUSY as ASYNC_BUSY
+from tracestore.io.async_io import AsyncScriptLane
 from tracestore.io.sync_io import BUSY, ScriptLane
 
 
@@ -96,3 +100,62 @@ def test_a_cluster_client_has_no_lane(cluster_url: str) -> None:
         assert s._io._lane is None  # noqa: SLF001
     finally:
         s.close()
+
+
+# -- the asyncio lane ---------------------------------------------------------------------
+
+
+async def _aturn(st: AsyncTraceStore, sid: str, prompt: str, response: str, version: int = 0) -> None:
+    m = await st.lookup(sid, prompt)
+    await st.record_turn(
+        sid, prompt, response, prefix=m, delta_token_ids=[1] * (3 - (m.text_len > 0)),
+        response_token_ids=[7, 8], response_logprobs=[-0.5, -0.25], version=version,
+    )
+
+
+def test_async_script_calls_take_the_lane(standalone_url: str, arun: Any) -> None:
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            await _aturn(st, "s", "hello there", " hi")
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            conn = lane._conn  # noqa: SLF001
+            assert conn is not None and conn.is_connected
+            lane_id = await lane.call(("CLIENT", "ID"))
+            await _aturn(st, "s", "hello there hi more", " ok", 1)
+            assert lane._conn is conn and await lane.call(("CLIENT", "ID")) == lane_id  # noqa: SLF001
+            lane._busy = True  # noqa: SLF001 - another task's call in flight
+            assert await lane.call(("PING",)) is ASYNC_BUSY
+            await _aturn(st, "s", "hello there hi more ok again", " yes", 2)  # through the pool
+            lane._busy = False  # noqa: SLF001
+            # a killed connection: the retry policy reconnects
+            assert await st.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
+            await _aturn(st, "s", "hello there hi more ok again yes then", " fine", 3)
+            assert await lane.call(("CLIENT", "ID")) != lane_id
+            trace = await st.export_training_trace("s", "hello there hi more ok again yes then fine")
+            assert len(trace.input_ids) == 4 * 2 + 3 + 3 * 2
+        finally:
+            await st.close()
+        assert lane._conn is None  # noqa: SLF001
+
+    arun(go())
+
+
+def test_async_cancelled_call_leaves_no_reply_behind(standalone_url: str, arun: Any) -> None:
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            key = f"lane-missing-{uuid.uuid4().hex}"
+            with pytest.raises(asyncio.TimeoutError):  # cancelled while the server holds the reply
+                await asyncio.wait_for(lane.call(("BLPOP", key, "0.3")), 0.05)
+            assert not lane._busy  # noqa: SLF001
+            await asyncio.sleep(0.4)  # the BLPOP's nil reply would be on the socket now
+            assert await lane.call(("PING",)) == b"PONG"  # not that stale reply
+            await _aturn(st, "s", "hello there", " hi")
+        finally:
+            await st.close()
+
+    arun(go())
