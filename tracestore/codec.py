@@ -65,6 +65,11 @@ IGNORE_LABEL = -100
 _INT32_MAX = 2**31 - 1
 _BIG_ENDIAN = sys.byteorder == "big"
 _POS_INF = math.inf
+#: Index of the most significant byte of an int32 in native byte order.
+_TOP_BYTE = 0 if _BIG_ENDIAN else 3
+#: The bytes of a float32 -0.0 in native byte order (a match that is not 4-aligned only
+#: sends a call through the exact loop).
+_NEG_ZERO = array("f", [-0.0]).tobytes()
 
 assert array("i").itemsize == 4 and array("f").itemsize == 4, "int32/float32 arrays required"
 
@@ -94,7 +99,8 @@ def int32_array(field: str, values: Iterable[int], *, non_negative: bool) -> arr
         raise InvalidInput(field, "every value must fit in int32") from None
     except TypeError as exc:
         raise InvalidInput(field, f"expected integers ({exc})") from None
-    if non_negative and a and min(a) < 0:
+    # a negative int32 has its sign bit set: the top byte of every value below 0x80
+    if non_negative and not a.tobytes()[_TOP_BYTE::4].isascii():
         raise InvalidInput(field, "token ids must be non-negative")
     return a
 
@@ -111,6 +117,10 @@ def float32_logprobs(field: str, values: Iterable[float]) -> array:  # type: ign
         a = array("f", values)
     except (TypeError, OverflowError) as exc:
         raise InvalidInput(field, f"expected floats ({exc})") from None
+    # Fast path (no Python loop): a finite sum (in double: float32 values cannot overflow
+    # it) means no NaN, +inf or -inf; no aligned -0.0 bit pattern means nothing to rewrite.
+    if math.isfinite(sum(a)) and _NEG_ZERO not in a.tobytes():
+        return a
     for i, x in enumerate(a):
         # x != x is NaN; a finite double too large for float32 becomes +inf here.
         if x != x or x == _POS_INF:

@@ -30,6 +30,8 @@ def key_slot(key: str | bytes) -> int:
 
 #: Hash slots of a Redis Cluster.
 SLOTS = 16384
+#: Sessions whose data-key head a :class:`Keys` remembers (``Keys._heads``).
+_HEADS_MAX = 8192
 #: A session's data keys, by suffix (the tombstone ``dead`` aside).
 _DATA_PARTS = ("idx", "tok", "txt", "part", "ans", "resp")
 
@@ -103,8 +105,8 @@ def same_slot(keys: Iterable[str]) -> bool:
         # Fast path (thousands of keys of one run on a hot path): a key that starts
         # with the first key's text up to its tag's "}" has the same tag.
         head = first[: end + 1]
-        rest = list(it)
-        if all(k.startswith(head) for k in rest):
+        rest = [k for k in it if not k.startswith(head)]
+        if not rest:
             return True
         it = iter(rest)
     tag = hash_tag(first)
@@ -112,10 +114,17 @@ def same_slot(keys: Iterable[str]) -> bool:
     for k in it:
         t = hash_tag(k)
         if t != tag:
-            slot = key_slot(first) if slot is None else slot
-            if key_slot(k) != slot:
+            slot = _tag_slot(tag) if slot is None else slot
+            if _tag_slot(t) != slot:
                 return False
     return True
+
+
+@lru_cache(maxsize=4096)
+def _tag_slot(tag: str) -> int:
+    """The slot of a hash tag (a key's :func:`hash_tag`), remembered: the run's turn
+    shards recur in every ``record_turn``'s keys."""
+    return key_slot(tag)
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,10 @@ class Keys:
     run: str
     #: Turn counter shard of each slot, made on first use (slot -> key).
     _shards: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: Validated session ids -> (their data-key head ``ts:{R/sid}``, its turn shard or None),
+    #: so the keys of a session's every call skip the id check and the slot's CRC (bounded:
+    #: emptied at :data:`_HEADS_MAX` sessions).
+    _heads: dict[str, list[str | None]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_prefix(self.prefix)
@@ -319,8 +332,17 @@ class Keys:
 
     # -- data plane: slot of {R/sid} -------------------------------------------------
 
+    def _head(self, sid: str) -> list[str | None]:
+        got = self._heads.get(sid) if type(sid) is str else None
+        if got is None:
+            got = [f"{self.prefix}:{{{self.run}/{validate_id('session id', sid)}}}", None]
+            if len(self._heads) >= _HEADS_MAX:
+                self._heads.clear()
+            self._heads[sid] = got
+        return got
+
     def _d(self, sid: str) -> str:
-        return f"{self.prefix}:{{{self.run}/{validate_id('session id', sid)}}}"
+        return self._head(sid)[0]  # type: ignore[return-value]
 
     def idx(self, sid: str) -> str:
         """``ts:{R/sid}:idx`` hash node id -> node index record (``num.wid,parent_num,end,...``)."""
@@ -382,7 +404,11 @@ class Keys:
         ``record_turn`` increments it in the same script that writes the turn
         (one slot on a cluster); the run's count is the sum over the shards.
         """
-        return self.turn_shard_of_slot(key_slot(self._d(sid)))
+        head = self._head(sid)
+        shard = head[1]
+        if shard is None:
+            shard = head[1] = self.turn_shard_of_slot(key_slot(head[0]))  # type: ignore[arg-type]
+        return shard
 
     def turn_shard_of_slot(self, slot: int) -> str:
         """The turn counter shard of hash slot ``slot`` (0..16383)."""

@@ -25,8 +25,8 @@ and asyncio runners (:mod:`tracestore.twin`) drive the same generator.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
-import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -52,7 +52,7 @@ def new_op_id() -> str:
     Generated once per call, before the first attempt, so redis-py's retries
     of the same command carry the same id and the script replays its reply.
     """
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # (as uuid4().hex: 32 hex characters, without building a UUID)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 from redis.exceptions import NoScriptError, ResponseError
 
-from ..connection import ConnectionOptions
+from ..connection import ConnectionOptions, FastPacker
 from ..durability import NONE, Durability
 from ..errors import PermissionDenied, ScriptError, StorageError, TracestoreError
 from ..keys import key_slot
@@ -36,6 +37,71 @@ from .durable import DurablePath, check_level, server_name
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
+#: :meth:`AsyncScriptLane.call`'s answer when another task is using the lane.
+BUSY = object()
+
+
+class AsyncScriptLane:
+    """The asyncio counterpart of :class:`~tracestore.io.sync_io.ScriptLane`.
+
+    One connection of a standalone client's pool kept checked out for script
+    calls, one task at a time (a call finding it in use gets :data:`BUSY` and
+    goes through redis-py, so concurrent tasks still use the pool). Besides
+    redis-py's per-command pool checkout, timing records and observability
+    counters, it skips ``redis.asyncio``'s pure-Python packer (an encoder call
+    per argument): the command is packed by the sync client's
+    :class:`~tracestore.connection.FastPacker` (the same RESP bytes). Sent and
+    read with the connection's own methods, under its retry policy; any
+    exception other than a server's error reply (a cancellation too)
+    disconnects it, so no reply is ever left unread on it.
+    """
+
+    __slots__ = ("_pool", "_busy", "_conn", "_pid", "_packer")
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._busy = False
+        self._conn: Any = None
+        self._pid = os.getpid()
+        self._packer = FastPacker()
+
+    async def call(self, args: tuple[Any, ...]) -> Any:
+        """The reply of the command ``args`` (redis-py errors raise), or :data:`BUSY`."""
+        if self._busy:
+            return BUSY
+        self._busy = True
+        try:
+            conn = self._conn
+            if conn is None or self._pid != os.getpid():
+                self._conn = None
+                conn = await self._pool.get_connection()
+                self._conn, self._pid = conn, os.getpid()
+            packed = self._packer.pack(*args)
+
+            async def attempt() -> Any:
+                await conn.send_packed_command(packed)
+                return await conn.read_response()
+
+            async def failed(_err: BaseException) -> None:
+                await conn.disconnect()
+
+            try:
+                return await conn.retry.call_with_retry(attempt, failed)
+            except ResponseError:
+                raise  # the server's error reply, read whole: the connection is clean
+            except BaseException:
+                await conn.disconnect(nowait=True)  # a reply may be unread
+                raise
+        finally:
+            self._busy = False
+
+    async def close(self) -> None:
+        """Give the connection back to the pool (the next call takes one again)."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pid == os.getpid():
+            await self._pool.release(conn)
+
+
 class AsyncIO:
     """Executes requests with ``redis.asyncio.Redis`` or its ``RedisCluster``."""
 
@@ -58,6 +124,10 @@ class AsyncIO:
         self.durability = durability
         self._durable = DurablePath(durability, opts) if durability.waits else None
         self._acl_user = acl_user(client)  # names the user in a failed script's hint
+        # script calls on a standalone server skip redis-py's per-command machinery
+        pool = getattr(client, "connection_pool", None)
+        plain = not cluster and isinstance(client, redis.asyncio.Redis) and client.connection is None
+        self._lane = AsyncScriptLane(pool) if plain and pool is not None else None
 
     async def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply (no redis-py exception escapes)."""
@@ -112,6 +182,10 @@ class AsyncIO:
         return decode_script_reply(ev, reply)
 
     async def _script(self, ev: Eval, *, use_sha: bool) -> Any:
+        if self._lane is not None:
+            reply = await self._lane.call(script_args(ev, use_sha))
+            if reply is not BUSY:
+                return reply
         c: Any = self.client
         if not ev.script.readonly:
             if use_sha:
@@ -358,4 +432,6 @@ class AsyncIO:
 
     async def close(self) -> None:
         """Close the client's connections."""
+        if self._lane is not None:
+            await self._lane.close()
         await self.client.aclose()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,78 @@ from .durable import DurablePath, check_level, server_name
 if TYPE_CHECKING:
     from redis.cluster import RedisCluster
 
+#: :meth:`ScriptLane.call`'s answer when another thread holds the lane.
+BUSY = object()
+
+
+class ScriptLane:
+    """One connection of a standalone client's pool, kept checked out for its script calls.
+
+    A script call is one command and one reply, the call every turn makes twice
+    (``lookup``'s ``read_index``, ``record_turn``'s script), and redis-py's
+    ``execute_command`` spends more client CPU around it than on it: a pool
+    checkout and release per command (a ``poll`` of the socket, the lock,
+    four observability counter updates, an event dispatch), its own timing and
+    metrics records, a closure per call. The lane sends the same command bytes
+    (the client's packer) on a connection it keeps, under the same retry
+    policy (the connection's ``Retry``: connection errors and timeouts, each
+    followed by a disconnect, so the next attempt reconnects), and reads the
+    reply with the same parser; a reply that is an error (NOSCRIPT, a script
+    error) raises the same redis-py exception.
+
+    The connection is the pool's (counted in ``max_connections``; a
+    ``pool.disconnect()`` closes it too, and the next call reconnects), never
+    left with a reply unread: any exception other than a server's error reply
+    disconnects it. One thread at a time: a call finding the lane busy gets
+    :data:`BUSY` and goes through redis-py. After a fork the child takes a
+    connection of its own (the pool resets itself in the child).
+    """
+
+    __slots__ = ("_pool", "_lock", "_conn", "_pid")
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._pid = os.getpid()
+
+    def call(self, args: tuple[Any, ...]) -> Any:
+        """The reply of the command ``args`` (redis-py errors raise), or :data:`BUSY`."""
+        if not self._lock.acquire(blocking=False):
+            return BUSY
+        try:
+            conn = self._conn
+            if conn is None or self._pid != os.getpid():
+                self._conn = None
+                conn = self._pool.get_connection()
+                self._conn, self._pid = conn, os.getpid()
+            packed = conn.pack_command(*args)
+
+            def attempt() -> Any:
+                conn.send_packed_command(packed)
+                return conn.read_response()
+
+            try:
+                return conn.retry.call_with_retry(attempt, lambda _err: conn.disconnect())
+            except ResponseError:
+                raise  # the server's error reply, read whole: the connection is clean
+            except BaseException:
+                conn.disconnect()  # a reply may be unread (redis-py's own errors did this already)
+                raise
+            finally:
+                if conn.should_reconnect():  # (redis-py's maintenance notifications)
+                    conn.disconnect()
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Give the connection back to the pool (the next call takes one again)."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None and self._pid == os.getpid():
+                self._pool.release(conn)
+
+
 class SyncIO:
     """Executes requests with a redis-py ``Redis`` or ``RedisCluster`` client."""
 
@@ -55,6 +129,10 @@ class SyncIO:
         self.durability = durability
         self._durable = DurablePath(durability, opts) if durability.waits else None
         self._acl_user = acl_user(client)  # names the user in a failed script's hint
+        # script calls on a standalone server skip redis-py's per-command machinery
+        pool = getattr(client, "connection_pool", None)
+        plain = not cluster and isinstance(client, redis.Redis) and client.connection is None
+        self._lane = ScriptLane(pool) if plain and pool is not None else None
 
     def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply (no redis-py exception escapes)."""
@@ -109,6 +187,10 @@ class SyncIO:
         return decode_script_reply(ev, reply)
 
     def _script(self, ev: Eval, *, use_sha: bool) -> Any:
+        if self._lane is not None:
+            reply = self._lane.call(script_args(ev, use_sha))
+            if reply is not BUSY:
+                return reply
         c: Any = self.client
         if not ev.script.readonly:
             return c.evalsha(ev.script.sha, *eval_args(ev)) if use_sha else c.eval(ev.script.source, *eval_args(ev))
@@ -377,4 +459,6 @@ class SyncIO:
 
     def close(self) -> None:
         """Close the client's connections."""
+        if self._lane is not None:
+            self._lane.close()
         self.client.close()

@@ -21,16 +21,18 @@ hashing the whole prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .tokens import TokenIds
 from .types import Node
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A stored node on the continuation text, with the hash state and token ids at its end."""
+class Checkpoint(NamedTuple):
+    """A stored node on the continuation text, with the hash state and token ids at its end.
+
+    (This and :class:`Continuation` are named tuples: immutable, and built per turn
+    without a frozen dataclass's ``object.__setattr__`` per field.)
+    """
 
     node: Node
     #: blake2b state after hashing the node's key (copied before any update, never changed).
@@ -39,8 +41,7 @@ class Checkpoint:
     ids: TokenIds
 
 
-@dataclass(frozen=True)
-class Continuation:
+class Continuation(NamedTuple):
     """The text of a session's last recorded turn and its checkpoints (shallowest first).
 
     ``pieces`` concatenated are the text every checkpoint's key is a prefix
@@ -53,7 +54,7 @@ class Continuation:
 
     def base_for(self, text: str) -> Checkpoint | None:
         """The deepest checkpoint whose key is a prefix of ``text`` (text compares only)."""
-        for cp in reversed(self.checkpoints):
+        for cp in self.checkpoints[::-1]:
             if _starts_with(text, self.pieces, cp.node.end):
                 return cp
         return None

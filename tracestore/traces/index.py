@@ -11,7 +11,7 @@ here.
 from __future__ import annotations
 
 import hashlib
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,14 +85,15 @@ class SessionIndex:
 
     def __init__(
         self, epoch: str, version: int, nodes: dict[str, Node], nums: dict[str, int], key: str = "",
-        chain: str = "",
+        chain: str = "", ends: list[int] | None = None,
     ) -> None:
         self.epoch = epoch
         self.version = version
         self.chain = chain
         self.nodes = nodes
         self.nums = nums  # node id -> node number (its field in tok and txt), in this epoch
-        self.ends = sorted({n.end for n in nodes.values()})
+        # every distinct node end, ascending (``ends``: the caller computed them)
+        self.ends = sorted({n.end for n in nodes.values()}) if ends is None else ends
         self.key = key  # the idx key it was read from (named by CorruptData)
         self._parents: frozenset[str | None] | None = None
 
@@ -142,10 +143,18 @@ class SessionIndex:
         """A new snapshot at ``version``/``chain`` with ``new`` ``(node, number)`` pairs added (this one is never changed)."""
         nodes = dict(self.nodes)
         nums = dict(self.nums)
+        ends = list(self.ends)
         for n, num in new:
+            old = nodes.get(n.id)
             nodes[n.id] = n
             nums[n.id] = num
-        return SessionIndex(epoch, version, nodes, nums, self.key, chain)
+            if old is not None and old.end != n.end:  # (never: a node's id is its key's digest)
+                ends = None  # type: ignore[assignment]
+            elif ends is not None:
+                i = bisect_left(ends, n.end)
+                if i == len(ends) or ends[i] != n.end:
+                    ends.insert(i, n.end)
+        return SessionIndex(epoch, version, nodes, nums, self.key, chain, ends)
 
     @property
     def nbytes(self) -> int:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import codec, validate
 from ..context import Context, mutating
@@ -35,8 +34,7 @@ MAX_EXPERT_KEY = 512
 INSERT_ATTEMPTS = 64
 
 
-@dataclass(frozen=True)
-class _NewNode:
+class _NewNode(NamedTuple):
     """A node to write: its index record, packed payload and segment text.
 
     ``parent_wid``: the write id the parent was read with ('' for a node
@@ -61,7 +59,9 @@ class _NewNode:
 
     def stored(self, wid: str) -> _NewNode:
         """This node as stored by write ``wid``."""
-        return replace(self, node=replace(self.node, wid=wid))
+        n = self.node
+        node = Node(n.id, n.parent, n.end, n.ntok, n.flags, n.version, n.expert_key, wid)
+        return _NewNode(node, self.payload, self.text, self.parent_wid)
 
 
 def new_wid() -> str:
@@ -121,9 +121,12 @@ def _check_size(ctx: Context, field_name: str, payload: bytes) -> None:
         )
 
 
-@dataclass(frozen=True)
-class _CheckedTurn:
-    """A validated turn, and the hash state at the end of its matched prefix."""
+class _CheckedTurn(NamedTuple):
+    """A validated turn, and the hash state at the end of its matched prefix.
+
+    (Named tuples, this and the other records of one turn: immutable like frozen
+    dataclasses, built without a ``object.__setattr__`` call per field.)
+    """
 
     sid: str
     prompt_text: str
@@ -231,8 +234,7 @@ def _check_turn(
 # -- building nodes ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _TurnNodes:
+class _TurnNodes(NamedTuple):
     """A turn's new nodes and the hash states at the response's parent end and at its end."""
 
     delta: _NewNode | None
@@ -421,7 +423,7 @@ def record_turn(
     chain_before, chain_after = r.text(), r.text()
     new = [x.stored(r.text()) for x in new]
     _after_write(ctx, sid, epoch, (before, after), (chain_before, chain_after), new, nums)
-    nodes = replace(nodes, delta=new[0] if nodes.delta else None, response=new[-1])
+    nodes = nodes._replace(delta=new[0] if nodes.delta else None, response=new[-1])
     _continue(ctx, turn, nodes, epoch)
     return Turn(nodes.delta.node if nodes.delta else None, nodes.response.node, written)
 

@@ -1,0 +1,161 @@
+"""The sync I/O layer's script lane (tracestore/io/sync_io.py, ScriptLane): a standalone
+client's script calls on one kept connection of its pool, outside redis-py's per-command path."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tracestore import AsyncTraceStore, TraceStore
+from tracestore.io.async_io import BUSY as ASYNC_BUSY
+from tracestore.io.async_io import AsyncScriptLane
+from tracestore.io.sync_io import BUSY, ScriptLane
+
+
+@pytest.fixture
+def st(standalone_url: str) -> Iterator[TraceStore]:
+    s = TraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _turn(st: TraceStore, sid: str, prompt: str, response: str, version: int = 0) -> None:
+    m = st.lookup(sid, prompt)
+    st.record_turn(
+        sid, prompt, response, prefix=m, delta_token_ids=[1] * (3 - (m.text_len > 0)),
+        response_token_ids=[7, 8], response_logprobs=[-0.5, -0.25], version=version,
+    )
+
+
+def _lane(st: TraceStore) -> ScriptLane:
+    lane = st._io._lane  # noqa: SLF001 - the mechanism under test
+    assert isinstance(lane, ScriptLane)
+    return lane
+
+
+def test_script_calls_take_the_lane_and_keep_one_connection(st: TraceStore) -> None:
+    _turn(st, "s", "hello there", " hi")
+    lane = _lane(st)
+    conn = lane._conn  # noqa: SLF001
+    assert conn is not None and conn.is_connected
+    pool = st.redis.connection_pool
+    assert conn in pool._in_use_connections  # noqa: SLF001 - counted by the pool
+    cid = st.redis.client_id()  # (a plain command: redis-py's path, another connection)
+    _turn(st, "s", "hello there hi more", " ok", 1)
+    assert lane._conn is conn  # noqa: SLF001 - the same connection, kept
+    assert st.redis.client_id() == cid
+    st.close()
+    assert lane._conn is None and conn not in pool._in_use_connections  # noqa: SLF001
+
+
+def test_a_busy_lane_sends_through_redis_py(st: TraceStore) -> None:
+    _turn(st, "s", "hello there", " hi")
+    lane = _lane(st)
+    with lane._lock:  # noqa: SLF001 - another thread's call in flight
+        assert lane.call(("PING",)) is BUSY
+        _turn(st, "s", "hello there hi more", " ok", 1)  # still works, through the pool
+    assert st.export_training_trace("s", "hello there hi more ok").input_ids == [1, 1, 1, 7, 8, 1, 1, 7, 8]
+
+
+def test_a_killed_connection_is_retried_on_a_new_one(st: TraceStore) -> None:
+    _turn(st, "s", "hello there", " hi")
+    lane = _lane(st)
+    conn = lane._conn  # noqa: SLF001
+    lane_id = lane.call(("CLIENT", "ID"))
+    assert st.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
+    _turn(st, "s", "hello there hi more", " ok", 1)  # the retry policy reconnects
+    assert lane._conn is conn and lane.call(("CLIENT", "ID")) != lane_id  # noqa: SLF001
+    assert len(st.export_training_trace("s", "hello there hi more ok").input_ids) == 9
+
+
+def test_pool_disconnect_closes_the_lane_too(st: TraceStore) -> None:
+    _turn(st, "s", "hello there", " hi")
+    lane = _lane(st)
+    st.redis.connection_pool.disconnect()
+    assert not lane._conn.is_connected  # noqa: SLF001
+    _turn(st, "s", "hello there hi more", " ok", 1)
+    assert lane._conn.is_connected  # noqa: SLF001
+
+
+def test_error_replies_leave_the_connection_clean(st: TraceStore) -> None:
+    _turn(st, "s", "hello there", " hi")
+    lane = _lane(st)
+    st.redis.script_flush()  # NOSCRIPT on the next EVALSHA: reloaded with EVAL
+    _turn(st, "s", "hello there hi more", " ok", 1)
+    with pytest.raises(Exception, match="(?i)unknown command"):
+        lane.call(("NOSUCHCOMMAND",))
+    assert lane.call(("PING",)) == b"PONG"
+    assert len(st.export_training_trace("s", "hello there hi more ok").input_ids) == 9
+
+
+def test_a_cluster_client_has_no_lane(cluster_url: str) -> None:
+    s = TraceStore.connect(cluster_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+    try:
+        assert s._io._lane is None  # noqa: SLF001
+    finally:
+        s.close()
+
+
+# -- the asyncio lane ---------------------------------------------------------------------
+
+
+async def _aturn(st: AsyncTraceStore, sid: str, prompt: str, response: str, version: int = 0) -> None:
+    m = await st.lookup(sid, prompt)
+    await st.record_turn(
+        sid, prompt, response, prefix=m, delta_token_ids=[1] * (3 - (m.text_len > 0)),
+        response_token_ids=[7, 8], response_logprobs=[-0.5, -0.25], version=version,
+    )
+
+
+def test_async_script_calls_take_the_lane(standalone_url: str, arun: Any) -> None:
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            await _aturn(st, "s", "hello there", " hi")
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            conn = lane._conn  # noqa: SLF001
+            assert conn is not None and conn.is_connected
+            lane_id = await lane.call(("CLIENT", "ID"))
+            await _aturn(st, "s", "hello there hi more", " ok", 1)
+            assert lane._conn is conn and await lane.call(("CLIENT", "ID")) == lane_id  # noqa: SLF001
+            lane._busy = True  # noqa: SLF001 - another task's call in flight
+            assert await lane.call(("PING",)) is ASYNC_BUSY
+            await _aturn(st, "s", "hello there hi more ok again", " yes", 2)  # through the pool
+            lane._busy = False  # noqa: SLF001
+            # a killed connection: the retry policy reconnects
+            assert await st.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
+            await _aturn(st, "s", "hello there hi more ok again yes then", " fine", 3)
+            assert await lane.call(("CLIENT", "ID")) != lane_id
+            trace = await st.export_training_trace("s", "hello there hi more ok again yes then fine")
+            assert len(trace.input_ids) == 4 * 2 + 3 + 3 * 2
+        finally:
+            await st.close()
+        assert lane._conn is None  # noqa: SLF001
+
+    arun(go())
+
+
+def test_async_cancelled_call_leaves_no_reply_behind(standalone_url: str, arun: Any) -> None:
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            key = f"lane-missing-{uuid.uuid4().hex}"
+            with pytest.raises(asyncio.TimeoutError):  # cancelled while the server holds the reply
+                await asyncio.wait_for(lane.call(("BLPOP", key, "0.3")), 0.05)
+            assert not lane._busy  # noqa: SLF001
+            await asyncio.sleep(0.4)  # the BLPOP's nil reply would be on the socket now
+            assert await lane.call(("PING",)) == b"PONG"  # not that stale reply
+            await _aturn(st, "s", "hello there", " hi")
+        finally:
+            await st.close()
+
+    arun(go())
