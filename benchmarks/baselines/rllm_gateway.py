@@ -71,7 +71,7 @@ def versions() -> dict[str, str]:
     """The installed versions of the peer and the packages that carry its requests."""
     code = (
         "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
-        "('rllm-model-gateway', 'fastapi', 'starlette', 'uvicorn', 'httpx', 'pydantic', 'aiosqlite', 'uvloop', 'httptools')}))"
+        "('rllm-model-gateway', 'fastapi', 'starlette', 'uvicorn', 'httpx', 'httpcore', 'anyio', 'pydantic', 'aiosqlite', 'uvloop', 'httptools')}))"
     )
     out = subprocess.run([str(ensure_venv()), "-c", code], check=True, capture_output=True, text=True).stdout
     return dict(orjson.loads(out))
