@@ -238,6 +238,7 @@ class _Tally:
     latency: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     skipped: int = 0
+    samples: list[str] = field(default_factory=list)  # the first few failures, as text
 
 
 def _sessions(n: int, docs: list[str], tag: str) -> list[_Session]:
@@ -253,8 +254,15 @@ def _sessions(n: int, docs: list[str], tag: str) -> list[_Session]:
 
 
 async def _turn(http: aiohttp.ClientSession, url: str, s: _Session, tally: _Tally) -> bool:
-    """One turn of ``s`` through the gateway at ``url``; False (and counted) when it failed."""
-    body = orjson.dumps({"model": MODEL, "messages": s.messages, "max_tokens": 64, "session_id": s.sid})
+    """One turn of ``s`` through the gateway at ``url``; False (and counted) when it failed. A ``url``
+    with ``{sid}`` in it names the session in the path (rLLM's gateway: ``/sessions/{sid}``), not
+    in the body."""
+    req: dict[str, Any] = {"model": MODEL, "messages": s.messages, "max_tokens": 64}
+    if "{sid}" in url:
+        url = url.format(sid=s.sid)
+    else:
+        req["session_id"] = s.sid
+    body = orjson.dumps(req)
     t0 = time.perf_counter()
     try:
         async with http.post(url + "/v1/chat/completions", data=body, headers=JSON) as resp:
@@ -262,11 +270,15 @@ async def _turn(http: aiohttp.ClientSession, url: str, s: _Session, tally: _Tall
             status = resp.status
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         tally.errors[type(exc).__name__] += 1
+        if len(tally.samples) < 5:
+            tally.samples.append(f"{time.perf_counter() - t0:.3f} s: {exc!r}")
         s.ok = False
         return False
     took = time.perf_counter() - t0
     if status != 200:
         tally.errors[str(status)] += 1
+        if len(tally.samples) < 5:
+            tally.samples.append(f"{took:.3f} s: HTTP {status}: {raw[:200]!r}")
         s.ok = False
         return False
     tally.latency.append(took)

@@ -1,5 +1,6 @@
 """An instant engine for the gateway benchmarks: SGLang's ``/generate`` and vLLM's
-``/v1/completions`` with token ids, answered at once (one process serves both shapes).
+``/v1/completions`` with token ids, and vLLM's ``/v1/chat/completions`` with messages, answered
+at once (one process serves the three shapes).
 
 It parses the request (as any engine must) and replies with a fixed answer
 (``--answer`` encoded by the builtin tokenizer, then the stop id) and fixed
@@ -13,18 +14,34 @@ as vLLM's first chunk with ``return_token_ids``), every answer id, one
 logprob each and ``finish_reason: "stop"`` with ``stop_reason: null`` (an EOS
 stop), then ``data: [DONE]``; ``GET /v1/models`` gives the model card.
 
+The chat shape is for a gateway that forwards messages (the rLLM peer,
+``benchmarks/baselines/rllm_gateway.py``): to count the work vLLM does for
+such a request, it renders the messages with the chat template (the builtin
+tokenizer's, the one ``tracestore gateway`` uses in the benchmarks) and
+tokenises the whole prompt, every turn, as vLLM's frontend does, then answers
+the same fixed answer in vLLM's non-streamed shape with ``logprobs`` and
+``return_token_ids``: ``prompt_token_ids`` at the root, ``token_ids`` and
+``stop_reason`` in the choice, ``logprobs.content`` one entry per answer id
+(``token``, ``logprob``, ``bytes``, ``top_logprobs``), ``usage``. The message
+is ``{"role", "content"}``, what ``tracestore gateway`` answers, so a client
+sends the same conversation through either (vLLM adds null fields to it:
+``tool_calls: []``, ``reasoning_content``, ...). Streaming is not served (a
+400): the benchmarks' client does not stream.
+
 Run: ``python -m benchmarks.instant_engine --port 0`` (prints ``listening on URL``).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from tracestore.gateway.serve import serve_forever
+from tracestore.gateway.tokenizer import BuiltinTokenizer
 from tracestore.trainer.tokenizer import TOKENIZER
 
 
@@ -37,6 +54,9 @@ class InstantEngine:
         self.text = answer
         self.last: list[int] = []
         self.requests = 0
+        self.chat_tok = BuiltinTokenizer()
+        pieces = [TOKENIZER.decode([t]) for t in self.ids]
+        self.chat_lps = [{"token": p, "logprob": -0.5, "bytes": list(p.encode()), "top_logprobs": []} for p in pieces]
 
     async def _taken(self, request: web.Request, field: str) -> tuple[dict[str, Any], list[int]]:
         """The request's body and its input ids (``field``), remembered as the last ones."""
@@ -76,6 +96,37 @@ class InstantEngine:
         await resp.write_eof()
         return resp
 
+    async def chat(self, request: web.Request) -> web.Response:
+        """vLLM's non-streamed ``/v1/chat/completions``: the messages rendered and tokenised, then the answer."""
+        body: dict[str, Any] = orjson.loads(await request.read())
+        if body.get("stream"):
+            return web.json_response({"object": "error", "message": "stream is not served", "code": 400}, status=400)
+        prompt = self.chat_tok.render(body["messages"], body.get("tools"), True)
+        ids = self.chat_tok.encode(prompt)
+        self.last = ids
+        self.requests += 1
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": self.text},
+            "logprobs": {"content": self.chat_lps} if body.get("logprobs") else None,
+            "finish_reason": "stop",
+            "stop_reason": None,
+        }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = self.ids
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-{self.requests}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", "instant"),
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) + len(self.ids), "completion_tokens": len(self.ids)},
+            "prompt_logprobs": None,
+        }
+        if body.get("return_token_ids"):
+            out["prompt_token_ids"] = ids
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": "instant", "object": "model", "owned_by": "vllm", "root": "instant", "max_model_len": 1 << 20}
         return web.json_response({"object": "list", "data": [card]})
@@ -91,6 +142,7 @@ class InstantEngine:
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.ok)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/last", self.last_ids)
         app.router.add_get("/health", self.ok)
