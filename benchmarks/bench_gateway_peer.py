@@ -19,7 +19,8 @@ closed pass, then a paced one), and so is the instant engine, one process for ev
   tokenises the whole prompt (as vLLM does), and writes the trace after it answers. Its session
   is in the path, ``/sessions/{sid}/v1/chat/completions``; the body is the same.
 
-Per size, the four gateways are started (fresh) and warmed up (512 sessions x 2 turns), then each
+Per size, the four gateways are started (fresh) and warmed up (512 sessions x 2 turns, or N x 2
+when N is smaller), then each
 runs its closed pass in turn; the paced pass (1,000 of the sessions, one more turn each) then runs
 through each at **one common rate**, half the lowest closed turns/s of the four, so the latencies
 are read at the same offered load. Figures per set-up: turns/s (closed), CPU ms per turn of the
@@ -223,7 +224,7 @@ def _size(engine: _Proc, stores: dict[str, _Store], docs: list[str], n: int, tur
         for kind, store in SETUPS:
             sides.append(_Side(kind, store, engine, stores, f"{run}-{kind[:2]}-{store[:6]}"))
         for side in sides:
-            asyncio.run(_closed([side.url], _sessions(INFLIGHT, docs, side.tag + "-warm"), 2))
+            asyncio.run(_closed([side.url], _sessions(min(INFLIGHT, n), docs, side.tag + "-warm"), 2))
             side.drain()
         for side in sides:
             side.row = _closed_pass(side, engine, docs, n, turns)
