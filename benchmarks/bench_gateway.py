@@ -64,6 +64,17 @@ SYSTEM = "use add sub mul with one digit then done"
 WORDS = ("system", "user", "assistant", "tool", "add", "sub", "mul", "done", "reach", "from", "with", "then", "error", "use")
 
 
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """Terminate ``proc`` if it still runs; kill it after 30 s, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class _Proc:
     """A benchmark process that prints ``listening on URL``."""
 
@@ -96,12 +107,7 @@ class _Proc:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
 
 def _document(tokens: int, rng: random.Random) -> str:

@@ -138,13 +138,9 @@ class RllmGateway:
         return sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir) if f.startswith("traces.db"))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from benchmarks.bench_gateway import stop_process
+
+        stop_process(self.proc)
         for f in os.listdir(self.dir):
             os.unlink(os.path.join(self.dir, f))
         os.rmdir(self.dir)
