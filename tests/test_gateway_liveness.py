@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -190,7 +191,14 @@ def test_two_gateways_on_one_port_carry_an_agent_through_the_death_of_one(standa
         assert pair[0].url == pair[1].url  # one address
         t.start()
         assert _wait(lambda: st.gate.status().live == 1)
-        serving = next(g for g in pair if g.metric("tracestore_gateway_in_flight") == 1)
+        # the lease names its holder, gateway-<host>-<pid> (a metric scrape on the shared port may
+        # reach either process)
+        r: Any = st.redis
+        holders = [
+            h.get(b"holder", b"").decode() for name in r.scan_iter(match=st.keys.control_pattern, count=1000)
+            if b":gate:l:" in name and (h := r.hgetall(name)).get(b"sid") == b"p-1"
+        ]
+        serving = next(g for g in pair if any(h.endswith(f"-{g.proc.pid}") for h in holders))
         serving.kill()  # dies holding the call, its lease and its engine request
         t.join(120)
         reply = out["reply"]
