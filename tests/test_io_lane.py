@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from redis.exceptions import NoScriptError, ResponseError
 
 from tracestore import AsyncTraceStore, TraceStore
-from tracestore.io.async_io import BUSY as ASYNC_BUSY
 from tracestore.io.async_io import AsyncScriptLane
 from tracestore.io.sync_io import BUSY, ScriptLane
 
@@ -125,10 +125,10 @@ def test_async_script_calls_take_the_lane(standalone_url: str, arun: Any) -> Non
             lane_id = await lane.call(("CLIENT", "ID"))
             await _aturn(st, "s", "hello there hi more", " ok", 1)
             assert lane._conn is conn and await lane.call(("CLIENT", "ID")) == lane_id  # noqa: SLF001
-            lane._busy = True  # noqa: SLF001 - another task's call in flight
-            assert await lane.call(("PING",)) is ASYNC_BUSY
-            await _aturn(st, "s", "hello there hi more ok again", " yes", 2)  # through the pool
-            lane._busy = False  # noqa: SLF001
+            # tasks in flight together share the one connection, their replies each to its caller
+            got = await asyncio.gather(*(lane.call(("ECHO", f"e{i}")) for i in range(50)), lane.call(("CLIENT", "ID")))
+            assert got == [f"e{i}".encode() for i in range(50)] + [lane_id]
+            await _aturn(st, "s", "hello there hi more ok again", " yes", 2)
             # a killed connection: the retry policy reconnects
             assert await st.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
             await _aturn(st, "s", "hello there hi more ok again yes then", " fine", 3)
@@ -142,6 +142,31 @@ def test_async_script_calls_take_the_lane(standalone_url: str, arun: Any) -> Non
     arun(go())
 
 
+def test_async_batches_pipeline_on_the_lane_with_errors_in_place(standalone_url: str, arun: Any) -> None:
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            lane_id = await lane.call(("CLIENT", "ID"))
+            replies = await lane.calls([("ECHO", "a"), ("NOSUCHCOMMAND",), ("EVALSHA", "0" * 40, 0), ("CLIENT", "ID")])
+            assert replies[0] == b"a" and replies[3] == lane_id
+            assert isinstance(replies[1], ResponseError) and isinstance(replies[2], NoScriptError)
+            # a turn's batches (lookups, records) through the store go the same way
+            await asyncio.gather(*(_aturn(st, f"b{i}", "hello there", " hi") for i in range(20)))
+            assert await lane.call(("CLIENT", "ID")) == lane_id
+            # the connection killed under calls in flight: every one is sent again, none is lost
+            kill = asyncio.ensure_future(st.redis.execute_command("CLIENT", "KILL", "ID", lane_id))
+            got = await asyncio.gather(*(lane.call(("ECHO", f"k{i}")) for i in range(30)))
+            await kill
+            assert got == [f"k{i}".encode() for i in range(30)]
+            assert await lane.call(("CLIENT", "ID")) != lane_id
+        finally:
+            await st.close()
+
+    arun(go())
+
+
 def test_async_cancelled_call_leaves_no_reply_behind(standalone_url: str, arun: Any) -> None:
     async def go() -> None:
         st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
@@ -151,9 +176,9 @@ def test_async_cancelled_call_leaves_no_reply_behind(standalone_url: str, arun: 
             key = f"lane-missing-{uuid.uuid4().hex}"
             with pytest.raises(asyncio.TimeoutError):  # cancelled while the server holds the reply
                 await asyncio.wait_for(lane.call(("BLPOP", key, "0.3")), 0.05)
-            assert not lane._busy  # noqa: SLF001
-            await asyncio.sleep(0.4)  # the BLPOP's nil reply would be on the socket now
-            assert await lane.call(("PING",)) == b"PONG"  # not that stale reply
+            assert await lane.call(("PING",)) == b"PONG"  # queued behind it: its own reply, not the BLPOP's
+            await asyncio.sleep(0.4)
+            assert await lane.call(("PING",)) == b"PONG"
             await _aturn(st, "s", "hello there", " hi")
         finally:
             await st.close()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 from ..connection import ConnectionOptions, FastPacker
 from ..durability import NONE, Durability
@@ -37,67 +38,159 @@ from .durable import DurablePath, check_level, server_name
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-#: :meth:`AsyncScriptLane.call`'s answer when another task is using the lane.
+#: :meth:`AsyncScriptLane.call`'s answer when the lane cannot take the call (the client's
+#: connections have no stream it can write to): send it through redis-py.
 BUSY = object()
+
+_Waiting = deque[tuple["asyncio.Future[list[Any]]", int, list[Any]]]
 
 
 class AsyncScriptLane:
-    """The asyncio counterpart of :class:`~tracestore.io.sync_io.ScriptLane`.
+    """The asyncio counterpart of :class:`~tracestore.io.sync_io.ScriptLane`, pipelined.
 
     One connection of a standalone client's pool kept checked out for script
-    calls, one task at a time (a call finding it in use gets :data:`BUSY` and
-    goes through redis-py, so concurrent tasks still use the pool). Besides
-    redis-py's per-command pool checkout, timing records and observability
-    counters, it skips ``redis.asyncio``'s pure-Python packer (an encoder call
-    per argument): the command is packed by the sync client's
-    :class:`~tracestore.connection.FastPacker` (the same RESP bytes). Sent and
-    read with the connection's own methods, under its retry policy; any
-    exception other than a server's error reply (a cancellation too)
-    disconnects it, so no reply is ever left unread on it.
+    calls, **shared by every task**: a call packs its command (or a batch its
+    commands) with the sync client's :class:`~tracestore.connection.FastPacker`
+    (the same RESP bytes as redis-py's packer), writes it at once and waits for
+    its place in the queue of replies; one reader task reads the replies in
+    order (the connection's own parser) and hands each to its caller. So the
+    turns of a gateway in flight together share one connection and its round
+    trips, with none of redis-py's per-command machinery (a pool checkout and
+    release, a pipeline object, timing records and observability counters, a
+    Python encoder call per argument).
+
+    * An error reply (NOSCRIPT, a script's error) is that call's exception (in
+      a batch, in its place); the connection stays clean.
+    * A connection error or timeout fails every call waiting on the
+      connection, which is closed; each call is then sent again under the
+      connection's retry policy (the scripts are idempotent under retry), on a
+      new connection.
+    * A cancelled caller leaves nothing behind: its reply is read in its turn
+      and dropped.
     """
 
-    __slots__ = ("_pool", "_busy", "_conn", "_pid", "_packer")
+    __slots__ = ("_pool", "_conn", "_pid", "_packer", "_waiting", "_reader", "_lock", "_gen")
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
-        self._busy = False
         self._conn: Any = None
         self._pid = os.getpid()
         self._packer = FastPacker()
+        self._waiting: _Waiting = deque()
+        self._reader: asyncio.Task[None] | None = None
+        self._lock: asyncio.Lock | None = None
+        self._gen = 0  # counts the connection's failures: a late failure report fails nothing newer
 
     async def call(self, args: tuple[Any, ...]) -> Any:
-        """The reply of the command ``args`` (redis-py errors raise), or :data:`BUSY`."""
-        if self._busy:
+        """The reply of the command ``args`` (an error reply raises its redis-py exception), or :data:`BUSY`."""
+        got = await self._exchange([self._packer.pack(*args)])
+        if got is BUSY:
             return BUSY
-        self._busy = True
-        try:
+        reply = got[0]
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    async def calls(self, commands: list[tuple[Any, ...]]) -> Any:
+        """The replies of ``commands``, pipelined, an error reply in its place; or :data:`BUSY`."""
+        return await self._exchange([self._packer.pack(*args) for args in commands])
+
+    async def _exchange(self, packed: list[list[bytes]]) -> Any:
+        conn = await self._connection()
+        if conn is None:
+            return BUSY
+        sent = [self._gen]
+
+        async def attempt() -> list[Any]:
+            c = await self._connection()
+            if c is None:
+                raise ConnectionError("the script lane has no connection")
+            sent[0] = self._gen
+            return await self._send(c, packed)
+
+        async def failed(_err: BaseException) -> None:
+            if self._gen == sent[0]:
+                await self._fail(ConnectionError("the script lane's connection failed"))
+
+        return await conn.retry.call_with_retry(attempt, failed)
+
+    async def _connection(self) -> Any:
+        conn = self._conn
+        if conn is not None and self._pid == os.getpid() and conn.is_connected:
+            return conn
+        if self._lock is None or self._pid != os.getpid():
+            self._lock = asyncio.Lock()
+        async with self._lock:
             conn = self._conn
             if conn is None or self._pid != os.getpid():
-                self._conn = None
+                self._conn, self._waiting, self._reader = None, deque(), None
                 conn = await self._pool.get_connection()
                 self._conn, self._pid = conn, os.getpid()
-            packed = self._packer.pack(*args)
+            elif not conn.is_connected:
+                await conn.connect()
+        return conn if getattr(conn, "_writer", None) is not None else None
 
-            async def attempt() -> Any:
-                await conn.send_packed_command(packed)
-                return await conn.read_response()
+    async def _send(self, conn: Any, packed: list[list[bytes]]) -> list[Any]:
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        writer = conn._writer  # noqa: SLF001 - written here at once: replies come in the order of the queue
+        self._waiting.append((fut, len(packed), []))
+        writer.writelines([b for cmd in packed for b in cmd])
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read(conn, self._waiting))
+        gen = self._gen
+        try:
+            await writer.drain()
+        except OSError as exc:
+            if gen == self._gen:
+                await self._fail(ConnectionError(f"writing to the script lane: {exc}"))
+        return await asyncio.shield(fut)
 
-            async def failed(_err: BaseException) -> None:
-                await conn.disconnect()
-
-            try:
-                return await conn.retry.call_with_retry(attempt, failed)
-            except ResponseError:
-                raise  # the server's error reply, read whole: the connection is clean
-            except BaseException:
-                await conn.disconnect(nowait=True)  # a reply may be unread
+    async def _read(self, conn: Any, waiting: _Waiting) -> None:
+        try:
+            while waiting:
+                fut, n, acc = waiting[0]
+                try:
+                    reply = await conn.read_response()
+                except ResponseError as err:
+                    reply = err
+                acc.append(reply)
+                if len(acc) == n:
+                    waiting.popleft()
+                    if not fut.done():
+                        fut.set_result(acc)
+        except BaseException as exc:  # every waiting call learns of it
+            failure = exc if isinstance(exc, (ConnectionError, TimeoutError)) else ConnectionError(f"the script lane's read failed: {exc!r}")
+            await self._fail(failure, waiting)
+            if not isinstance(exc, Exception):
                 raise
         finally:
-            self._busy = False
+            if waiting is self._waiting and self._reader is asyncio.current_task():
+                self._reader = None
+
+    async def _fail(self, err: BaseException, waiting: _Waiting | None = None) -> None:
+        """Fail the calls waiting on the connection; if they are its current ones, close it (a reply
+        may be unread) and stop its reader."""
+        if waiting is None or waiting is self._waiting:
+            waiting = self._waiting
+            reader, self._waiting, self._reader = self._reader, deque(), None
+            self._gen += 1
+            if reader is not None and reader is not asyncio.current_task():
+                reader.cancel()
+            if self._conn is not None:
+                await self._conn.disconnect(nowait=True)
+        while waiting:
+            fut, _, _ = waiting.popleft()
+            if not fut.done():
+                fut.set_exception(err)
 
     async def close(self) -> None:
         """Give the connection back to the pool (the next call takes one again)."""
         conn, self._conn = self._conn, None
+        reader, self._waiting, self._reader = self._reader, deque(), None
+        if reader is not None:  # calls in flight: their replies are never read
+            reader.cancel()
+            if conn is not None:
+                await conn.disconnect(nowait=True)
         if conn is not None and self._pid == os.getpid():
             await self._pool.release(conn)
 
@@ -226,6 +319,13 @@ class AsyncIO:
 
             await asyncio.gather(*(chain(c) for c in chains.values()))
             return out
+        if self._lane is not None and all(isinstance(r, Eval) for r in reqs):
+            try:
+                replies = await self._lane.calls([script_args(r, use_sha) for r in reqs])
+            except REDIS_ERRORS as exc:
+                raise wrap_error(exc, "pipeline") from exc
+            if replies is not BUSY:  # as redis-py's pipeline without raise_on_error: errors in place
+                return list(replies)
         pipe: Any = self.client.pipeline(transaction=False)
         for r in reqs:
             queue_request(pipe, r, use_sha)
