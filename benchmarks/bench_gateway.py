@@ -251,7 +251,9 @@ def run(quick: bool) -> dict[str, Any]:
         procs.append(base)
         floor = _Proc(py, "-m", "benchmarks.baselines.floor_gateway", "--engine", engine.url, "--url", server.url, "--port", "0")
         procs.append(floor)
-        gws = {"tracestore": ours.url, "baseline": base.url, "floor": floor.url}
+        raw = _Proc(py, "-m", "benchmarks.baselines.raw_floor_gateway", "--engine", engine.url, "--url", server.url, "--port", "0")
+        procs.append(raw)
+        gws = {"tracestore": ours.url, "baseline": base.url, "floor": floor.url, "raw_floor": raw.url}
         figures: dict[str, Any] = {
             "turns_per_session": TURNS,
             "user_tokens_per_turn": USER_TOKENS,
@@ -266,8 +268,9 @@ def run(quick: bool) -> dict[str, Any]:
         docs = [_document(900, random.Random(i)) for i in range(32)]  # made before the clock runs
         for n in CONCURRENCY:
             row: dict[str, Any] = {}
-            # two halves in mirrored order (A B B A), so a change of load falls on both alike
-            for name, proc in (("tracestore", ours), ("baseline", base), ("baseline", base), ("tracestore", ours)):
+            # two halves in mirrored order (A B C C B A), so a change of load falls on all alike
+            order = (("tracestore", ours), ("baseline", base), ("floor", floor), ("raw_floor", raw))
+            for name, proc in (*order, *reversed(order)):
                 cpu0 = proc.cpu_s()
                 res = asyncio.run(_throughput(proc.url, n, seconds / 2, docs))
                 cpu = proc.cpu_s() - cpu0
@@ -283,7 +286,9 @@ def run(quick: bool) -> dict[str, Any]:
             print(
                 f"   {n} concurrent sessions: tracestore {row['tracestore']['turns_per_s']} turns/s "
                 f"({row['tracestore']['gateway_cpu_ms_per_turn']} ms CPU/turn), baseline "
-                f"{row['baseline']['turns_per_s']} turns/s ({row['baseline']['gateway_cpu_ms_per_turn']} ms CPU/turn)",
+                f"{row['baseline']['turns_per_s']} turns/s ({row['baseline']['gateway_cpu_ms_per_turn']} ms CPU/turn), floor "
+                f"{row['floor']['turns_per_s']} turns/s ({row['floor']['gateway_cpu_ms_per_turn']} ms CPU/turn), raw floor "
+                f"{row['raw_floor']['turns_per_s']} turns/s ({row['raw_floor']['gateway_cpu_ms_per_turn']} ms CPU/turn)",
                 flush=True,
             )
         k1, k8, k32 = (lat[str(c)]["tracestore"]["p50_ms"] for c in CONTEXTS)

@@ -53,7 +53,8 @@ class FloorGateway:
 
     async def start(self, app: web.Application) -> None:
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.r = aredis.Redis.from_url(self.url)
+        # waits for a free connection (as the product's pool does) instead of failing at 100
+        self.r = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(self.url, max_connections=64))
 
     async def stop(self, app: web.Application) -> None:
         assert self.http is not None
