@@ -239,6 +239,10 @@ class Gateway:
             await self.liveness.close()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for engine in self.engines.values():
+            closer = getattr(engine, "close", None)  # adapters with connections of their own
+            if callable(closer):
+                closer()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -233,7 +233,7 @@ _REGISTRY: dict[str, Any] = {}
 
 #: Modules of this package that are not adapters; every other module holds one, named as its
 #: module (imported on first lookup; each registers itself): a new engine is one module.
-NOT_ADAPTERS = frozenset({"base", "http"})
+NOT_ADAPTERS = frozenset({"base", "http", "wire"})
 
 
 def adapter_modules() -> list[str]:

@@ -10,19 +10,39 @@ import aiohttp
 import orjson
 
 from .base import EngineLost, EngineRefused, EngineRejected
+from .wire import EngineHTTP, NoConnection, Reply
 
 
 class post:
-    """``async with post(session, url, path, body, timeout) as resp``: a JSON POST whose failures
-    are :class:`EngineRefused` (no connection was made) or :class:`EngineLost` (no reply)."""
+    """``async with post(session, url, path, body, timeout, wire) as resp``: a JSON POST whose
+    failures are :class:`EngineRefused` (no connection was made) or :class:`EngineLost` (no reply).
+
+    With ``wire`` (the engine's :class:`~.wire.EngineHTTP`, for ``http://`` engines) the call goes
+    on its keep-alive connections; without, on the aiohttp ``session``. Both answer and fail alike.
+    """
 
     def __init__(
-        self, session: aiohttp.ClientSession, url: str, path: str, body: bytes, timeout: aiohttp.ClientTimeout
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        path: str,
+        body: bytes,
+        timeout: aiohttp.ClientTimeout,
+        wire: EngineHTTP | None = None,
     ) -> None:
         self.session, self.url, self.path, self.body, self.timeout = session, url, path, body, timeout
-        self.resp: aiohttp.ClientResponse | None = None
+        self.wire = wire
+        self.resp: Any = None  # aiohttp.ClientResponse or wire.Reply
 
-    async def __aenter__(self) -> aiohttp.ClientResponse:
+    async def __aenter__(self) -> Any:
+        if self.wire is not None:
+            try:
+                self.resp = await self.wire.post(self.path, self.body, self.timeout)
+            except NoConnection as exc:  # refused, unreachable: the engine took no request
+                raise EngineRefused(self.url, f"cannot connect: {exc}") from exc
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise EngineLost(self.url, f"no reply: {exc!r}") from exc
+            return self.resp
         try:
             self.resp = await self.session.post(
                 self.url + self.path,
@@ -102,7 +122,7 @@ def detail(raw: bytes) -> str:
     return str(body)
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+async def sse_events(resp: aiohttp.ClientResponse | Reply) -> AsyncIterator[bytes]:
     """The ``data:`` payloads of an SSE body, of any length (the first chunk carries the whole
     prompt's ids: longer than aiohttp's line limit for a long context)."""
     partial: list[bytes] = []  # a line's pieces until its newline arrives
@@ -120,4 +140,4 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         yield tail[5:].strip()
 
 
-__all__ = ["detail", "gone", "json_object", "post", "probe", "sse_events"]
+__all__ = ["EngineHTTP", "detail", "gone", "json_object", "post", "probe", "sse_events"]

@@ -43,7 +43,7 @@ from .base import (
     ids_json,
     register,
 )
-from .http import detail, gone, json_object, post, probe, sse_events
+from .http import EngineHTTP, detail, gone, json_object, post, probe, sse_events
 
 
 @register
@@ -56,6 +56,12 @@ class SGLangEngine:
         self.url = url
         self.session = session
         self.timeout = timeout
+        self.wire = EngineHTTP.for_url(url)  # the turn calls' connections (None: on aiohttp)
+
+    def close(self) -> None:
+        """Close the kept connections of the turn calls (the gateway's shutdown)."""
+        if self.wire is not None:
+            self.wire.close()
 
     @staticmethod
     def payload(req: EngineRequest, *, stream: bool) -> bytes:
@@ -113,7 +119,7 @@ class SGLangEngine:
 
     async def generate(self, req: EngineRequest) -> EngineOutput:
         """One non-streaming ``/generate`` call."""
-        async with post(self.session, self.url, "/generate", self.payload(req, stream=False), self.timeout) as resp:
+        async with post(self.session, self.url, "/generate", self.payload(req, stream=False), self.timeout, self.wire) as resp:
             try:
                 raw = await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -128,7 +134,7 @@ class SGLangEngine:
 
     async def stream(self, req: EngineRequest) -> AsyncIterator[Chunk]:
         """A streaming ``/generate`` call: one :class:`Chunk` per SSE chunk."""
-        async with post(self.session, self.url, "/generate", self.payload(req, stream=True), self.timeout) as resp:
+        async with post(self.session, self.url, "/generate", self.payload(req, stream=True), self.timeout, self.wire) as resp:
             if resp.status != 200:
                 raise EngineRejected(self.url, resp.status, detail(await resp.read()))
             finished = False

@@ -67,7 +67,7 @@ from .base import (
     ids_json,
     register,
 )
-from .http import detail, json_object, post, probe, sse_events
+from .http import EngineHTTP, detail, json_object, post, probe, sse_events
 
 #: How long an abort of a request not sent yet is remembered.
 EARLY_ABORT_S = 60.0
@@ -94,8 +94,14 @@ class VLLMEngine:
         self.url = url
         self.session = session
         self.timeout = timeout
+        self.wire = EngineHTTP.for_url(url)  # the turn calls' connections (None: on aiohttp)
         self._calls: dict[str, _Call] = {}
         self._early: OrderedDict[str, float] = OrderedDict()
+
+    def close(self) -> None:
+        """Close the kept connections of the turn calls (the gateway's shutdown)."""
+        if self.wire is not None:
+            self.wire.close()
 
     @staticmethod
     def payload(req: EngineRequest) -> bytes:
@@ -182,7 +188,7 @@ class VLLMEngine:
         if self._take_early(req.rid):
             yield Chunk(finish="abort")
             return
-        call = _Call(post(self.session, self.url, "/v1/completions", self.payload(req), self.timeout))
+        call = _Call(post(self.session, self.url, "/v1/completions", self.payload(req), self.timeout, self.wire))
         self._calls[req.rid] = call
         finished = False
         try:
