@@ -37,7 +37,7 @@ from .chat import ApiError, Wire, invalid
 from .config import GatewayConfig
 from .counting import count_tokens
 from .endpoints import session_and_owner, trace_body
-from .engines import Engine, engine_class
+from .engines import Engine, close_engines, engine_class
 from .idprompts import TokenPrompts
 from .liveness import Liveness, health_body
 from .metrics import PARTS, Metrics, Recent, Timing, thread_sched
@@ -232,17 +232,13 @@ class Gateway:
         await self.close()
 
     async def close(self) -> None:
-        """Stop the watcher, wait for background settlements, close the engine connections (and
-        the store if owned)."""
+        """Stop the watcher, wait for background work, close engine connections (and an owned store)."""
         await self.admission.close()
         if self.liveness is not None:
             await self.liveness.close()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        for engine in self.engines.values():
-            closer = getattr(engine, "close", None)  # adapters with connections of their own
-            if callable(closer):
-                closer()
+        close_engines(self.engines.values())
         if self._session is not None:
             await self._session.close()
             self._session = None
