@@ -172,4 +172,25 @@ class Recent:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-__all__ = ["PARTS", "Metrics", "Recent", "Timing", "thread_sched"]
+@dataclass(frozen=True)
+class GatewayStats:
+    """Chat requests answered (``by_status``: HTTP status -> count; 503s are the refusals and
+    aborts clients retried), requests in flight, and the gateway's own time per request
+    (``overhead``: total minus the engine call) and total time, in seconds (None: no sample)."""
+
+    requests: int
+    by_status: dict[str, int]
+    in_flight: int
+    overhead_p50_s: float | None
+    overhead_p99_s: float | None
+    total_p50_s: float | None
+    #: p50 of each part of the overhead (:data:`.metrics.PARTS` and ``other``) and of the
+    #: engine call, in seconds (empty: no sample).
+    parts_p50_s: dict[str, float] = field(default_factory=dict)
+    #: Seconds the event loop's thread ran on a core and waited runnable for one since start
+    #: (None: not Linux): a wait above the run time means the loop queues for the CPU.
+    loop_run_s: float | None = None
+    loop_wait_s: float | None = None
+
+
+__all__ = ["PARTS", "GatewayStats", "Metrics", "Recent", "Timing", "thread_sched"]

@@ -50,6 +50,7 @@ from aiohttp import web
 from ..errors import TracestoreError
 from ..traces import KeptAnswer
 from .chat import Answer, ChatRequest, ToolCall
+from .h1 import send
 from .stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -269,10 +270,7 @@ async def respond(turn: Any, answer: Answer, rid: str, version: int | None, outc
         out = TextStream(turn.request, wire, req, rsp_id, answer.prompt_tokens, s.tok, s.stop_ids, lambda: headers)
         return await out.end(answer)
     body = orjson.dumps(wire.response(req, answer, rsp_id, lambda tid: s.tok.decode([tid])))
-    resp = web.Response(body=body, content_type="application/json", headers=headers)
-    await resp.prepare(turn.request)
-    await resp.write_eof()
-    return resp
+    return await send(turn.request, web.Response(body=body, content_type="application/json", headers=headers))
 
 
 __all__ = ["RETRY_HEADER", "RETRY_WINDOW_S", "Joined", "Replayable", "Retries", "respond", "retry_digest"]

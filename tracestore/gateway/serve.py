@@ -8,7 +8,8 @@ event loop in a daemon thread (tests, benchmarks, a Ray actor).
 
 Handlers are cancelled when their client disconnects
 (``handler_cancellation``): that is how the gateway learns a client left
-mid-request.
+mid-request. A gateway's application is served by the gateway's own
+HTTP/1.1 server (:mod:`.h1`), which keeps that and aiohttp's other semantics.
 """
 
 from __future__ import annotations
@@ -18,16 +19,25 @@ import contextlib
 import signal
 import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
+
+from . import h1
 
 AppFactory = Callable[[], Awaitable[web.Application]]
 
 
-async def start_site(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> tuple[web.AppRunner, str]:
-    """Bind ``app`` on ``host:port``; returns the runner and the URL actually bound. ``reuse_port``:
-    SO_REUSEPORT, so that several processes serve one port (the kernel spreads new connections
-    over them; a client whose process died connects to another on its retry)."""
+async def start_site(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> tuple[Any, str]:
+    """Bind ``app`` on ``host:port``; returns the runner (``await runner.cleanup()`` stops it) and
+    the URL actually bound. ``reuse_port``: SO_REUSEPORT, so that several processes serve one port
+    (the kernel spreads new connections over them; a client whose process died connects to another
+    on its retry). A gateway's application is served by the gateway's own HTTP server (:mod:`.h1`),
+    any other by aiohttp's."""
+    if h1.available(app):
+        server = h1.H1Server(app, app[h1.H1_ROUTES])
+        await server.start(host, port, reuse_port)
+        return server, _url(host, server.addresses[0][1] if server.addresses else port)
     # auto_decompress off: a body's Content-Encoding is the handler's to decode (the gateway answers an
     # encoding it does not take, or a body that is not what its header says, with a 4xx in the caller's shape)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0, auto_decompress=False)
@@ -38,9 +48,11 @@ async def start_site(app: web.Application, host: str, port: int, *, reuse_port: 
     except BaseException:
         await runner.cleanup()
         raise
-    bound = runner.addresses[0][1] if runner.addresses else port
-    shown = f"[{host}]" if ":" in host else host
-    return runner, f"http://{shown}:{bound}"
+    return runner, _url(host, runner.addresses[0][1] if runner.addresses else port)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def serve_forever(

@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -38,9 +37,10 @@ from .config import GatewayConfig
 from .counting import count_tokens
 from .endpoints import session_and_owner, trace_body
 from .engines import Engine, close_engines, engine_class
+from .h1 import H1_ROUTES, Routes
 from .idprompts import TokenPrompts
 from .liveness import Liveness, health_body
-from .metrics import PARTS, Metrics, Recent, Timing, thread_sched
+from .metrics import PARTS, GatewayStats, Metrics, Recent, Timing, thread_sched
 from .parsers import reasoning_parser
 from .prompts import PromptMode, TemplatePrompts
 from .serve import BackgroundServer
@@ -60,27 +60,6 @@ TURN_ROUTES = frozenset({"chat_completions", "messages", "completions", "respons
 #: Routes counted in ``requests_total`` (health checks and scrapes are not).
 COUNTED_ROUTES = TURN_ROUTES | {"models", "trace", "count_tokens"}
 TIMING: web.RequestKey[Timing] = web.RequestKey("timing", Timing)
-
-
-@dataclass(frozen=True)
-class GatewayStats:
-    """Chat requests answered (``by_status``: HTTP status -> count; 503s are the refusals and
-    aborts clients retried), requests in flight, and the gateway's own time per request
-    (``overhead``: total minus the engine call) and total time, in seconds (None: no sample)."""
-
-    requests: int
-    by_status: dict[str, int]
-    in_flight: int
-    overhead_p50_s: float | None
-    overhead_p99_s: float | None
-    total_p50_s: float | None
-    #: p50 of each part of the overhead (:data:`.metrics.PARTS` and ``other``) and of the
-    #: engine call, in seconds (empty: no sample).
-    parts_p50_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: Seconds the event loop's thread ran on a core and waited runnable for one since start
-    #: (None: not Linux): a wait above the run time means the loop queues for the CPU.
-    loop_run_s: float | None = None
-    loop_wait_s: float | None = None
 
 
 class Gateway:
@@ -157,22 +136,29 @@ class Gateway:
     # -- application ------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        """The aiohttp application (routes, the metrics middleware, startup and cleanup hooks)."""
+        """The aiohttp application (routes, the metrics middleware, startup and cleanup hooks).
+
+        It also carries its routes for the gateway's own HTTP server (:mod:`.h1`), which
+        :func:`.serve.start_site` serves it with; embedded elsewhere, it is plain aiohttp."""
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._observe])
-        app.router.add_post("/v1/chat/completions", self._openai, name="chat_completions")
-        app.router.add_post("/v1/messages", self._anthropic, name="messages")
-        app.router.add_post("/v1/completions", self._completions, name="completions")
-        app.router.add_post("/v1/responses", self._responses, name="responses")
-        app.router.add_post("/v1/messages/count_tokens", self._count_tokens, name="count_tokens")
-        app.router.add_get("/v1/models", self._models, name="models")
+        exact: dict[tuple[str, str], tuple[str, Any]] = {}
+        for method, path, handler, name in self._routes():
+            (app.router.add_get if method == "GET" else app.router.add_post)(path, handler, name=name)
+            exact[(method, path)] = (name, handler)
         app.router.add_get("/v1/sessions/{sid}/trace", self._trace, name="trace")
-        app.router.add_get("/health", self._health, name="health")
-        app.router.add_get("/ready", self._ready, name="ready")
-        app.router.add_get("/metrics", self._metrics, name="metrics")
         app.router.add_route("*", "/{tail:.*}", self._unknown, name="unknown")
+        app[H1_ROUTES] = Routes(exact, ("trace", self._trace), ("unknown", self._unknown), self.observe, self.config.max_body_bytes)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
+
+    def _routes(self) -> list[tuple[str, str, Any, str]]:
+        return [
+            ("POST", "/v1/chat/completions", self._openai, "chat_completions"), ("POST", "/v1/messages", self._anthropic, "messages"),
+            ("POST", "/v1/completions", self._completions, "completions"), ("POST", "/v1/responses", self._responses, "responses"),
+            ("POST", "/v1/messages/count_tokens", self._count_tokens, "count_tokens"), ("GET", "/v1/models", self._models, "models"),
+            ("GET", "/health", self._health, "health"), ("GET", "/ready", self._ready, "ready"), ("GET", "/metrics", self._metrics, "metrics"),
+        ]  # fmt: skip
 
     async def start(self) -> None:
         """Open the engine connections, run the start-up checks, start the seal watcher.
@@ -268,17 +254,19 @@ class Gateway:
 
     @web.middleware
     async def _observe(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Status, latency and counters of every request, in one place."""
-        route = request.match_info.route.name
+        return await self.observe(request.match_info.route.name, request, handler)  # type: ignore[no-any-return]
+
+    async def observe(self, route: str | None, request: Any, handler: Any) -> Any:
+        """Status, latency and counters of every request, in one place (both HTTP servers)."""
         if route not in COUNTED_ROUTES:
-            return await handler(request)  # type: ignore[no-any-return]
+            return await handler(request)
         timing = request[TIMING] = Timing()
         turn = route in TURN_ROUTES
         status = "500"
         if turn:
             self.metrics.in_flight.inc()
         try:
-            resp: web.StreamResponse = await handler(request)
+            resp = await handler(request)
             status = str(request.get(STATUS_KEY, resp.status))
             return resp
         except asyncio.CancelledError:

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from .chat import Answer, ApiError, ChatRequest, Wire
+from .h1 import open_stream
 from .tokenizer import ChatTokenizer, Detokenizer
 
 #: A comment line that keeps an idle SSE connection alive (clients ignore it).
@@ -71,10 +72,7 @@ class TextStream:
     async def open(self) -> web.StreamResponse:
         """Send the headers and the stream's first event (once)."""
         if self.resp is None:
-            r = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self.headers()}
-            )
-            await r.prepare(self.request)
+            r = await open_stream(self.request, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self.headers()})
             await r.write(self.sw.start())
             self.resp = r
         return self.resp

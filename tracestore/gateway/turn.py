@@ -44,6 +44,7 @@ from .chat import Answer, ApiError, ChatRequest, Wire, invalid, new_id
 from .engines import EngineLost, EngineOutput, EngineRefused, EngineRequest, extend_ids
 from .failures import Failure, TurnAborted, classify, first
 from .generation import Generation
+from .h1 import send
 from .metrics import Timing
 from .prompts import Prepared
 from .services import Services, build_answer
@@ -214,13 +215,11 @@ class Turn:
             if self.out is not None:
                 resp = await self.out.end(answer)
             else:
-                resp = web.Response(
+                resp = await send(self.request, web.Response(
                     body=orjson.dumps(self.wire.response(self.req, answer, self._rid(), self._piece)),
                     content_type="application/json",
                     headers=self._headers(),
-                )
-                await resp.prepare(self.request)
-                await resp.write_eof()
+                ))  # fmt: skip
             self.timing.add("respond", t0)
             assert self.flight is not None
             settling = s.admission.completed(self.flight)
