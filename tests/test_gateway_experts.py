@@ -21,7 +21,7 @@ import ray
 from tests._gateway import CliServer, http
 from tracestore import TraceStore
 from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
-from tracestore.ray import RefHolder
+from tracestore.ray import RefHolder, expert_values
 
 pytestmark = [pytest.mark.ray, pytest.mark.backends("valkey", "cluster")]  # gateway processes: tests/conftest.py, backends
 
@@ -66,7 +66,12 @@ def test_routed_experts_go_to_the_holder_and_the_trace(url: str, run_id: str, en
         assert sum(1 for x in tr["labels"] if x != -100) == completions
         keys = tr["expert_keys"]
         assert keys is not None and len(keys) == 6  # a delta node and a response node per turn, each with its part
-        parts = ray.get(holder.get(keys))
+        # kept in the gateway's process, nothing put on the turns' path; one object when lent
+        assert holder.stats().kept == 6 and holder.stats().refs == 6
+        refs = holder.get(keys)
+        assert len(set(refs)) == 1 and holder.stats().kept == 0 and holder.stats().refs == 1
+        parts = expert_values(keys, refs)
+        del refs
         routing = np.concatenate([np.asarray(p) for p in parts])[1:]  # the dummy row dropped
         assert routing.shape == (len(tr["input_ids"]) - 1, 2, 2)  # [tokens - 1, layers, top_k]
         assert routing.dtype == np.int32 and routing.min() >= 0 and routing.max() < 4
@@ -133,7 +138,7 @@ def test_a_held_turn_resumed_on_another_gateway_keeps_its_routed_experts(url: st
         assert r.json()["usage"]["completion_tokens"] == 200  # (the engine's context is 256)
         tr = http("GET", f"{b.url}/v1/sessions/{sid}/trace").json()
         assert tr["expert_keys"] is not None and len(tr["expert_keys"]) == 2 and all(tr["expert_keys"])
-        parts = ray.get(holders[1].get(tr["expert_keys"]))
+        parts = holders[1].values(tr["expert_keys"])
         routing = np.concatenate([np.asarray(p) for p in parts])
         assert routing.shape[0] == len(tr["input_ids"])  # the dummy row, then every token but the last
         shape = (kept.experts.rows, *kept.experts.row_shape)

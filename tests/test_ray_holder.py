@@ -258,6 +258,65 @@ def test_put_many_shares_one_ref_until_its_last_session_is_released(store: Trace
         assert holder.stats().dropped == 1
 
 
+# -- keep: held in process, put when lent (the gateway's path) ----------------------------------
+
+
+def test_keep_puts_nothing_until_a_lend_puts_the_lent_values_in_one_object(store: TraceStore) -> None:
+    store.open_sessions(["k0", "k1", "k2"], "train:8")
+    with RefHolder(store, reconcile_s=60) as holder:
+        keys = [holder.keep("k0", array(0)), holder.keep("k1", array(1)), holder.keep("k0", array(2))]
+        other = holder.keep("k2", array(3))
+        assert [expert_index(k) for k in keys] == [None, None, None] and len({*keys, other}) == 4
+        st = holder.stats()
+        assert (st.sessions, st.refs, st.kept, st.keys, st.bytes) == (3, 4, 4, 4, 4 * VALUE_BYTES)
+        assert stays(lambda: store_used() < MB, 0.3), "keep put something into the object store"
+
+        # one lend: the three values in ONE object, each key named by its ref; k2's stays kept
+        refs = holder.get(keys)
+        assert len(set(refs)) == 1
+        wait_for(lambda: store_used() >= 3 * VALUE_BYTES, what="the lent object in the store")
+        assert stays(lambda: store_used() < 4 * VALUE_BYTES, 0.3), "the unlent value was put too"
+        st = holder.stats()
+        assert (st.refs, st.kept, st.keys, st.bytes) == (2, 1, 4, 4 * VALUE_BYTES)
+        assert [int(v[0]) for v in expert_values(keys, refs)] == [0, 1, 2]
+        # lent again (another borrower, a re-read): the same object, nothing put twice
+        again = holder.get([keys[2], keys[0]])
+        assert again == [refs[0], refs[0]] and [int(v[0]) for v in expert_values([keys[2], keys[0]], again)] == [2, 0]
+        assert [int(v[0]) for v in holder.values([other, keys[1]])] == [3, 1]  # lends k2's now
+        assert holder.stats().kept == 0
+        del refs, again
+
+        # k0's release keeps the object k1 still uses; k1's frees it, once
+        assert store.release(["k0"], "train:8") == ["k0"]
+        wait_for(lambda: holder.held_sessions() == ["k1", "k2"], what="the holder to see k0's release")
+        with pytest.raises(ExpertRefMissing):
+            holder.get([keys[0]])
+        assert [int(v[0]) for v in holder.values([keys[1]])] == [1]
+        assert sorted(store.release(["k1", "k2"], "train:8")) == ["k1", "k2"]
+        wait_for(lambda: holder.stats().refs == 0, what="the holder to drop everything")
+        st = holder.stats()
+        assert (st.sessions, st.keys, st.bytes, st.kept, st.dropped) == (0, 0, 0, 0, 2)
+        wait_for(lambda: store_used() < MB, what="the store to free the lent objects")
+        # a late keep for a released session: a key, nothing kept
+        assert holder.keep("k1", array(4)) and holder.stats().late == 1 and holder.stats().refs == 0
+
+
+def test_a_kept_value_released_before_any_lend_never_reaches_the_store(store: TraceStore) -> None:
+    store.open_sessions(["q0"], "train:9")
+    holder = RefHolder(store, name="keep-reconcile", reconcile_s=60, start=False)
+    try:
+        key = holder.keep("q0", array(5))
+        assert store.release(["q0"], "train:9") == ["q0"]
+        assert holder.reconcile() == 1
+        st = holder.stats()
+        assert (st.refs, st.kept, st.bytes, st.dropped) == (0, 0, 0, 1)
+        with pytest.raises(ExpertRefMissing):
+            holder.get([key])
+        assert stays(lambda: store_used() < MB, 0.3)
+    finally:
+        holder.close(destroy_group=True)
+
+
 def test_put_many_ref_dropped_by_reconcile_and_refused_for_released_sessions(store: TraceStore) -> None:
     store.open_sessions(["r0", "r1", "r2"], "train:7")
     holder = RefHolder(store, name="many-reconcile", reconcile_s=60, start=False)

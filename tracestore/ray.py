@@ -8,9 +8,12 @@ refs to the trainer, and drops them when Redis says the session is gone.
 ``rx:<holder>:<n>``); :meth:`RefHolder.put_many` stores the values of many
 turns and sessions (a rollout round) in ONE ``ray.put`` of a list (key
 ``rx:<holder>:<n>.<i>``: item ``i`` of object ``n``), and keeps that shared
-ref until the last session using it is released. A consumer turns lent refs
-into values with :func:`expert_values` (one ``ray.get`` for the distinct
-refs); the holder drops refs:
+ref until the last session using it is released. :meth:`RefHolder.keep` puts
+nothing yet: the value stays in the holder's process until :meth:`RefHolder.get`
+lends it, and the kept values one ``get`` lends go into one object (the
+gateway keeps its turns' experts so: no ``ray.put`` on a turn's path). A
+consumer turns lent refs into values with :func:`expert_values` (one
+``ray.get`` for the distinct refs); the holder drops refs:
 
 * a background thread reads ``ts:{R}:events`` with the holder's own consumer
   group (``XREADGROUP ... BLOCK``), drops every ref of each released session
@@ -43,12 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from redis.exceptions import ResponseError
 
-from .context import Context
 from .errors import InvalidId, InvalidInput, TracestoreError
-from .replies import field_map, text
-from .scripts import Cmd, Op
+
+# the event-stream operations stay importable from here (they lived in this module)
+from .events import ack_events, destroy_events_group, ensure_events_group, read_events
+from .events import events_groups as events_groups
 from .store import TraceStore
 from .validate import duration_ms, validate_id, validate_ids
 
@@ -84,7 +87,8 @@ class HolderStats:
 
     #: Sessions with at least one held ref.
     sessions: int
-    #: ObjectRefs held (a ref shared by the sessions of a :meth:`RefHolder.put_many` counts once).
+    #: Values held: ObjectRefs (a ref shared by the sessions of a :meth:`RefHolder.put_many`
+    #: counts once) and values kept in this process until lent (:meth:`RefHolder.keep`).
     refs: int
     #: Bytes of the held values (``nbytes`` of arrays and tensors; 0 when unknown).
     bytes: int
@@ -99,6 +103,8 @@ class HolderStats:
     keys: int = 0
     #: Values put for a session this holder had already seen released (a key, no ref kept).
     late: int = 0
+    #: Of ``refs``: values kept in this process (:meth:`RefHolder.keep`) that were not lent yet.
+    kept: int = 0
 
 
 def _nbytes(value: Any) -> int:
@@ -142,97 +148,31 @@ def expert_values(keys: Sequence[str], refs: Sequence[Any]) -> list[Any]:
         distinct.setdefault(r, len(distinct))
     got = ray.get(list(distinct)) if distinct else []
     return [
-        got[distinct[r]] if i is None else got[distinct[r]][i] for r, i in zip(refs, index, strict=True)
+        _value(got[distinct[r]], k, i) for k, r, i in zip(keys, refs, index, strict=True)
     ]
+
+
+class _Lent(dict):  # type: ignore[type-arg]
+    """The object a lend of kept values puts (:meth:`RefHolder.get`): ``{expert key: value}``."""
+
+
+def _value(obj: Any, key: str, index: int | None) -> Any:
+    """Key ``key``'s value in the object ``obj`` its lent ref names."""
+    if isinstance(obj, _Lent):
+        return obj[key]
+    return obj if index is None else obj[index]
 
 
 @dataclass
 class _Held:
-    """One ObjectRef the holder keeps, and the sessions whose keys still name it."""
+    """One ObjectRef the holder keeps (or one value kept in process: ``ref`` None), and the
+    sessions whose keys still name it."""
 
     seq: int
     ref: Any
     nbytes: int
     users: set[str] = field(default_factory=set)
-
-
-def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
-    """Entries of an XREADGROUP reply (raw RESP2 list or RESP3 map; None on timeout)."""
-    if not reply:
-        return []
-    streams = reply.items() if isinstance(reply, dict) else [(s[0], s[1]) for s in reply]
-    out: list[tuple[str, dict[str, str]]] = []
-    for _stream, entries in streams:
-        for entry in entries or []:
-            eid, fields = entry[0], entry[1]
-            if fields is None:  # a pending entry trimmed from the stream meanwhile
-                out.append((text(eid), {}))
-                continue
-            out.append((text(eid), {f: text(v) for f, v in field_map(fields).items()}))
-    return out
-
-
-# -- the holder's operations on the event stream (run with store.run) -------------------------
-
-
-def events_groups(ctx: Context) -> Op[set[str]]:
-    """The consumer groups of ``ts:{R}:events`` (none when the stream does not exist). Two round trips."""
-    k = ctx.keys.events
-    exists = yield Cmd(("EXISTS", k), key=k)
-    if not int(exists):
-        return set()
-    groups = yield Cmd(("XINFO", "GROUPS", k), key=k)
-    return {text(field_map(g)["name"]) for g in groups}
-
-
-def ensure_events_group(ctx: Context, name: str, consumer: str) -> Op[bool]:
-    """Create group ``name`` (at the stream's end) and its ``consumer`` if missing; True if created.
-
-    A consumer from the start, so gc sees the group as active even before it
-    reads. Raises StorageError. Three or four round trips.
-    """
-    k = ctx.keys.events
-    created = False
-    if name not in (yield from events_groups(ctx)):
-        try:
-            yield Cmd(("XGROUP", "CREATE", k, name, "$", "MKSTREAM"), key=k)
-            created = True
-        except TracestoreError as exc:
-            # Another process of the same holder name created it meanwhile.
-            if not isinstance(exc.__cause__, ResponseError) or name not in (yield from events_groups(ctx)):
-                raise
-    yield Cmd(("XGROUP", "CREATECONSUMER", k, name, consumer), key=k)
-    return created
-
-
-def destroy_events_group(ctx: Context, name: str) -> Op[None]:
-    """Remove consumer group ``name`` of ``ts:{R}:events``. One round trip."""
-    k = ctx.keys.events
-    yield Cmd(("XGROUP", "DESTROY", k, name), key=k)
-
-
-def read_events(
-    ctx: Context, name: str, consumer: str, start_id: str, count: int, block_s: float
-) -> Op[list[tuple[str, dict[str, str]]]]:
-    """Entries for ``consumer`` of group ``name``: its own pending ones from ``start_id``, or new ones (``>``).
-
-    New entries are awaited up to ``block_s`` (XREADGROUP BLOCK, on a
-    connection whose timeout allows it). One round trip.
-    """
-    k = ctx.keys.events
-    args: tuple[Any, ...] = ("XREADGROUP", "GROUP", name, consumer, "COUNT", count)
-    if start_id == ">":
-        ms = max(1, int(block_s * 1000))
-        reply = yield Cmd((*args, "BLOCK", ms, "STREAMS", k, ">"), key=k, block_s=block_s)
-    else:
-        reply = yield Cmd((*args, "STREAMS", k, start_id), key=k)
-    return _entries(reply)
-
-
-def ack_events(ctx: Context, name: str, ids: Sequence[str]) -> Op[None]:
-    """Acknowledge entries ``ids`` for group ``name``. One round trip."""
-    k = ctx.keys.events
-    yield Cmd(("XACK", k, name, *ids), key=k)
+    value: Any = None  # a kept value (:meth:`RefHolder.keep`) until it is lent
 
 
 class RefHolder:
@@ -369,8 +309,35 @@ class RefHolder:
                     self._late += 1
         return keys
 
+    def keep(self, sid: str, value: Any) -> str:
+        """Keep ``value`` for session ``sid`` in this process until it is lent; its expert key.
+
+        No ``ray.put`` now: :meth:`get` puts the kept values it lends, those
+        of one call in ONE object, so a value costs the object store only if
+        someone reads it, and a batch of them one put. Meant for a caller on
+        a latency path (the gateway: a put is ~0.5 ms of CPU and ~1 ms of
+        wall time however small the value). Once lent, the value lives in the
+        object store as a ``put_many`` value does (kept until every session
+        of that lend is released); until then in this process's memory, so
+        keep owned data (a copy, not a view of a larger array). A session
+        already seen released gets a key and nothing is kept, as with
+        :meth:`put`. Raises InvalidId (sid). No Redis round trip.
+        """
+        validate_id("session id", sid)
+        with self._lock:
+            self._seq += 1
+            key = f"rx:{self.name}:{self._seq}"
+            if sid in self._released:
+                self._late += 1
+            else:
+                self._keep(_Held(self._seq, None, _nbytes(value), value=value), [(sid, key)])
+        return key
+
     def get(self, keys: Sequence[str]) -> list[Any]:
         """The ``ObjectRef`` of each expert key, in order (lend them; Ray counts the borrow).
+
+        The kept values among ``keys`` (:meth:`keep`) are put now, in one
+        object for the call, which replaces them in the holder.
 
         A key of :meth:`put_many` (``...<n>.<i>``) gets the shared ref, whose
         value is a list: item ``i`` is the key's value. :func:`expert_values`
@@ -380,12 +347,18 @@ class RefHolder:
         if isinstance(keys, str):
             raise InvalidInput("keys", "expected a list of expert keys, got a single string")
         out: list[Any] = []
+        lend: dict[str, tuple[str, _Held]] = {}
         with self._lock:
             for k in keys:
                 item = self._keys.get(k)
                 if item is None:
                     raise ExpertRefMissing(k, self.name)
+                if item[1].ref is None:
+                    lend[k] = item
                 out.append(item[1].ref)
+        if lend:
+            ref = self._lend(lend)
+            out = [ref if r is None else r for r in out]
         return out
 
     def values(self, keys: Sequence[str]) -> list[Any]:
@@ -415,6 +388,7 @@ class RefHolder:
                 reconciles=self._reconciles,
                 keys=len(self._keys),
                 late=self._late,
+                kept=sum(1 for h in self._held.values() if h.ref is None),
             )
 
     def held_sessions(self) -> list[str]:
@@ -497,6 +471,30 @@ class RefHolder:
             self._keys[key] = (sid, held)
             self._by_sid.setdefault(sid, []).append(key)
             self._since.setdefault(sid, now)
+
+    def _lend(self, items: dict[str, tuple[str, _Held]]) -> Any:
+        """Put the kept values of ``items`` (key -> (sid, held)) in one object; its ref.
+
+        The object replaces them: each key still held names it afterwards (a
+        key released meanwhile does not; a concurrent lend of the same keys
+        puts its own copy, which its caller alone keeps).
+        """
+        ref = ray.put(_Lent({k: h.value for k, (_sid, h) in items.items()}))
+        with self._lock:
+            self._seq += 1
+            shared = _Held(self._seq, ref, 0)
+            for k, (sid, h) in items.items():
+                if self._keys.get(k) != (sid, h):
+                    continue
+                self._keys[k] = (sid, shared)
+                shared.users.add(sid)
+                shared.nbytes += h.nbytes
+                if self._held.pop(h.seq, None) is not None:
+                    self._bytes -= h.nbytes
+            if shared.users:
+                self._held[shared.seq] = shared
+                self._bytes += shared.nbytes
+        return ref
 
     def _drop_session(self, sid: str, *, remember: bool) -> int:
         """Forget ``sid``'s keys; drop each ref it was the last user of. Returns the refs dropped."""

@@ -66,6 +66,8 @@ class ExpertHolder(Protocol):
     A holder that also has ``put_many(items) -> keys`` (``RefHolder`` does)
     gets every expert part of an :meth:`TurnRecorder.after_response_many` in
     one call (one ``ray.put`` for the round); others get one ``put`` per part.
+    The gateway uses ``keep(sid, value) -> key`` when a holder has it
+    (``RefHolder`` does: nothing is put until the value is lent).
     """
 
     def put(self, sid: str, value: Any) -> str:  # pragma: no cover - protocol
