@@ -50,8 +50,11 @@ import ray
 from .errors import InvalidId, InvalidInput, TracestoreError
 
 # the event-stream operations stay importable from here (they lived in this module)
-from .events import ack_events, destroy_events_group, ensure_events_group, read_events
+from .events import ack_events as ack_events
+from .events import destroy_events_group as destroy_events_group
+from .events import ensure_events_group as ensure_events_group
 from .events import events_groups as events_groups
+from .events import read_events as read_events
 from .store import TraceStore
 from .validate import duration_ms, validate_id, validate_ids
 
