@@ -120,19 +120,30 @@ class Coalescer(Generic[X, Y]):
 
     async def submit(self, item: X) -> Y:
         """Queue ``item`` for the next batch and wait for its result."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Y] = loop.create_future()
-        if not self._items:
-            loop.call_soon(self._start)
-        self._items.append((item, fut))
-        return await fut
+        return await self.enqueue(item)
 
-    def _start(self) -> None:
+    def enqueue(self, item: X) -> asyncio.Future[Y]:
+        """Queue ``item`` for the next batch; the future of its result (no task of the caller's).
+
+        The first item of a batch starts the batch's task, whose first step (on the loop's
+        next iteration) takes every item queued by then.
+        """
+        fut: asyncio.Future[Y] = asyncio.get_running_loop().create_future()
+        if not self._items:
+            self._spawn(self._start())
+        self._items.append((item, fut))
+        return fut
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start(self) -> None:
         items, self._items = self._items, []
-        for i in range(0, len(items), self._limit):
-            task = asyncio.ensure_future(self._run(items[i : i + self._limit]))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        for i in range(self._limit, len(items), self._limit):
+            self._spawn(self._run(items[i : i + self._limit]))
+        await self._run(items[: self._limit])
 
     async def _run(self, items: list[tuple[X, asyncio.Future[Y]]]) -> None:
         try:
@@ -292,7 +303,11 @@ class Admission:
         fails as a whole is every rider's error; the batch's admission is then sent again alone
         with its op id (the first reply if it ran), its leases settled if that is unknown too.
         """
-        return await self._admits.submit((AdmitRequest(sid, self.holder, engine, rid), riders))
+        return await self.admit_phase(sid, engine, rid, *riders)
+
+    def admit_phase(self, sid: str, engine: str | None, rid: str | None, *riders: Op[Any]) -> asyncio.Future[Admitted]:
+        """:meth:`admit_with` as a future, queued now (a caller that shields it needs no task)."""
+        return self._admits.enqueue((AdmitRequest(sid, self.holder, engine, rid), riders))
 
     async def settle(self, lease: Lease, outcome: str) -> None:
         """Settle ``lease`` (coalesced); a failure is logged, and the lease then expires into

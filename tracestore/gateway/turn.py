@@ -147,9 +147,7 @@ class Turn:
         t0 = time.perf_counter()
         rid = new_id("req-")  # chosen first: the lease records it (and the engine, when known)
         hint = s.route_hint(sid)
-        phase = asyncio.ensure_future(
-            s.admission.admit_with(sid, hint, rid, s.prompts.prepare(sid, self.req), s.router.acquire(sid))
-        )
+        phase = s.admission.admit_phase(sid, hint, rid, s.prompts.prepare(sid, self.req), s.router.acquire(sid))
         try:
             got = await asyncio.shield(phase)
         except asyncio.CancelledError:
