@@ -487,7 +487,8 @@ class RefHolder:
             self._seq += 1
             shared = _Held(self._seq, ref, 0)
             for k, (sid, h) in items.items():
-                if self._keys.get(k) != (sid, h):
+                cur = self._keys.get(k)
+                if cur is None or cur[1] is not h:  # released, or lent by a concurrent call
                     continue
                 self._keys[k] = (sid, shared)
                 shared.users.add(sid)
