@@ -22,7 +22,7 @@ from tracestore.trainer.grpo import (
 )
 from tracestore.trainer.policy import new_policy, replay_logprobs, set_determinism
 from tracestore.trainer.task import Episode, Problem, make_problem, parse_action, score
-from tracestore.trainer.tokenizer import TOKENIZER, ToyTokenizer
+from tracestore.trainer.tokenizer import CHARS, SPECIAL_TOKENS, TOKENIZER, WORDS, ToyTokenizer
 
 tok = TOKENIZER
 
@@ -65,6 +65,33 @@ def test_tokenizer_uses_words_and_specials_and_is_deterministic() -> None:
     assert ToyTokenizer().encode("sub 4 done") == tok.encode("sub 4 done")
     assert tok.stop_id == tok.token_id("<|im_end|>")
     assert all(0 <= i < tok.vocab_size for i in tok.encode("∑🙂"))
+
+
+def _greedy(text: str) -> list[int]:
+    """The tokenizer's rule, written plainly: at each position the longest vocabulary piece, else
+    the character's UTF-8 bytes (byte ids follow the pieces)."""
+    pieces = sorted((*SPECIAL_TOKENS, *WORDS, *CHARS), key=len, reverse=True)
+    byte_base = len(SPECIAL_TOKENS) + len(WORDS) + len(CHARS)
+    out, i = [], 0
+    while i < len(text):
+        p = next((p for p in pieces if text.startswith(p, i)), None)
+        if p is None:
+            out += [byte_base + b for b in text[i].encode("utf-8")]
+            i += 1
+        else:
+            out.append(tok.token_id(p))
+            i += len(p)
+    return out
+
+
+def test_tokenizer_is_greedy_longest_match_with_byte_fallback() -> None:
+    rng = random.Random(11)
+    # whole pieces, their prefixes and overlaps (use/user, <|im_end|> cut short), runs of
+    # characters and characters outside the vocabulary
+    alphabet = [*SPECIAL_TOKENS, *WORDS, *CHARS, "us", "<|im", "<|", "<pad", "syste", "e", "é", "🙂", "A", "\t", "12 34"]
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        assert tok.encode(text) == _greedy(text), text
 
 
 def test_tokenizer_rejects_ids_outside_vocabulary() -> None:

@@ -8,6 +8,7 @@ vocabulary is a constant), so every actor of a run agrees without sharing files.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 PAD = "<pad>"
@@ -50,6 +51,15 @@ class ToyTokenizer:
         self._multi: dict[str, list[str]] = {}
         for p in sorted((p for p in pieces if len(p) > 1), key=len, reverse=True):
             self._multi.setdefault(p[0], []).append(p)
+        # The same greedy match in one regex: per first character, its pieces' rests longest first
+        # (alternatives are tried in order); else a run of characters that start no longer piece
+        # (translated to their ids at once); else one character.
+        groups = [
+            re.escape(ch) + "(?:" + "|".join(re.escape(p[1:]) for p in ps) + ")" for ch, ps in self._multi.items()
+        ]
+        plain = "".join(re.escape(c) for c in CHARS if c not in self._multi)
+        self._split = re.compile("|".join(groups) + f"|[{plain}]+|.", re.DOTALL).findall
+        self._plain = {ord(c): chr(self._ids[c]) for c in CHARS if c not in self._multi}
 
     @property
     def vocab_size(self) -> int:
@@ -73,21 +83,15 @@ class ToyTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (greedy longest match, byte fallback)."""
         out: list[int] = []
-        i, n = 0, len(text)
-        while i < n:
-            ch = text[i]
-            for piece in self._multi.get(ch, ()):
-                if text.startswith(piece, i):
-                    out.append(self._ids[piece])
-                    i += len(piece)
-                    break
-            else:
-                tid = self._ids.get(ch)
-                if tid is not None:
-                    out.append(tid)
-                else:
-                    out.extend(_BYTE_BASE + b for b in ch.encode("utf-8"))
-                i += 1
+        get, plain = self._ids.get, self._plain
+        for p in self._split(text):
+            tid = get(p)
+            if tid is not None:
+                out.append(tid)
+            elif len(p) > 1:  # a run of plain characters
+                out += map(ord, p.translate(plain))
+            else:  # a character outside the vocabulary: its UTF-8 bytes
+                out.extend(_BYTE_BASE + b for b in p.encode("utf-8"))
         return out
 
     def decode(self, ids: Iterable[int]) -> str:
