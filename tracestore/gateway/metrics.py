@@ -44,8 +44,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _BUCKETS = (
@@ -60,6 +62,32 @@ _BUCKETS = (
 #: putting them into the holder, ``record`` open and ``record_turn``, ``respond`` the answer
 #: built and written; ``other`` is what is left of total minus the engine call.
 PARTS = ("parse", "admit", "experts", "record", "respond")
+
+
+class _Memo:
+    """``labels()`` memoised per label values: prometheus_client validates and formats the
+    values and takes a lock on every call, a dozen times a turn. Label children are never
+    removed here, so a memoised child stays the one the metric exports."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        """The child of ``labelvalues`` (keywords: not memoised)."""
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+        memo: dict[tuple[Any, ...], Any] | None = self.__dict__.get("_memo")
+        if memo is None:
+            memo = self.__dict__["_memo"] = {}
+        child = memo.get(labelvalues)
+        if child is None:
+            child = memo[labelvalues] = super().labels(*labelvalues)  # type: ignore[misc]
+        return child
+
+
+class Counter(_Memo, prometheus_client.Counter):
+    """A Prometheus counter whose label children are memoised."""
+
+
+class Histogram(_Memo, prometheus_client.Histogram):
+    """A Prometheus histogram whose label children are memoised."""
 
 
 @dataclass

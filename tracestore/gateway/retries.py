@@ -38,6 +38,7 @@ counts both.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -97,6 +98,18 @@ class KeyedPrompts(Protocol):
     def retry_basis(self, sid: str, req: ChatRequest) -> str: ...  # pragma: no cover - protocol
 
 
+@functools.cache
+def _implements(cls: Any, protocol: Any) -> bool:
+    return issubclass(cls, protocol)
+
+
+def _is(prompts: Any, protocol: Any) -> bool:
+    """``isinstance(prompts, protocol)`` for a runtime protocol, once per class (a protocol's own
+    isinstance walks its members on every call: tens of µs, three times a turn)."""
+    cls: Any = type(prompts)
+    return _implements(cls, protocol)
+
+
 def retry_digest(wire: str, req: ChatRequest, basis: str | None = None) -> str:
     """The retry digest of ``req`` on ``wire`` (see the module docstring): 32 hex characters.
 
@@ -142,7 +155,7 @@ class Retries:
         if turn.sid is None or turn.request.headers.get(RETRY_HEADER, "").lower() == "new":
             return None
         prompts = turn.s.prompts
-        basis = prompts.retry_basis(turn.sid, turn.req) if isinstance(prompts, KeyedPrompts) else None
+        basis = prompts.retry_basis(turn.sid, turn.req) if _is(prompts, KeyedPrompts) else None
         digest = retry_digest(turn.wire.NAME, turn.req, basis)
         key = (turn.sid, digest)
         while (running := self.running.get(key)) is not None and not running.answer.done():
@@ -161,7 +174,7 @@ class Retries:
         prep, s = turn.prep, turn.s
         if turn.digest is None or prep is None or prep.key is None or prep.new_tokens or prep.partial is not None:
             return None
-        if not isinstance(s.prompts, Replayable):
+        if not _is(s.prompts, Replayable):
             return None
         try:
             rec = await s.db(s.store.read_answer(turn.sid, turn.digest))
@@ -191,7 +204,7 @@ class Retries:
         """The answer record to keep for later retries, written with the turn's record (one
         round trip); None when the prompt mode cannot replay or the request does not lead its turn."""
         prompts = turn.s.prompts
-        if turn.digest is None or turn.sid is None or not isinstance(prompts, Replayable):
+        if turn.digest is None or turn.sid is None or not _is(prompts, Replayable):
             return None
         record = _record(answer, turn.flight.rid if turn.flight is not None else "", prompts.response_suffix(answer))
         return KeptAnswer(turn.digest, record, RETRY_WINDOW_S)
