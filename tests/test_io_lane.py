@@ -184,3 +184,35 @@ def test_async_cancelled_call_leaves_no_reply_behind(standalone_url: str, arun: 
             await st.close()
 
     arun(go())
+
+
+def test_async_replies_read_together_are_taken_without_a_wait_each(standalone_url: str, arun: Any) -> None:
+    """A pipelined batch's replies arrive together: the lane takes the ones already read off the
+    socket from the parser, and goes through redis-py's ``read_response`` (its read timeout, its
+    checks) only to wait for more. Counted on the lane's own connection."""
+
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            await lane.call(("PING",))
+            conn = lane._conn  # noqa: SLF001
+            waits = 0
+            read = conn.read_response
+
+            async def counted(*a: Any, **kw: Any) -> Any:
+                nonlocal waits
+                waits += 1
+                return await read(*a, **kw)
+
+            conn.read_response = counted
+            replies = await lane.calls([("ECHO", f"e{i}") for i in range(200)] + [("NOSUCHCOMMAND",)])
+            assert replies[:200] == [f"e{i}".encode() for i in range(200)]
+            assert isinstance(replies[200], ResponseError)  # an error reply in its place, taken the same way
+            assert 1 <= waits < 20, waits
+            assert await lane.call(("ECHO", "after")) == b"after"  # the connection is clean
+        finally:
+            await st.close()
+
+    arun(go())

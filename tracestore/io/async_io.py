@@ -44,6 +44,35 @@ BUSY = object()
 
 _Waiting = deque[tuple["asyncio.Future[list[Any]]", int, list[Any]]]
 
+#: :func:`_buffered_replies`' answer when no whole reply is buffered.
+_WAIT: Any = object()
+
+
+def _buffered_replies(conn: Any) -> Any:
+    """A function giving the next reply already read off ``conn``'s socket, or :data:`_WAIT`.
+
+    The replies of a pipelined batch arrive together: redis-py's
+    ``read_response`` would enter a read timeout and check the connection for
+    each. Here a buffered reply is taken from the connection's hiredis reader
+    at once (an error reply is the redis-py exception its parser makes, a
+    connection failure a ConnectionError); only waiting for data goes through
+    ``read_response``. None without hiredis (or with a RESP3 connection, whose
+    replies may be pushes): every reply through ``read_response``.
+    """
+    parser: Any = getattr(conn, "_parser", None)
+    if getattr(parser, "_reader", None) is None or str(getattr(conn, "protocol", 2)) != "2":
+        return None
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA
+
+    def take() -> Any:
+        reader = parser._reader  # noqa: SLF001 - None once disconnected
+        if reader is None or not parser._connected:  # noqa: SLF001
+            return _WAIT  # read_response raises the connection's error
+        reply = reader.gets()
+        return _WAIT if reply is NOT_ENOUGH_DATA else reply
+
+    return take
+
 
 class AsyncScriptLane:
     """The asyncio counterpart of :class:`~tracestore.io.sync_io.ScriptLane`, pipelined.
@@ -146,13 +175,20 @@ class AsyncScriptLane:
         return await asyncio.shield(fut)
 
     async def _read(self, conn: Any, waiting: _Waiting) -> None:
+        buffered = _buffered_replies(conn)
         try:
             while waiting:
                 fut, n, acc = waiting[0]
-                try:
-                    reply = await conn.read_response()
-                except ResponseError as err:
-                    reply = err
+                reply = buffered() if buffered is not None else _WAIT
+                if reply is _WAIT:  # none read yet: redis-py waits for it (under its read timeout)
+                    try:
+                        reply = await conn.read_response()
+                    except ResponseError as err:
+                        reply = err
+                elif isinstance(reply, ConnectionError):
+                    raise reply
+                elif isinstance(reply, list) and reply and isinstance(reply[0], ConnectionError):
+                    raise reply[0]  # (as redis-py's parser does)
                 acc.append(reply)
                 if len(acc) == n:
                     waiting.popleft()
