@@ -47,19 +47,16 @@ class ToyTokenizer:
             raise ValueError("duplicate vocabulary entries")
         self._pieces: list[str] = pieces
         self._ids: dict[str, int] = {p: i for i, p in enumerate(pieces)}
-        # Multi-character pieces, longest first, grouped by first character.
-        self._multi: dict[str, list[str]] = {}
+        # Greedy longest match in one regex: per first character, the rests of its multi-character
+        # pieces longest first (alternatives are tried in order); else a run of characters that
+        # start no longer piece (translated to their ids at once); else one character.
+        multi: dict[str, list[str]] = {}
         for p in sorted((p for p in pieces if len(p) > 1), key=len, reverse=True):
-            self._multi.setdefault(p[0], []).append(p)
-        # The same greedy match in one regex: per first character, its pieces' rests longest first
-        # (alternatives are tried in order); else a run of characters that start no longer piece
-        # (translated to their ids at once); else one character.
-        groups = [
-            re.escape(ch) + "(?:" + "|".join(re.escape(p[1:]) for p in ps) + ")" for ch, ps in self._multi.items()
-        ]
-        plain = "".join(re.escape(c) for c in CHARS if c not in self._multi)
-        self._split = re.compile("|".join(groups) + f"|[{plain}]+|.", re.DOTALL).findall
-        self._plain = {ord(c): chr(self._ids[c]) for c in CHARS if c not in self._multi}
+            multi.setdefault(p[0], []).append(p)
+        groups = [re.escape(ch) + "(?:" + "|".join(re.escape(p[1:]) for p in ps) + ")" for ch, ps in multi.items()]
+        plain = [c for c in CHARS if c not in multi]
+        self._split = re.compile("|".join(groups) + f"|[{''.join(map(re.escape, plain))}]+|.", re.DOTALL).findall
+        self._plain = {ord(c): chr(self._ids[c]) for c in plain}
 
     @property
     def vocab_size(self) -> int:
