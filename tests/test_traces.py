@@ -1178,3 +1178,25 @@ def test_export_many_equals_exports_in_one_round_trip(store_factory: Callable[..
     with pytest.raises(InvalidId):
         reader.export_many([items[0], ("bad id", "x")])
     assert reader.export_many([]) == []
+
+
+def test_export_node_is_the_trace_of_the_node_by_its_id(store_factory: Callable[..., TraceStore]) -> None:
+    writer, reader = store_factory(), store_factory()
+    final = _three_turns(writer, "en")
+    mid = SYS + U1 + R1
+    turn = _turn(writer, "en", final + U2, R2B, [9], [16])  # record_turn's Turn names its nodes
+    for key in (final, mid, final + U2 + R2B):
+        want = writer.export_training_trace("en", key)
+        assert reader.export_node("en", node_id(key)) == want  # a cold reader, by the id alone
+    assert turn.response.id == node_id(final + U2 + R2B)
+    assert reader.export_node("en", turn.response.id).input_ids[-2:] == [9, 16]
+    with pytest.raises(InvalidInput, match="has no node"):
+        reader.export_node("en", node_id("not a stored key"))
+    for bad in ("xyz", node_id(final).upper(), node_id(final) + "0", 7):
+        with pytest.raises(InvalidInput, match="expected a node id"):
+            reader.export_node("en", bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidId):
+        reader.export_node("bad id", node_id(final))
+    writer.drop_session_data("en")
+    with pytest.raises(SessionReleased):
+        reader.export_node("en", node_id(final))

@@ -34,6 +34,7 @@ import orjson
 from .errors import InvalidInput
 
 _OPTS = orjson.OPT_SORT_KEYS
+_LINE = _OPTS | orjson.OPT_APPEND_NEWLINE
 #: Roles and the role their key uses.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -70,7 +71,7 @@ def message_key(m: Mapping[str, Any]) -> str:
         body: list[Any] = [role, _content(m.get("content")).strip(), calls]
     else:
         body = [role, _content(m.get("content"))]
-    return orjson.dumps(body, option=_OPTS).decode() + "\n"
+    return orjson.dumps(body, option=_LINE).decode()  # the newline written by orjson: no copy of a long line
 
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -84,7 +85,7 @@ def header_key(tools: Sequence[Mapping[str, Any]] | None = None, template_kwargs
         fn = t.get("function", t)
         params = fn.get("parameters", fn.get("input_schema")) or _NO_PARAMETERS
         canon.append([str(fn.get("name", "")), fn.get("description"), params])
-    return orjson.dumps(["tito", canon, dict(template_kwargs or {})], option=_OPTS).decode() + "\n"
+    return orjson.dumps(["tito", canon, dict(template_kwargs or {})], option=_LINE).decode()
 
 
 def key_parts(

@@ -116,6 +116,7 @@ class StoreMethods:
     search = op(trace_ops.search)
     export_training_trace = op(trace_ops.export_training_trace)
     export_many = op(trace_ops.export_many)
+    export_node = op(trace_ops.export_node)
     trace_keys = op(trace_ops.trace_keys)
     keep_partial = op(trace_ops.keep_partial)
     read_partial = op(trace_ops.read_partial)

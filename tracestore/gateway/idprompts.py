@@ -117,7 +117,7 @@ class TokenPrompts(TitoPrompts):
         rkey = keys.pop(0) if keys else None
         response = self.response_suffix(answer)
         try:
-            await self.store.record_turn(
+            turn = await self.store.record_turn(
                 prep.sid, plan.key, response, prefix=plan.match, delta_token_ids=plan.delta,
                 response_token_ids=answer.output_ids, response_logprobs=answer.logprobs, version=version,
                 delta_expert_key=dkey, response_expert_key=rkey, fork=prep.fork, response_versions=versions, answer=kept,
@@ -126,7 +126,7 @@ class TokenPrompts(TitoPrompts):
             raise
         except InvalidInput as exc:
             raise Unrecordable(str(exc)) from None
-        self._last[prep.sid] = plan.key + response
+        self._last[prep.sid] = turn.response.id  # 16 characters, not the conversation's key
         self._last.move_to_end(prep.sid)
         if len(self._last) > self.remember:
             self._last.popitem(last=False)

@@ -87,7 +87,7 @@ class TitoPrompts:
         self.puts = Puts(holder) if holder is not None else None
         self.remember = remember
         self.stop_ids = frozenset(tok.stop_token_ids)
-        self._last: OrderedDict[str, str] = OrderedDict()
+        self._last: OrderedDict[str, str] = OrderedDict()  # sid -> its latest response node's id
 
     # -- the engine input -------------------------------------------------------------------
 
@@ -195,7 +195,7 @@ class TitoPrompts:
         rkey = keys.pop(0) if keys else None
         response = message_key(answer.message())
         try:
-            await self.store.record_turn(
+            turn = await self.store.record_turn(
                 prep.sid,
                 plan.key,
                 response,
@@ -214,7 +214,7 @@ class TitoPrompts:
             raise
         except InvalidInput as exc:
             raise Unrecordable(str(exc)) from None
-        self._last[prep.sid] = plan.key + response
+        self._last[prep.sid] = turn.response.id  # 16 characters, not the conversation's key
         self._last.move_to_end(prep.sid)
         if len(self._last) > self.remember:
             self._last.popitem(last=False)
@@ -225,9 +225,10 @@ class TitoPrompts:
         return message_key(answer.message())
 
     async def export(self, sid: str) -> Trace | None:
-        """The latest recorded turn's trace, by its key (the request's key and the answer's line)."""
-        key = self._last.get(sid)
-        return None if key is None else await self.store.export_training_trace(sid, key)
+        """The latest recorded turn's trace, by its response node's id (kept per session: the
+        key's 16-character id, not the conversation's text, which grows with the session)."""
+        node = self._last.get(sid)
+        return None if node is None else await self.store.export_node(sid, node)
 
     def plain(self, req: ChatRequest) -> list[int]:
         """The template over the messages, tokenised whole (no session: nothing stored)."""

@@ -53,7 +53,15 @@ from __future__ import annotations
 from .answers import KeptAnswer, keep_answer, read_answer
 from .index import node_id
 from .partial import KeptExperts, Partial, drop_partial, keep_partial, lookup_partial, read_partial
-from .reads import export_many, export_training_trace, key_digest, lookup, search, trace_keys
+from .reads import (
+    export_many,
+    export_node,
+    export_training_trace,
+    key_digest,
+    lookup,
+    search,
+    trace_keys,
+)
 from .responses import chain, keep_response, read_responses
 from .tokens import TokenIds
 from .types import Node, PrefixMatch, Segment, Trace, Turn
@@ -71,6 +79,7 @@ __all__ = [
     "Turn",
     "chain",
     "export_many",
+    "export_node",
     "drop_partial",
     "export_training_trace",
     "insert",

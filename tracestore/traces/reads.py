@@ -19,7 +19,17 @@ from ..replies import Reply
 from ..scripts import Batch, Cmd, Eval, Op, gather, script
 from ..validate import validate_id
 from .continuation import Checkpoint, Continuation, cont_key
-from .index import SessionIndex, as_bytes, cache_payload, hasher, idx_key, node_id, tok_key, utf8
+from .index import (
+    ID_HEX,
+    SessionIndex,
+    as_bytes,
+    cache_payload,
+    hasher,
+    idx_key,
+    node_id,
+    tok_key,
+    utf8,
+)
 from .tokens import TokenIds
 from .types import HashedPrefix, Node, PrefixMatch, Segment, Trace
 
@@ -293,6 +303,29 @@ def export_training_trace(ctx: Context, sid: str, prompt_text: str) -> Op[Trace]
     snap, path, payloads = yield from read_path(ctx, sid, lambda ix: ix.nodes.get(want_id))
     if not path:
         raise (yield from _mismatch(ctx, sid, snap, prompt_text))
+    return _trace_of(sid, path, payloads)
+
+
+def export_node(ctx: Context, sid: str, node: str) -> Op[Trace]:
+    """The training trace of the node whose id is ``node`` (a recorded :class:`Turn`'s
+    ``response.id``): what :func:`export_training_trace` gives for that node's key, found
+    without the key's text, so a caller that exports a session's latest turn later keeps
+    16 characters for it instead of the whole conversation.
+
+    Raises InvalidId/InvalidInput('node': not a node id) before I/O; InvalidInput('node') when
+    the session has no such node; InvalidInput('expert_keys') and SessionReleased as
+    :func:`export_training_trace`. Round trips: 1 warm, 2 cold.
+    """
+    validate_id("session id", sid)
+    if not isinstance(node, str) or len(node) != ID_HEX or node.strip("0123456789abcdef"):
+        raise InvalidInput("node", f"expected a node id ({ID_HEX} lowercase hex characters), got {node!r}")
+    snap, path, payloads = yield from read_path(ctx, sid, lambda ix: ix.nodes.get(node))
+    if not path:
+        raise InvalidInput("node", f"session {sid!r} has no node {node!r}")
+    return _trace_of(sid, path, payloads)
+
+
+def _trace_of(sid: str, path: Sequence[Node], payloads: dict[str, Any]) -> Trace:
     ids: list[int] = []
     labels: list[int] = []
     lps: list[float] = []
