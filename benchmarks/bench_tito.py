@@ -19,9 +19,12 @@ scripted engine). Parts:
   processes (one per mode) in front of the scripted engine process, sessions
   of 6 turns whose first turn carries a document making ~1k, ~8k or ~32k
   tokens of history, each later turn a ~64-token user message: the gateway
-  process's CPU per turn over turns 2..6 (``/proc``), the ratio 32k / 1k, and
+  process's CPU per turn over turns 2..6 (``/proc``; with the work it does after each
+  answer, less its idle background rate), the ratio 32k / 1k, and
   the added latency per turn (the gateway's answer time minus a direct engine
-  call with the very ids the gateway sent), p50 at 8k.
+  call with the very ids the gateway sent), p50 at 8k. The contexts and modes
+  are interleaved (round i runs session i of each), so the ratio is measured
+  side by side.
 * **Round trips**: Redis ``INFO commandstats`` calls per turn on the store
   server while one mode serves turns alone (the lookup, the record, the
   gate's admit and settle, and the background polls that fall in the window).
@@ -170,26 +173,43 @@ def _cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def _session(gw: Any, engine: Any, model: str, doc: str, rng: random.Random) -> tuple[list[float], float, int]:
-    """One session; (added latency of turns 2.., gateway CPU seconds of turns 2.., turns counted)."""
+#: After a session's last turn: time for the gateway to finish its work after the answer (the
+#: record and the lease's settle run once the client has its answer), counted with the turns.
+SETTLE_S = 0.05
+
+
+def _session(gw: Any, engine: Any, model: str, doc: str, rng: random.Random, idle: float) -> tuple[list[float], float, int]:
+    """One session; (added latency of turns 2.., gateway CPU seconds of turns 2.., turns counted).
+
+    The CPU is the gateway process's from turn 2's request to :data:`SETTLE_S` after the last
+    answer (so the work each turn does after its answer counts), less ``idle`` (its CPU seconds
+    per second when it serves nothing: the background polls) times that window."""
     sid = f"c-{uuid.uuid4().hex[:10]}"
     msgs: list[dict[str, Any]] = [{"role": "system", "content": doc}, {"role": "user", "content": _user(rng)}]
     added: list[float] = []
-    cpu = 0.0
+    c0 = w0 = 0.0
     for turn in range(TURNS):
         engine.reset()
         engine.script(default=ANSWER)
-        c0 = _cpu_s(gw.proc.pid)
+        if turn == 1:
+            c0, w0 = _cpu_s(gw.proc.pid), time.perf_counter()
         t_gw, reply = _post(gw.url + "/v1/chat/completions", {"model": model, "messages": msgs, "max_tokens": 32, "session_id": sid})
-        c1 = _cpu_s(gw.proc.pid)
         ids = engine.inputs()[-1]
         assert len(ids) == reply["usage"]["prompt_tokens"]
         t_direct, _ = _post(engine.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 32}, "return_logprob": True})
         if turn:
             added.append(t_gw - t_direct)
-            cpu += c1 - c0
         msgs += [reply["choices"][0]["message"], {"role": "user", "content": _user(rng)}]
+    time.sleep(SETTLE_S)
+    cpu = _cpu_s(gw.proc.pid) - c0 - idle * (time.perf_counter() - w0)
     return added, cpu, TURNS - 1
+
+
+def _idle_rate(gw: Any, seconds: float = 2.0) -> float:
+    """The gateway's CPU seconds per second while it serves nothing."""
+    c0, w0 = _cpu_s(gw.proc.pid), time.perf_counter()
+    time.sleep(seconds)
+    return (_cpu_s(gw.proc.pid) - c0) / (time.perf_counter() - w0)
 
 
 def _commandstats(r: Any) -> dict[str, int]:
@@ -215,26 +235,36 @@ def _cost(url: str, counts: dict[int, int]) -> dict[str, Any]:
                 "--prompt-mode", mode,
             )
         model = d.resolve().name
+        idle = {m: _idle_rate(gw) for m, gw in gws.items()}
+        out["idle_cpu_ms_per_s"] = {m: round(v * 1000, 3) for m, v in idle.items()}
+        # Interleaved: round i runs session i of every context through every mode (the order
+        # rotated each round), so a change of the host's load falls on every context and mode
+        # alike; measured one context after another, the 32k / 1k ratio moved 1.2x-2.6x between
+        # runs on this shared machine, interleaved 1.17x-1.21x.
+        added: dict[tuple[int, str], list[float]] = {(c, m): [] for c in CONTEXTS for m in gws}
+        cpu: dict[tuple[int, str], float] = dict.fromkeys(added, 0.0)
+        turns: dict[tuple[int, str], int] = dict.fromkeys(added, 0)
+        order = [(c, m) for c in CONTEXTS for m in gws]
+        for i in range(max(counts.values())):
+            for c, mode in order[i % len(order) :] + order[: i % len(order)]:
+                if i >= counts[c]:
+                    continue
+                doc = _document(tok, max(16, c - TURNS * (USER_TOKENS + 12)), random.Random(c * 100 + i))
+                a, sec, n = _session(gws[mode], engine, model, doc, random.Random(i), idle[mode])
+                added[c, mode] += a
+                cpu[c, mode] += sec
+                turns[c, mode] += n
+            print(f"   round {i + 1}/{max(counts.values())} of the cost sessions", flush=True)
         for context in CONTEXTS:
-            added: dict[str, list[float]] = {m: [] for m in gws}
-            cpu: dict[str, float] = dict.fromkeys(gws, 0.0)
-            turns: dict[str, int] = dict.fromkeys(gws, 0)
-            for i in range(counts[context]):
-                doc = _document(tok, max(16, context - TURNS * (USER_TOKENS + 12)), random.Random(context * 100 + i))
-                for mode, gw in gws.items():  # alternate: load from elsewhere falls on both
-                    a, c, n = _session(gw, engine, model, doc, random.Random(i))
-                    added[mode] += a
-                    cpu[mode] += c
-                    turns[mode] += n
             out[str(context)] = {
-                m: {"added": _pcts(added[m]), "gateway_cpu_ms_per_turn": round(cpu[m] * 1000 / turns[m], 3)} for m in gws
+                m: {"added": _pcts(added[context, m]), "gateway_cpu_ms_per_turn": round(cpu[context, m] * 1000 / turns[context, m], 3)}
+                for m in gws
             }
-            for m, gw in gws.items():  # where a turn's time goes, by the gateway's own histogram (all turns so far)
-                out[str(context)][m]["parts_mean_ms_cumulative"] = _parts(gw.url)
             row = out[str(context)]
             print(f"   context ~{context}: " + ", ".join(
                 f"{m} CPU {row[m]['gateway_cpu_ms_per_turn']} ms/turn, added p50 {row[m]['added']['p50_ms']} ms" for m in gws
             ), flush=True)
+        out["parts_mean_ms"] = {m: _parts(gw.url) for m, gw in gws.items()}  # by the gateway's own histogram, every turn
         # round trips: each mode alone serves ~1k-context turns; the store's command counts per turn
         st = TraceStore.connect(url, run="bench-tito-stats")
         try:
@@ -244,7 +274,7 @@ def _cost(url: str, counts: dict[int, int]) -> dict[str, Any]:
                 n = 0
                 for i in range(3):
                     doc = _document(tok, 800, random.Random(7 + i))
-                    _session(gw, engine, model, doc, random.Random(i))
+                    _session(gw, engine, model, doc, random.Random(i), 0.0)
                     n += TURNS
                 after = _commandstats(st.redis)
                 rt[mode] = {k: round((after[k] - before.get(k, 0)) / n, 2) for k in sorted(after) if after[k] - before.get(k, 0) > 0}
