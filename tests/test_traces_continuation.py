@@ -125,6 +125,9 @@ def test_token_ids_views_never_change_when_a_shared_buffer_grows() -> None:
         [1, 2, 3, 5, 7],
     )
     assert base + [] is base
+    # a slice of a view reads only the view's items, though its buffer holds more now
+    assert base[1:] == [2] and base[1:99] == [2] and base[-1:] == [2] and base[::-1] == [2, 1]
+    assert a[1:] == [2, 3] and a[::2] == [1, 3] and len(base._buf) > len(base)
     # a buffer someone exports (a memoryview) cannot grow: the extension copies instead
     held = TokenIds([1])
     view = memoryview(held._buf)

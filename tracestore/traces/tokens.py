@@ -84,7 +84,8 @@ class TokenIds(Sequence[int]):
             start, stop, step = i.indices(n)
             if start == 0 and step == 1:
                 return TokenIds._view(self._buf, max(stop, 0))
-            part = self._buf[:n][i]
+            # (i.indices clamps to n: a forward slice reads only its items, not a copy of the view)
+            part = self._buf[start:stop:step] if step > 0 else self._buf[:n][i]
             return TokenIds._view(part, len(part))
         if i < 0:
             i += n
