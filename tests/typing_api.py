@@ -38,6 +38,7 @@ async def async_results(s: AsyncTraceStore) -> None:
         Turn,
     )
     assert_type(await s.export_training_trace("sid", "p"), Trace)
+    assert_type(await s.export_node("sid", "0123456789abcdef"), Trace)
     assert_type(await s.release(["sid"], "owner"), list[str])
     assert_type(await s.init_run(), RunInfo)
     assert_type(s.gate, AsyncGate)
