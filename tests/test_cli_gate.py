@@ -124,9 +124,11 @@ def test_status_names_every_poisoned_lease_in_one_line(store: TraceStore, url: s
     engine = "http://10.0.0.7:30000"
     unknown = g.admit("s-unknown", "gw-1", 60, engine=engine, request="rid-u")
     g.settle(unknown, "unknown")
-    expired = g.admit("s-expired", "gw-2", 0.05, engine=engine, request="rid-e")
     bulk = g.admit_many([(f"b-{i}", "gw-3") for i in range(110)], 60)
     g.settle_many(bulk, "unknown")
+    # admitted after the last settle: a settle sweeps leases past their deadline into the poison
+    # set ("expired"), so one running 50 ms later (a loaded machine) made this lease not "overdue"
+    expired = g.admit("s-expired", "gw-2", 0.05, engine=engine, request="rid-e")
     g.heartbeat("gw-dead", 0.05)
     orphan = g.admit("s-orphan", "gw-dead", 60, engine=engine, request="rid-o")
     end = time.monotonic() + 30
