@@ -116,10 +116,18 @@ class Producer:
         return dict(self.counts)
 
     def run_forever(self) -> dict[str, int]:
-        """Keep ``max_buffer`` completed groups ready until :meth:`stop` (disaggregated mode)."""
+        """Keep ``max_buffer`` completed groups ready until :meth:`stop` (disaggregated mode).
+
+        Under ``update_mid_generation_s`` (tests) the producer does not pause
+        on a full buffer: a round is in flight at every weight update, which
+        the knob stops mid-generation (a paused producer made such an update
+        stop nothing when the learner was slower than a round). The take
+        expires groups past ``max_staleness``, so the buffer stays bounded.
+        """
         pause = Backoff()
+        always = self.cfg.update_mid_generation_s > 0
         while not self._stop.is_set():
-            if self._ready() >= self.cfg.max_buffer:
+            if not always and self._ready() >= self.cfg.max_buffer:
                 pause.sleep()  # the buffer is full until the learner takes: poll less as it lasts
                 continue
             pause.reset()

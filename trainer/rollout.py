@@ -19,13 +19,12 @@ round's turns share one object in the Ray object store).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -420,7 +419,6 @@ class RolloutWorker:
         self._server: Any = None
         self._alive = threading.Event()
         self._heartbeats: threading.Thread | None = None
-        self._runs = 0  # runs of samples in progress (the actor's threads)
 
     def node_id(self) -> str:
         """The Ray node this worker runs on."""
@@ -487,7 +485,7 @@ class RolloutWorker:
         so that each round's store calls are batched.
         """
         model = functools.partial(self.model.turns, temperature=temperature)
-        with self.busy(), self._running():
+        with self.busy():
             try:
                 return drive_many([play(s, self.cfg.max_calls) for s in samples], model)
             finally:
@@ -507,7 +505,7 @@ class RolloutWorker:
         while the update's drain waits for those leases.
         """
         model = functools.partial(self.model.turns, temperature=temperature)
-        with self.busy(), self._running():
+        with self.busy():
             try:
                 out = drive_many([play(s, self.cfg.max_calls) for s in samples], model)
             except BaseException:
@@ -517,21 +515,15 @@ class RolloutWorker:
                 self.model.settle_pending()
             return out, self.model.take_unsettled()
 
-    @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        self._runs += 1
-        try:
-            yield
-        finally:
-            self._runs -= 1
-
     def abort_requests(self, mid_generation_s: float = 0.0) -> None:
         """Stop generation in flight (before a weight update) until :meth:`set_weights`.
 
         ``mid_generation_s > 0`` (tests: ``TrainConfig.update_mid_generation_s``):
-        while a run is in progress, wait up to that long for the policy's
-        next token and stop right after it, so the update lands inside a
-        generation.
+        wait up to that long for the policy's next token and stop right
+        after it, so the update lands inside a generation. The wait does not
+        need a run in progress now: between two rounds the next one starts
+        within milliseconds (under the knob the producer never pauses), and
+        an update that found every worker between rounds would stop nothing.
 
         ``abort`` mode: an aborted request records nothing, its lease is
         settled ``aborted`` and its episode returns as ``aborted``, to be
@@ -542,7 +534,7 @@ class RolloutWorker:
         sealed and holds them (an engine abort before the seal would reach the
         gateway as a failed request, not a held one).
         """
-        if mid_generation_s > 0 and self._runs:
+        if mid_generation_s > 0:
             self.model.abort_after_next_token(mid_generation_s)
         self.model.abort()
         if self.engine is not None and not self.model.continues:
