@@ -226,17 +226,19 @@ def test_async_gate_resolves_with_its_abort_in_a_worker_thread(url: str, run_id:
 
 # -- end to end: a hung holder, a real engine, tracestore gc --------------------------------------
 
+# (ttl 5 s, a beat every 0.2 s: a holder descheduled for a few seconds on a loaded machine is
+# still alive at the first gc; once stopped, it is dead within 5 s, long before the 50 s answer)
 HOLDER = r"""
 import json, sys, threading, time, urllib.request
 from tracestore import TraceStore
 url, run, engine, holder = sys.argv[1:5]
 st = TraceStore.connect(url, run=run, create_run=False)
-st.gate.heartbeat(holder, 1.0)
+st.gate.heartbeat(holder, 5.0)
 lease = st.gate.admit("victim", holder, 300, engine=engine, request="rid-victim")
 print(lease.id, flush=True)
 def beat():
     while True:
-        st.gate.heartbeat(holder, 1.0)
+        st.gate.heartbeat(holder, 5.0)
         time.sleep(0.2)
 threading.Thread(target=beat, daemon=True).start()
 body = json.dumps({"rid": "rid-victim", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2000}})

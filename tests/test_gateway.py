@@ -559,7 +559,7 @@ def test_engine_killed_mid_request_502_and_lease_aborted_not_poisoned(gateways: 
 def test_weight_update_aborts_requests_in_flight_and_clients_retry(gateways: _Gateways, engine: CliServer, url: str) -> None:
     """``--on-weight-update abort``: requests in flight are aborted, answered 503, retried by the SDK."""
     gw = next(_gw(gateways, url, engine.url, "--on-weight-update", "abort"))
-    gen = 600  # tokens per answer: long enough that the three requests are in flight together, even on a busy machine
+    gen = 1500  # tokens per answer (the engine's context is 2048): the three requests are in flight together, even on a busy machine
     sids = [sid() for _ in range(3)]
     results: dict[str, Any] = {}
     version = gw.store.gate.status().version + 1

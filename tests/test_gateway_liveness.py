@@ -144,7 +144,7 @@ def test_a_killed_gateways_lease_is_resolved_by_a_live_one_and_the_next_update_s
         assert _wait(lambda: lease_outcomes(st, "k-1") == ["aborted"], timeout_s=30), lease_outcomes(st, "k-1")
         resolved_s = time.monotonic() - killed
         print(f"dead gateway lease resolved in {resolved_s:.1f} s")
-        assert resolved_s < 20, resolved_s  # 10 s heartbeat deadline + one 5 s healing pass, with slack
+        assert resolved_s < 25, resolved_s  # 10 s heartbeat deadline + one 5 s healing pass, + slack for a loaded machine
         n = generated()
         time.sleep(0.5)
         assert generated() == n  # the engine request was stopped, not left to run to 6000 tokens

@@ -716,16 +716,17 @@ def test_transfer_to_a_lost_owner_is_refused_and_moves_nothing(store: TraceStore
 
 
 def test_heartbeat_keeps_owner_alive_across_gc(store: TraceStore) -> None:
-    # ttl 1 s, a heartbeat every 0.3 s: 0.7 s of slack for the gc between two beats, and
-    # 1.2 s in all, longer than one ttl (without the beats the owner would be lost).
+    # ttl 2 s, a heartbeat every 0.6 s: 1.4 s of slack for the gc and a stalled process
+    # between two beats, and 2.4 s in all, longer than one ttl (without the beats the owner
+    # would be lost).
     t0 = time.monotonic()
-    store.heartbeat("rollout:w", 1.0)
+    store.heartbeat("rollout:w", 2.0)
     store.open_sessions(["s0", "s1"], "rollout:w")
     for _ in range(4):
-        time.sleep(0.3)
-        store.heartbeat("rollout:w", 1.0)
+        time.sleep(0.6)
+        store.heartbeat("rollout:w", 2.0)
         assert store.gc(scan_data=False).sessions_released == ()
-    assert time.monotonic() - t0 > 1.0
+    assert time.monotonic() - t0 > 2.0
     assert store.sessions("rollout:w") == ["s0", "s1"]
 
 

@@ -113,10 +113,12 @@ def test_an_expired_lock_is_free_and_its_keeper_learns_it_was_taken(store: Trace
 
 def test_the_keeper_renews_releases_and_reports_a_lost_lock(store: TraceStore) -> None:
     ctx = store.context
-    with RunLockKeeper(store, "trainer A", ttl_s=0.6) as lock:
+    # ttl 3 s: a keeper thread descheduled for a second on a loaded machine still renews in time
+    # (with 0.6 s the lock could expire between two renewals and be taken again, since_ms new)
+    with RunLockKeeper(store, "trainer A", ttl_s=3.0) as lock:
         first = store.redis.hget(store.keys.lock, "renewed_ms")
         end = time.monotonic() + 30
-        while store.redis.hget(store.keys.lock, "renewed_ms") == first:  # renewed every 0.2 s
+        while store.redis.hget(store.keys.lock, "renewed_ms") == first:  # renewed every ttl / 3
             assert time.monotonic() < end, "the keeper never renewed the lock"
             time.sleep(0.02)
         held = store.run(read_run_lock(ctx))
