@@ -89,7 +89,6 @@ class Rollout:
     stats: WorkerStats
     calls: list[PolicyCall]
     unsettled: int
-    tokens_at_update: int
     worker: Any
     store: TraceStore
 
@@ -106,7 +105,7 @@ def rollout(url: str, tmp_path: Any, request: pytest.FixtureRequest) -> Iterator
         ).validate()
         store = TraceStore.connect(url, run=cfg.run)
         worker = remote(RolloutWorker, 3).remote(cfg, "w0")
-        r = Rollout(cfg, [], None, [], 0, 0, worker, store)  # type: ignore[arg-type]
+        r = Rollout(cfg, [], None, [], 0, worker, store)  # type: ignore[arg-type]
         made.append(r)
         ray.get(worker.set_weights.remote(state_to_numpy(_never_stops(1)), 0))
         rng = random.Random(5)
@@ -117,7 +116,6 @@ def rollout(url: str, tmp_path: Any, request: pytest.FixtureRequest) -> Iterator
         # policy's next token, inside the round's answers (each runs MAX_NEW tokens), in the actor
         # itself (polling the token count from here could land after the answers on a slow machine)
         ray.get(worker.abort_requests.remote(30.0))
-        r.tokens_at_update = ray.get(worker.generated_tokens.remote())
         update = ThreadPoolExecutor(1).submit(_weight_update, store, worker)
         out, unsettled = ray.get(running)  # the producer's side: the run's results, its leases settled
         for outcome in {o for _, o in unsettled}:

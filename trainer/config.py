@@ -106,8 +106,9 @@ class TrainConfig:
     #: Tests: after the checkpoint of this step, kill every actor without cleanup.
     crash_after_step: int | None = None
     #: Tests: each weight update waits up to this long for a rollout worker's next token and
-    #: stops its generation right after it (local agents), so updates land mid-generation; the
-    #: producer then never pauses on a full buffer, so a round is in flight at each update (0: off).
+    #: stops its generation right after it (local agents, disaggregated mode), so updates land
+    #: mid-generation; the producer then never pauses on a full buffer, so a round is in flight
+    #: at each update (0: off).
     update_mid_generation_s: float = 0.0
 
     def validate(self) -> TrainConfig:

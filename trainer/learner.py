@@ -209,8 +209,10 @@ class Learner:
 
     def _weight_update(self, new: int) -> None:
         """Abort generation in flight, then seal, drain, push the weights, install, reopen."""
-        # like an engine pause: abort generation in flight, so the drain is short
-        self.pool.call("abort_requests", self.cfg.update_mid_generation_s)
+        # like an engine pause: abort generation in flight, so the drain is short (colocated, the
+        # producer's rounds are over by now: nothing generates, so the test knob has nothing to wait for)
+        mid = self.cfg.update_mid_generation_s if self.cfg.mode != "colocated" else 0.0
+        self.pool.call("abort_requests", mid)
         t0 = time.perf_counter()
         with self.store.gate.weight_update(new, self.cfg.drain_timeout_s):
             t1 = time.perf_counter()

@@ -521,7 +521,7 @@ class RolloutWorker:
         ``mid_generation_s > 0`` (tests: ``TrainConfig.update_mid_generation_s``):
         wait up to that long for the policy's next token and stop right
         after it, so the update lands inside a generation. The wait does not
-        need a run in progress now: between two rounds the next one starts
+        need a run in progress: between two rounds the next one starts
         within milliseconds (under the knob the producer never pauses), and
         an update that found every worker between rounds would stop nothing.
 
