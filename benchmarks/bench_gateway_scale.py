@@ -175,7 +175,7 @@ class _Spy:
     def __init__(self, pid: int, out: str) -> None:
         spy = str(Path(sys.executable).with_name("py-spy"))
         self.proc = subprocess.Popen(
-            [spy, "record", "-f", "raw", "-r", "100", "-o", out, "--pid", str(pid)],
+            [spy, "record", "-f", "raw", "-r", os.environ.get("SPY_RATE", "100"), "-o", out, "--pid", str(pid)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -216,3 +216,40 @@ def test_async_replies_read_together_are_taken_without_a_wait_each(standalone_ur
             await st.close()
 
     arun(go())
+
+
+def test_async_calls_of_one_loop_iteration_go_out_in_one_write(standalone_url: str, arun: Any) -> None:
+    """The calls queued while the loop runs one iteration's callbacks (the turns woken together)
+    are written together at its end: one write on the lane's connection for all of them, each
+    still given its own reply; a call cancelled before the write leaves nothing behind."""
+
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(standalone_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            await lane.call(("PING",))  # connected: a call no longer waits before it queues
+            writer = lane._conn._writer  # noqa: SLF001
+            writes = 0
+            write = writer.writelines
+
+            def counted(data: Any) -> None:
+                nonlocal writes
+                writes += 1
+                write(data)
+
+            writer.writelines = counted
+            got = await asyncio.gather(*(lane.call(("ECHO", f"k{i}")) for i in range(40)))
+            assert got == [f"k{i}".encode() for i in range(40)]
+            assert writes == 1, writes
+            gone = asyncio.ensure_future(lane.call(("ECHO", "gone")))
+            await asyncio.sleep(0)  # queued, not written yet
+            gone.cancel()
+            # written with the next call (the same iteration): its reply read first and dropped
+            assert await lane.call(("ECHO", "mine")) == b"mine"
+            assert gone.cancelled() and writes == 2, writes
+            assert await lane.call(("ECHO", "after")) == b"after" and writes == 3
+        finally:
+            await st.close()
+
+    arun(go())

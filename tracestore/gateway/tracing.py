@@ -33,6 +33,9 @@ from typing import Any
 
 from ..errors import ConfigError
 
+#: The context of a child span when spans are off (reentrant, shared).
+_NO_SPAN = contextlib.nullcontext()
+
 
 class Spans:
     """The gateway's tracer, or nothing (``provider`` None and no ``--otel``: every method no-ops)."""
@@ -92,13 +95,16 @@ class Spans:
         carrier = {"traceparent": parent, "tracestate": headers.get("tracestate", "")} if parent else None
         return _Turn(time.time_ns(), carrier, _clean(attributes))
 
-    @contextlib.contextmanager
-    def child(self, turn: _Turn | None, name: str, **attributes: Any) -> Iterator[None]:
+    def child(self, turn: _Turn | None, name: str, **attributes: Any) -> contextlib.AbstractContextManager[None]:
         """A child span of ``turn`` around a block (``admit``, ``engine``, ``record``, ``settle``): its
-        times noted, the span made with the turn's (at once when the turn has ended already)."""
+        times noted, the span made with the turn's (at once when the turn has ended already).
+        Without spans, one shared no-op context (four per turn: no generator made)."""
         if turn is None or self._tracer is None:
-            yield None
-            return
+            return _NO_SPAN
+        return self._child(turn, name, attributes)
+
+    @contextlib.contextmanager
+    def _child(self, turn: _Turn, name: str, attributes: dict[str, Any]) -> Iterator[None]:
         t0 = time.time_ns()
         error: BaseException | None = None
         try:

@@ -44,6 +44,9 @@ BUSY = object()
 
 _Waiting = deque[tuple["asyncio.Future[list[Any]]", int, list[Any]]]
 
+#: Bytes buffered in the script lane's transport above which a call waits for the socket to drain.
+_HIGH_WATER = 1 << 20
+
 #: :func:`_buffered_replies`' answer when no whole reply is buffered.
 _WAIT: Any = object()
 
@@ -80,13 +83,16 @@ class AsyncScriptLane:
     One connection of a standalone client's pool kept checked out for script
     calls, **shared by every task**: a call packs its command (or a batch its
     commands) with the sync client's :class:`~tracestore.connection.FastPacker`
-    (the same RESP bytes as redis-py's packer), writes it at once and waits for
-    its place in the queue of replies; one reader task reads the replies in
-    order (the connection's own parser) and hands each to its caller. So the
-    turns of a gateway in flight together share one connection and its round
-    trips, with none of redis-py's per-command machinery (a pool checkout and
-    release, a pipeline object, timing records and observability counters, a
-    Python encoder call per argument).
+    (the same RESP bytes as redis-py's packer), queues it and waits for its
+    place in the queue of replies; the calls queued during one event-loop
+    iteration are written together at its end (one system call, and one read
+    for the server, for the calls of every turn that ran meanwhile: a lone call
+    waits for nothing); one reader task reads the replies in order (the
+    connection's own parser) and hands each to its caller. So the turns of a
+    gateway in flight together share one connection and its round trips, with
+    none of redis-py's per-command machinery (a pool checkout and release, a
+    pipeline object, timing records and observability counters, a Python
+    encoder call per argument).
 
     * An error reply (NOSCRIPT, a script's error) is that call's exception (in
       a batch, in its place); the connection stays clean.
@@ -98,7 +104,7 @@ class AsyncScriptLane:
       and dropped.
     """
 
-    __slots__ = ("_pool", "_conn", "_pid", "_packer", "_waiting", "_reader", "_lock", "_gen")
+    __slots__ = ("_pool", "_conn", "_pid", "_packer", "_waiting", "_reader", "_lock", "_gen", "_out")
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -109,6 +115,7 @@ class AsyncScriptLane:
         self._reader: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
         self._gen = 0  # counts the connection's failures: a late failure report fails nothing newer
+        self._out: list[bytes] | None = None  # the commands to write at the end of this loop iteration
 
     async def call(self, args: tuple[Any, ...]) -> Any:
         """The reply of the command ``args`` (an error reply raises its redis-py exception), or :data:`BUSY`."""
@@ -161,18 +168,42 @@ class AsyncScriptLane:
 
     async def _send(self, conn: Any, packed: list[list[bytes]]) -> list[Any]:
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        writer = conn._writer  # noqa: SLF001 - written here at once: replies come in the order of the queue
         self._waiting.append((fut, len(packed), []))
-        writer.writelines([b for cmd in packed for b in cmd])
+        out = self._out
+        if out is None:  # the first call of this loop iteration: its flush writes every call's
+            self._out = out = []
+            asyncio.get_running_loop().call_soon(self._flush, conn, self._gen)
+        for cmd in packed:
+            out += cmd
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read(conn, self._waiting))
-        gen = self._gen
+        writer = conn._writer  # noqa: SLF001
+        if writer.transport.get_write_buffer_size() > _HIGH_WATER:  # the server reads slower than we write
+            gen = self._gen
+            try:
+                await writer.drain()
+            except OSError as exc:
+                if gen == self._gen:
+                    await self._fail(ConnectionError(f"writing to the script lane: {exc}"))
+            except asyncio.CancelledError:
+                fut.cancel()  # its reply is read in its turn and dropped
+                raise
+        # Not shielded: a cancelled caller cancels its future, and the reader (or a failure)
+        # finds it done and drops its reply in its turn (one future per call, not three).
+        return await fut
+
+    def _flush(self, conn: Any, gen: int) -> None:
+        """Write the commands queued during this loop iteration, in the order of the queue of
+        replies, in one write (one system call for the calls of every turn that ran meanwhile)."""
+        if gen != self._gen:  # the connection failed meanwhile: its calls were failed with it
+            return
+        out, self._out = self._out, None
+        if not out:
+            return
         try:
-            await writer.drain()
-        except OSError as exc:
-            if gen == self._gen:
-                await self._fail(ConnectionError(f"writing to the script lane: {exc}"))
-        return await asyncio.shield(fut)
+            conn._writer.writelines(out)  # noqa: SLF001
+        except Exception as exc:  # noqa: BLE001 - every waiting call learns of it
+            asyncio.ensure_future(self._fail(ConnectionError(f"writing to the script lane: {exc!r}")))
 
     async def _read(self, conn: Any, waiting: _Waiting) -> None:
         buffered = _buffered_replies(conn)
@@ -210,6 +241,7 @@ class AsyncScriptLane:
             waiting = self._waiting
             reader, self._waiting, self._reader = self._reader, deque(), None
             self._gen += 1
+            self._out = None  # (its flush finds the generation changed and writes nothing)
             if reader is not None and reader is not asyncio.current_task():
                 reader.cancel()
             if self._conn is not None:
@@ -223,6 +255,8 @@ class AsyncScriptLane:
         """Give the connection back to the pool (the next call takes one again)."""
         conn, self._conn = self._conn, None
         reader, self._waiting, self._reader = self._reader, deque(), None
+        self._gen += 1  # a flush still due writes nothing to a connection given back
+        self._out = None
         if reader is not None:  # calls in flight: their replies are never read
             reader.cancel()
             if conn is not None:
