@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import MovedError, NoScriptError, ResponseError
 
 from tracestore import AsyncTraceStore, TraceStore
 from tracestore.io.async_io import AsyncScriptLane
@@ -249,6 +249,43 @@ def test_async_calls_of_one_loop_iteration_go_out_in_one_write(standalone_url: s
             assert await lane.call(("ECHO", "mine")) == b"mine"
             assert gone.cancelled() and writes == 2, writes
             assert await lane.call(("ECHO", "after")) == b"after" and writes == 3
+        finally:
+            await st.close()
+
+    arun(go())
+
+
+def test_async_cluster_scripts_take_a_lane_per_primary_and_a_moved_reply_goes_the_cluster_way(
+    cluster_url: str, arun: Any
+) -> None:
+    """On a 3-primary cluster each primary gets a lane of its own, found from the slot map; a
+    call sent to a primary that does not serve its slot (a stale map: here a lane picked wrong on
+    purpose) is answered MOVED by the server and goes the cluster client's way, with the right
+    reply; in a batch the calls of that slot follow it, in order."""
+
+    async def go() -> None:
+        st = await AsyncTraceStore.connect(cluster_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        try:
+            sids = [f"s{i}" for i in range(24)]
+            for sid in sids:
+                await _aturn(st, sid, "hello there", " hi")
+            io = st._io  # noqa: SLF001 - the mechanism under test
+            lanes = dict(io._lanes)  # noqa: SLF001
+            assert len(lanes) == 3 and all(lane._conn is not None for lane in lanes.values())  # noqa: SLF001
+            home = {sid: io._node_lane(st.context.keys.idx(sid)) for sid in sids}  # noqa: SLF001
+            wrong = {sid: next(lane for lane in lanes.values() if lane is not home[sid]) for sid in sids}
+            key = st.context.keys.idx(sids[0])
+            with pytest.raises(MovedError):  # the server says: not here
+                await wrong[sids[0]].call(("HLEN", key))
+            tag = {st.context.keys.idx(sid).split("}", 1)[0]: sid for sid in sids}  # "ts:{run/sid" -> sid
+            io._node_lane = lambda k: wrong[tag[k.split("}", 1)[0]]]  # type: ignore[method-assign]  # noqa: SLF001
+            for sid in sids[:4]:  # single calls
+                m = await st.lookup(sid, "hello there hi, and more")
+                assert m.text_len == len("hello there hi")
+            got = await st.gather(*(st.ops.lookup(sid, "hello there hi, and more") for sid in sids))  # a batch
+            assert [m.text_len for m in got] == [len("hello there hi")] * len(sids)
+            del io._node_lane  # noqa: SLF001 - the real routing again
+            await _aturn(st, sids[0], "hello there hi, and more", " ok")
         finally:
             await st.close()
 

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
-from ..connection import ConnectionOptions, FastPacker
+from ..connection import ConnectionOptions
 from ..durability import NONE, Durability
 from ..errors import PermissionDenied, ScriptError, StorageError, TracestoreError
 from ..keys import key_slot
 from ..replies import text
 from ..scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
+from .async_lane import BUSY, NOT_HERE, AsyncScriptLane, NodePool
 from .commands import (
     REDIS_ERRORS,
     acl_user,
@@ -37,233 +36,6 @@ from .durable import DurablePath, check_level, server_name
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-
-#: :meth:`AsyncScriptLane.call`'s answer when the lane cannot take the call (the client's
-#: connections have no stream it can write to): send it through redis-py.
-BUSY = object()
-
-_Waiting = deque[tuple["asyncio.Future[list[Any]]", int, list[Any]]]
-
-#: Bytes buffered in the script lane's transport above which a call waits for the socket to drain.
-_HIGH_WATER = 1 << 20
-
-#: :func:`_buffered_replies`' answer when no whole reply is buffered.
-_WAIT: Any = object()
-
-
-def _buffered_replies(conn: Any) -> Any:
-    """A function giving the next reply already read off ``conn``'s socket, or :data:`_WAIT`.
-
-    The replies of a pipelined batch arrive together: redis-py's
-    ``read_response`` would enter a read timeout and check the connection for
-    each. Here a buffered reply is taken from the connection's hiredis reader
-    at once (an error reply is the redis-py exception its parser makes, a
-    connection failure a ConnectionError); only waiting for data goes through
-    ``read_response``. None without hiredis (or with a RESP3 connection, whose
-    replies may be pushes): every reply through ``read_response``.
-    """
-    parser: Any = getattr(conn, "_parser", None)
-    if getattr(parser, "_reader", None) is None or str(getattr(conn, "protocol", 2)) != "2":
-        return None
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA
-
-    def take() -> Any:
-        reader = parser._reader  # noqa: SLF001 - None once disconnected
-        if reader is None or not parser._connected:  # noqa: SLF001
-            return _WAIT  # read_response raises the connection's error
-        reply = reader.gets()
-        return _WAIT if reply is NOT_ENOUGH_DATA else reply
-
-    return take
-
-
-class AsyncScriptLane:
-    """The asyncio counterpart of :class:`~tracestore.io.sync_io.ScriptLane`, pipelined.
-
-    One connection of a standalone client's pool kept checked out for script
-    calls, **shared by every task**: a call packs its command (or a batch its
-    commands) with the sync client's :class:`~tracestore.connection.FastPacker`
-    (the same RESP bytes as redis-py's packer), queues it and waits for its
-    place in the queue of replies; the calls queued during one event-loop
-    iteration are written together at its end (one system call, and one read
-    for the server, for the calls of every turn that ran meanwhile: a lone call
-    waits for nothing); one reader task reads the replies in order (the
-    connection's own parser) and hands each to its caller. So the turns of a
-    gateway in flight together share one connection and its round trips, with
-    none of redis-py's per-command machinery (a pool checkout and release, a
-    pipeline object, timing records and observability counters, a Python
-    encoder call per argument).
-
-    * An error reply (NOSCRIPT, a script's error) is that call's exception (in
-      a batch, in its place); the connection stays clean.
-    * A connection error or timeout fails every call waiting on the
-      connection, which is closed; each call is then sent again under the
-      connection's retry policy (the scripts are idempotent under retry), on a
-      new connection.
-    * A cancelled caller leaves nothing behind: its reply is read in its turn
-      and dropped.
-    """
-
-    __slots__ = ("_pool", "_conn", "_pid", "_packer", "_waiting", "_reader", "_lock", "_gen", "_out")
-
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
-        self._conn: Any = None
-        self._pid = os.getpid()
-        self._packer = FastPacker()
-        self._waiting: _Waiting = deque()
-        self._reader: asyncio.Task[None] | None = None
-        self._lock: asyncio.Lock | None = None
-        self._gen = 0  # counts the connection's failures: a late failure report fails nothing newer
-        self._out: list[bytes] | None = None  # the commands to write at the end of this loop iteration
-
-    async def call(self, args: tuple[Any, ...]) -> Any:
-        """The reply of the command ``args`` (an error reply raises its redis-py exception), or :data:`BUSY`."""
-        got = await self._exchange([self._packer.pack(*args)])
-        if got is BUSY:
-            return BUSY
-        reply = got[0]
-        if isinstance(reply, ResponseError):
-            raise reply
-        return reply
-
-    async def calls(self, commands: list[tuple[Any, ...]]) -> Any:
-        """The replies of ``commands``, pipelined, an error reply in its place; or :data:`BUSY`."""
-        return await self._exchange([self._packer.pack(*args) for args in commands])
-
-    async def _exchange(self, packed: list[list[bytes]]) -> Any:
-        conn = await self._connection()
-        if conn is None:
-            return BUSY
-        sent = [self._gen]
-
-        async def attempt() -> list[Any]:
-            c = await self._connection()
-            if c is None:
-                raise ConnectionError("the script lane has no connection")
-            sent[0] = self._gen
-            return await self._send(c, packed)
-
-        async def failed(_err: BaseException) -> None:
-            if self._gen == sent[0]:
-                await self._fail(ConnectionError("the script lane's connection failed"))
-
-        return await conn.retry.call_with_retry(attempt, failed)
-
-    async def _connection(self) -> Any:
-        conn = self._conn
-        if conn is not None and self._pid == os.getpid() and conn.is_connected:
-            return conn
-        if self._lock is None or self._pid != os.getpid():
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            conn = self._conn
-            if conn is None or self._pid != os.getpid():
-                self._conn, self._waiting, self._reader = None, deque(), None
-                conn = await self._pool.get_connection()
-                self._conn, self._pid = conn, os.getpid()
-            elif not conn.is_connected:
-                await conn.connect()
-        return conn if getattr(conn, "_writer", None) is not None else None
-
-    async def _send(self, conn: Any, packed: list[list[bytes]]) -> list[Any]:
-        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self._waiting.append((fut, len(packed), []))
-        out = self._out
-        if out is None:  # the first call of this loop iteration: its flush writes every call's
-            self._out = out = []
-            asyncio.get_running_loop().call_soon(self._flush, conn, self._gen)
-        for cmd in packed:
-            out += cmd
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read(conn, self._waiting))
-        writer = conn._writer  # noqa: SLF001
-        if writer.transport.get_write_buffer_size() > _HIGH_WATER:  # the server reads slower than we write
-            gen = self._gen
-            try:
-                await writer.drain()
-            except OSError as exc:
-                if gen == self._gen:
-                    await self._fail(ConnectionError(f"writing to the script lane: {exc}"))
-            except asyncio.CancelledError:
-                fut.cancel()  # its reply is read in its turn and dropped
-                raise
-        # Not shielded: a cancelled caller cancels its future, and the reader (or a failure)
-        # finds it done and drops its reply in its turn (one future per call, not three).
-        return await fut
-
-    def _flush(self, conn: Any, gen: int) -> None:
-        """Write the commands queued during this loop iteration, in the order of the queue of
-        replies, in one write (one system call for the calls of every turn that ran meanwhile)."""
-        if gen != self._gen:  # the connection failed meanwhile: its calls were failed with it
-            return
-        out, self._out = self._out, None
-        if not out:
-            return
-        try:
-            conn._writer.writelines(out)  # noqa: SLF001
-        except Exception as exc:  # noqa: BLE001 - every waiting call learns of it
-            asyncio.ensure_future(self._fail(ConnectionError(f"writing to the script lane: {exc!r}")))
-
-    async def _read(self, conn: Any, waiting: _Waiting) -> None:
-        buffered = _buffered_replies(conn)
-        try:
-            while waiting:
-                fut, n, acc = waiting[0]
-                reply = buffered() if buffered is not None else _WAIT
-                if reply is _WAIT:  # none read yet: redis-py waits for it (under its read timeout)
-                    try:
-                        reply = await conn.read_response()
-                    except ResponseError as err:
-                        reply = err
-                elif isinstance(reply, ConnectionError):
-                    raise reply
-                elif isinstance(reply, list) and reply and isinstance(reply[0], ConnectionError):
-                    raise reply[0]  # (as redis-py's parser does)
-                acc.append(reply)
-                if len(acc) == n:
-                    waiting.popleft()
-                    if not fut.done():
-                        fut.set_result(acc)
-        except BaseException as exc:  # every waiting call learns of it
-            failure = exc if isinstance(exc, (ConnectionError, TimeoutError)) else ConnectionError(f"the script lane's read failed: {exc!r}")
-            await self._fail(failure, waiting)
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            if waiting is self._waiting and self._reader is asyncio.current_task():
-                self._reader = None
-
-    async def _fail(self, err: BaseException, waiting: _Waiting | None = None) -> None:
-        """Fail the calls waiting on the connection; if they are its current ones, close it (a reply
-        may be unread) and stop its reader."""
-        if waiting is None or waiting is self._waiting:
-            waiting = self._waiting
-            reader, self._waiting, self._reader = self._reader, deque(), None
-            self._gen += 1
-            self._out = None  # (its flush finds the generation changed and writes nothing)
-            if reader is not None and reader is not asyncio.current_task():
-                reader.cancel()
-            if self._conn is not None:
-                await self._conn.disconnect(nowait=True)
-        while waiting:
-            fut, _, _ = waiting.popleft()
-            if not fut.done():
-                fut.set_exception(err)
-
-    async def close(self) -> None:
-        """Give the connection back to the pool (the next call takes one again)."""
-        conn, self._conn = self._conn, None
-        reader, self._waiting, self._reader = self._reader, deque(), None
-        self._gen += 1  # a flush still due writes nothing to a connection given back
-        self._out = None
-        if reader is not None:  # calls in flight: their replies are never read
-            reader.cancel()
-            if conn is not None:
-                await conn.disconnect(nowait=True)
-        if conn is not None and self._pid == os.getpid():
-            await self._pool.release(conn)
-
 
 class AsyncIO:
     """Executes requests with ``redis.asyncio.Redis`` or its ``RedisCluster``."""
@@ -291,6 +63,8 @@ class AsyncIO:
         pool = getattr(client, "connection_pool", None)
         plain = not cluster and isinstance(client, redis.asyncio.Redis) and client.connection is None
         self._lane = AsyncScriptLane(pool) if plain and pool is not None else None
+        # on a cluster, one lane per primary (by node name; a new node object: a new lane)
+        self._lanes: dict[str, AsyncScriptLane] = {}
 
     async def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply (no redis-py exception escapes)."""
@@ -349,6 +123,13 @@ class AsyncIO:
             reply = await self._lane.call(script_args(ev, use_sha))
             if reply is not BUSY:
                 return reply
+        elif self.cluster and ev.keys and (lane := self._node_lane(ev.keys[0])) is not None:
+            try:
+                reply = await lane.call(script_args(ev, use_sha))
+            except (*NOT_HERE, ConnectionError, TimeoutError):
+                reply = BUSY  # the cluster client's way (scripts are idempotent under retry)
+            if reply is not BUSY:
+                return reply
         c: Any = self.client
         if not ev.script.readonly:
             if use_sha:
@@ -372,22 +153,9 @@ class AsyncIO:
 
     async def _pipeline(self, reqs: Any, *, use_sha: bool) -> list[Any]:
         if self.cluster:
-            # The async cluster client routes each call (following redirects);
-            # issuing them concurrently gives one round trip per node as well.
-            # Requests of one hash slot keep their order (as in a pipeline):
-            # a purge's tombstone must land before its UNLINK.
             out: list[Any] = [None] * len(reqs)
-            chains: dict[Any, list[int]] = {}
-            for i, r in enumerate(reqs):
-                key = r.keys[0] if isinstance(r, Eval) and r.keys else getattr(r, "key", None)
-                chains.setdefault(key_slot(key) if key is not None else ("alone", i), []).append(i)
-
-            async def chain(idxs: list[int]) -> None:
-                for i in idxs:
-                    async with self._inflight:
-                        out[i] = await self._single(reqs[i], use_sha)
-
-            await asyncio.gather(*(chain(c) for c in chains.values()))
+            rest = await self._lane_pipeline(reqs, use_sha, out)
+            await self._chains(reqs, rest, use_sha, out)
             return out
         if self._lane is not None and all(isinstance(r, Eval) for r in reqs):
             try:
@@ -403,6 +171,78 @@ class AsyncIO:
             return list(await pipe.execute(raise_on_error=False))
         except REDIS_ERRORS as exc:
             raise wrap_error(exc, "pipeline") from exc
+
+    def _node_lane(self, key: str) -> AsyncScriptLane | None:
+        """The lane of the primary serving ``key``'s slot; None before the cluster client knows
+        its slot map (it learns it on its first call) or when no node serves the slot."""
+        try:
+            node: Any = self.client.get_node_from_key(key)  # type: ignore[union-attr]
+        except REDIS_ERRORS:
+            return None
+        if node is None:
+            return None
+        lane = self._lanes.get(node.name)
+        if lane is None or lane.pool_node is not node:  # (a refreshed slot map makes new node objects)
+            lane = self._lanes[node.name] = AsyncScriptLane(NodePool(node))
+        return lane
+
+    async def _lane_pipeline(self, reqs: Any, use_sha: bool, out: list[Any]) -> list[int]:
+        """A cluster batch's scripts on their primaries' lanes, one pipeline per primary, their
+        replies into ``out``; returns the indexes left for :meth:`_chains`, in order: the requests
+        that are not scripts with keys, and from a call a lane could not place (a moved slot, a
+        failed node) on, every call of its slot (so a slot's calls still run in their order)."""
+        groups: dict[int, tuple[AsyncScriptLane, list[int]]] = {}
+        rest: list[int] = []
+        held: set[int] = set()  # slots with a call left for the chains: their later calls follow it
+        for i, r in enumerate(reqs):
+            key = r.keys[0] if isinstance(r, Eval) and r.keys else getattr(r, "key", None)
+            slot = key_slot(key) if key is not None else None
+            lane = self._node_lane(key) if isinstance(r, Eval) and key is not None and slot not in held else None
+            if lane is None:
+                rest.append(i)
+                if slot is not None:
+                    held.add(slot)
+            else:
+                groups.setdefault(id(lane), (lane, []))[1].append(i)
+        if not groups:
+            return rest
+
+        async def send(lane: AsyncScriptLane, idxs: list[int]) -> Any:
+            try:
+                return await lane.calls([script_args(reqs[i], use_sha) for i in idxs])
+            except (ConnectionError, TimeoutError):
+                return BUSY
+
+        results = await asyncio.gather(*(send(lane, idxs) for lane, idxs in groups.values()))
+        moved: set[int] = set()
+        for (_, idxs), got in zip(groups.values(), results, strict=True):
+            for j, i in enumerate(idxs):
+                slot = key_slot(reqs[i].keys[0])
+                if got is BUSY or slot in moved or isinstance(got[j], NOT_HERE):
+                    moved.add(slot)
+                    rest.append(i)
+                else:
+                    out[i] = got[j]
+        return sorted(rest)
+
+    async def _chains(self, reqs: Any, idxs: list[int], use_sha: bool, out: list[Any]) -> None:
+        """``reqs[i]`` for ``i`` in ``idxs`` the cluster client's way, replies (errors in place)
+        into ``out``. It routes each call (following redirects); issuing them concurrently gives
+        one round trip per node as well. Requests of one hash slot keep their order (as in a
+        pipeline): a purge's tombstone must land before its UNLINK."""
+        chains: dict[Any, list[int]] = {}
+        for i in idxs:
+            r = reqs[i]
+            key = r.keys[0] if isinstance(r, Eval) and r.keys else getattr(r, "key", None)
+            chains.setdefault(key_slot(key) if key is not None else ("alone", i), []).append(i)
+
+        async def chain(ids: list[int]) -> None:
+            for i in ids:
+                async with self._inflight:
+                    out[i] = await self._single(reqs[i], use_sha)
+
+        if chains:
+            await asyncio.gather(*(chain(c) for c in chains.values()))
 
     async def _single(self, r: Eval | Cmd, use_sha: bool) -> Any:
         try:
@@ -604,4 +444,7 @@ class AsyncIO:
         """Close the client's connections."""
         if self._lane is not None:
             await self._lane.close()
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            await lane.close()
         await self.client.aclose()
