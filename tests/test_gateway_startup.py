@@ -12,8 +12,10 @@ it gets a 400 naming it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,3 +156,24 @@ def test_max_tokens_is_clamped_to_the_engines_context_and_a_prompt_without_room_
     finally:
         gw.stop()
         st.close()
+
+
+def test_the_gateway_tunes_its_collector_and_refuses_a_bad_setting(
+    reference_engine: CliServer, standalone_url: str
+) -> None:
+    """A serving process's collector: start-up frozen, the youngest generation collected after
+    20,000 objects (docs/gateway.md, "The HTTP server"); ``TRACESTORE_GC=default`` leaves
+    CPython's; a setting it cannot read ends ``tracestore gateway`` with one line, before it listens."""
+    probe = "import gc; from tracestore.gateway.serve import tune_gc; tune_gc(); print(gc.get_threshold(), gc.get_freeze_count() > 0)"
+    cpython = subprocess.run([sys.executable, "-c", "import gc; print(gc.get_threshold())"], capture_output=True, text=True, timeout=60)
+    for env, want in (({}, "(20000, 20, 20) True"), ({"TRACESTORE_GC": "default"}, f"{cpython.stdout.strip()} False"),
+                      ({"TRACESTORE_GC": "9000,5,5"}, "(9000, 5, 5) True")):  # fmt: skip
+        got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "TRACESTORE_GC": "", **env})  # fmt: skip
+        assert got.stdout.strip() == want, (env, got.stdout, got.stderr[-1000:])
+    r = subprocess.run(
+        [*BIN, "gateway", "--port", "0", "--engine", reference_engine.url, "--url", standalone_url],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "TRACESTORE_GC": "lots"},
+    )  # fmt: skip
+    _one_line(r, "TRACESTORE_GC='lots'")
+    assert "listening on" not in r.stdout

@@ -14,6 +14,7 @@ from typing import Any
 
 from tracestore import TraceStore
 from tracestore.gateway import GATEWAY, Gateway, GatewayConfig, start_gateway
+from tracestore.gateway.serve import tune_gc
 from tracestore.gateway.server import GatewayStats
 from tracestore.ray import HolderStats, RefHolder
 
@@ -55,6 +56,7 @@ class GatewayActor:
             hold_timeout_s=cfg.hold_timeout_s,
         )
         self.server = start_gateway(config, holder=self.holder, host=serve_host(cfg))
+        tune_gc()  # the actor's process is the gateway's: its collector set as tracestore gateway's
 
     def node_id(self) -> str:
         """The Ray node the gateway runs on."""

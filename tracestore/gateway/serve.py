@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..errors import ConfigError
 from . import h1
 
 AppFactory = Callable[[], Awaitable[web.Application]]
@@ -63,6 +64,7 @@ def serve_forever(
 
     async def main() -> None:
         app = await make_app()
+        tune_gc()  # (before it listens: a bad TRACESTORE_GC refuses to start)
         runner, url = await start_site(app, host, port, reuse_port=reuse_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -76,6 +78,41 @@ def serve_forever(
             await runner.cleanup()
 
     run_loop(main())
+
+
+#: The cyclic collector's thresholds of a serving process (CPython's default: 700, 10, 10).
+GC_THRESHOLDS = (20_000, 20, 20)
+
+
+def tune_gc() -> None:
+    """Set a serving process's cyclic garbage collector for throughput (unless ``TRACESTORE_GC=default``).
+
+    Once the app is built, before it listens: what start-up made (modules, the tokenizer's tables, the
+    app) is collected once and frozen (``gc.freeze``: never traversed again), and a collection
+    of the youngest generation waits for :data:`GC_THRESHOLDS` ``[0]`` new objects instead of 700.
+    A turn allocates a few hundred container objects; with the defaults the collector ran every
+    few turns and, through the older generations, traversed every cached session index: a
+    quarter of a gateway's CPU per turn (measured: 1.8 s of collections over 5,000 turns).
+    Garbage without cycles is freed at once either way; only cycles wait a little longer.
+    ``TRACESTORE_GC=A,B,C`` sets other thresholds (ConfigError on anything else).
+    """
+    import gc
+    import os
+
+    want = os.environ.get("TRACESTORE_GC", "").strip()
+    if want == "default":
+        return
+    thresholds: tuple[int, ...] = GC_THRESHOLDS
+    if want:
+        try:
+            thresholds = tuple(int(x) for x in want.split(","))
+            if len(thresholds) != 3 or min(thresholds) < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"TRACESTORE_GC={want!r}: give 'default' or three positive integers A,B,C (gc.set_threshold)") from None
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*thresholds)
 
 
 def run_loop(coro: Awaitable[None]) -> None:
@@ -163,4 +200,4 @@ class BackgroundServer:
         self.stop()
 
 
-__all__ = ["BackgroundServer", "serve_forever", "start_site"]
+__all__ = ["GC_THRESHOLDS", "BackgroundServer", "serve_forever", "start_site", "tune_gc"]
