@@ -170,12 +170,12 @@ class _Gateway:
 
 class _Spy:
     """``py-spy record -f raw`` attached to a running process, until :meth:`stop` (SIGINT: it then
-    writes its samples)."""
+    writes its samples); 100 samples a second, or ``BENCH_SPY_HZ``."""
 
     def __init__(self, pid: int, out: str) -> None:
         spy = str(Path(sys.executable).with_name("py-spy"))
         self.proc = subprocess.Popen(
-            [spy, "record", "-f", "raw", "-r", os.environ.get("SPY_RATE", "100"), "-o", out, "--pid", str(pid)],
+            [spy, "record", "-f", "raw", "-r", os.environ.get("BENCH_SPY_HZ", "100"), "-o", out, "--pid", str(pid)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
