@@ -95,19 +95,6 @@ def hash_tag(key: str) -> str:
 
 def same_slot(keys: Iterable[str]) -> bool:
     """True if every key hashes to one cluster slot (equal tags, else equal slots)."""
-    if isinstance(keys, tuple):  # a script's KEYS (every Eval): no iterator, no list
-        if not keys:
-            return True
-        first = keys[0]
-        start = first.find("{")
-        end = first.find("}", start + 1) if start > -1 else -1
-        if end > start + 1:
-            head = first[: end + 1]
-            for k in keys:
-                if not k.startswith(head):
-                    break
-            else:
-                return True
     it = iter(keys)
     first = next(it, None)
     if first is None:

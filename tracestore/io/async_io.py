@@ -193,10 +193,12 @@ class AsyncIO:
         failed node) on, every call of its slot (so a slot's calls still run in their order)."""
         groups: dict[int, tuple[AsyncScriptLane, list[int]]] = {}
         rest: list[int] = []
+        slots: list[int | None] = []
         held: set[int] = set()  # slots with a call left for the chains: their later calls follow it
         for i, r in enumerate(reqs):
             key = r.keys[0] if isinstance(r, Eval) and r.keys else getattr(r, "key", None)
             slot = key_slot(key) if key is not None else None
+            slots.append(slot)
             lane = self._node_lane(key) if isinstance(r, Eval) and key is not None and slot not in held else None
             if lane is None:
                 rest.append(i)
@@ -214,12 +216,11 @@ class AsyncIO:
                 return BUSY
 
         results = await asyncio.gather(*(send(lane, idxs) for lane, idxs in groups.values()))
-        moved: set[int] = set()
         for (_, idxs), got in zip(groups.values(), results, strict=True):
             for j, i in enumerate(idxs):
-                slot = key_slot(reqs[i].keys[0])
-                if got is BUSY or slot in moved or isinstance(got[j], NOT_HERE):
-                    moved.add(slot)
+                slot = slots[i]
+                if got is BUSY or slot in held or isinstance(got[j], NOT_HERE):
+                    held.add(slot)  # type: ignore[arg-type]  # (a lane's call has a key)
                     rest.append(i)
                 else:
                     out[i] = got[j]
