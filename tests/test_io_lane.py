@@ -290,3 +290,40 @@ def test_async_cluster_scripts_take_a_lane_per_primary_and_a_moved_reply_goes_th
             await st.close()
 
     arun(go())
+
+
+def test_sync_cluster_scripts_take_a_lane_per_primary_and_a_moved_reply_goes_the_cluster_way(
+    cluster_url: str,
+) -> None:
+    """The sync client's lanes on a 3-primary cluster: one per primary, over that node's own pool
+    (counted there, given back on close); a call a lane sends to a primary that does not serve
+    its slot (a lane picked wrong on purpose: a stale map) is answered MOVED and goes the cluster
+    client's way, with the right reply."""
+    st = TraceStore.connect(cluster_url, run=f"lane-{uuid.uuid4().hex[:8]}")
+    sids = [f"s{i}" for i in range(12)]
+    try:
+        for sid in sids:
+            _turn(st, sid, "hello there", " hi")
+        io = st._io  # noqa: SLF001 - the mechanism under test
+        lanes = {name: lane for name, (_, lane) in io._lanes.items()}  # noqa: SLF001
+        assert len(lanes) == 3 and all(lane._conn is not None for lane in lanes.values())  # noqa: SLF001
+        conns = {name: lane._conn for name, lane in lanes.items()}  # noqa: SLF001
+        pools = {name: lane._pool for name, lane in lanes.items()}  # noqa: SLF001
+        assert all(conns[n] in pools[n]._in_use_connections for n in lanes)  # noqa: SLF001
+        home = {sid: io._node_lane(st.context.keys.idx(sid)) for sid in sids}  # noqa: SLF001
+        assert len({id(home[sid]) for sid in sids}) == 3  # the 12 sessions span the 3 primaries
+        wrong = {sid: next(lane for lane in lanes.values() if lane is not home[sid]) for sid in sids}
+        with pytest.raises(MovedError):  # the server says: not here
+            wrong[sids[0]].call(("HLEN", st.context.keys.idx(sids[0])))
+        tag = {st.context.keys.idx(sid).split("}", 1)[0]: sid for sid in sids}  # "ts:{run/sid" -> sid
+        io._node_lane = lambda k: wrong[tag[k.split("}", 1)[0]]]  # type: ignore[method-assign]  # noqa: SLF001
+        for sid in sids:
+            m = st.lookup(sid, "hello there hi, and more")
+            assert m.text_len == len("hello there hi")
+        _turn(st, sids[1], "hello there hi, and more", " ok", 1)  # a write, redirected too
+        del io._node_lane  # noqa: SLF001 - the real routing again
+        assert [len(st.export_training_trace(sids[1], "hello there hi, and more ok").input_ids)] == [9]
+        assert all(lane._conn is conns[n] for n, lane in lanes.items())  # noqa: SLF001 - kept
+    finally:
+        st.close()
+    assert all(conns[n] not in pools[n]._in_use_connections for n in lanes)  # noqa: SLF001 - given back

@@ -219,9 +219,15 @@ class FastPacker:
         return out
 
 
+def fast_packer() -> FastPacker | None:
+    """A :class:`FastPacker` when hiredis is there, else None (redis-py's default packer)."""
+    return FastPacker() if _hiredis_pack is not None else None
+
+
 def _fast_packer() -> dict[str, Any]:
     """``command_packer=FastPacker()`` when hiredis is there (redis-py's default packer otherwise)."""
-    return {"command_packer": FastPacker()} if _hiredis_pack is not None else {}
+    packer = fast_packer()
+    return {"command_packer": packer} if packer is not None else {}
 
 
 def _url_and_tls(parsed: ParsedUrl, opts: ConnectionOptions) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from ..errors import PermissionDenied, ScriptError, StorageError, TracestoreErro
 from ..keys import key_slot
 from ..replies import text
 from ..scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
-from .async_lane import BUSY, NOT_HERE, AsyncScriptLane, NodePool
+from .async_lane import BUSY, AsyncScriptLane, NodePool
 from .commands import (
+    NOT_HERE,
     REDIS_ERRORS,
     acl_user,
     apply_callback,

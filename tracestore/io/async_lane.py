@@ -8,16 +8,7 @@ import os
 from collections import deque
 from typing import Any
 
-from redis.exceptions import (
-    AskError,
-    ClusterDownError,
-    ConnectionError,
-    MovedError,
-    ReadOnlyError,
-    ResponseError,
-    TimeoutError,
-    TryAgainError,
-)
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from ..connection import FastPacker
 
@@ -282,7 +273,3 @@ class NodePool:
         """Give ``conn`` back to the node."""
         self.node.release(conn)
 
-
-#: Replies that mean "not here" (a slot moved or is moving, a primary became a replica, the
-#: cluster is reconfiguring): the call goes the cluster client's way, which handles them.
-NOT_HERE = (MovedError, AskError, TryAgainError, ClusterDownError, ReadOnlyError)

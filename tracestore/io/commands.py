@@ -17,6 +17,7 @@ from redis.exceptions import (
     ClusterDownError,
     MovedError,
     NoPermissionError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -39,6 +40,11 @@ from ..scripts import Batch, Cmd, Eval, Request
 
 #: What redis-py raises: its errors, and the cluster client's own (not a RedisError).
 REDIS_ERRORS = (RedisError, RedisClusterException)
+
+#: Replies that mean "not here" (a slot moved or is moving, a primary became a replica, the
+#: cluster is reconfiguring): a call a primary's script lane sent goes the cluster client's
+#: way instead, which handles them (follows the redirect, learns the new slot map).
+NOT_HERE = (MovedError, AskError, TryAgainError, ClusterDownError, ReadOnlyError)
 
 
 def decode_script_reply(ev: Eval, reply: Any) -> Any:

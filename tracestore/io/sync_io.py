@@ -9,14 +9,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError, TimeoutError
 
-from ..connection import ConnectionOptions
+from ..connection import ConnectionOptions, FastPacker, fast_packer
 from ..durability import NONE, Durability
 from ..errors import PermissionDenied, ScriptError, StorageError
 from ..replies import text
 from ..scripts import Batch, Blocking, Cmd, Eval, Request, ScanAll, ServerTime
 from .commands import (
+    NOT_HERE,
     REDIS_ERRORS,
     acl_user,
     apply_callback,
@@ -46,7 +47,8 @@ BUSY = object()
 
 
 class ScriptLane:
-    """One connection of a standalone client's pool, kept checked out for its script calls.
+    """One connection of a pool, kept checked out for its script calls: a standalone client's
+    pool, or on a cluster one primary's (a lane per primary, :meth:`SyncIO._node_lane`).
 
     A script call is one command and one reply, the call every turn makes twice
     (``lookup``'s ``read_index``, ``record_turn``'s script), and redis-py's
@@ -66,12 +68,20 @@ class ScriptLane:
     disconnects it. One thread at a time: a call finding the lane busy gets
     :data:`BUSY` and goes through redis-py. After a fork the child takes a
     connection of its own (the pool resets itself in the child).
+
+    ``packer``: packs the commands instead of the connection's packer (a cluster's nodes use
+    redis-py's Python packer, one encode call per argument; a standalone client's already
+    has the :class:`~tracestore.connection.FastPacker`). The bytes are the same.
+    On a cluster a reply that says "not here" (MOVED, ASK, TRYAGAIN, CLUSTERDOWN,
+    READONLY) raises as any error reply does; the caller sends the call the cluster
+    client's way (the nodes' connections do not retry: a failed node falls back at once).
     """
 
-    __slots__ = ("_pool", "_lock", "_conn", "_pid")
+    __slots__ = ("_pool", "_lock", "_conn", "_pid", "_pack")
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, packer: FastPacker | None = None) -> None:
         self._pool = pool
+        self._pack = packer.pack if packer is not None else None
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pid = os.getpid()
@@ -86,7 +96,7 @@ class ScriptLane:
                 self._conn = None
                 conn = self._pool.get_connection()
                 self._conn, self._pid = conn, os.getpid()
-            packed = conn.pack_command(*args)
+            packed = conn.pack_command(*args) if self._pack is None else self._pack(*args)
 
             def attempt() -> Any:
                 conn.send_packed_command(packed)
@@ -133,6 +143,9 @@ class SyncIO:
         pool = getattr(client, "connection_pool", None)
         plain = not cluster and isinstance(client, redis.Redis) and client.connection is None
         self._lane = ScriptLane(pool) if plain and pool is not None else None
+        # on a cluster, a lane per primary (keyed by node name), over that node's own pool
+        self._lanes: dict[str, tuple[Any, ScriptLane]] = {}
+        self._lanes_lock = threading.Lock()
 
     def execute(self, req: Request) -> Any:
         """Execute one request and return its decoded reply (no redis-py exception escapes)."""
@@ -191,6 +204,13 @@ class SyncIO:
             reply = self._lane.call(script_args(ev, use_sha))
             if reply is not BUSY:
                 return reply
+        elif self.cluster and ev.keys and (lane := self._node_lane(ev.keys[0])) is not None:
+            try:
+                reply = lane.call(script_args(ev, use_sha))
+            except (*NOT_HERE, ConnectionError, TimeoutError):
+                reply = BUSY  # the cluster client's way (scripts are idempotent under retry)
+            if reply is not BUSY:
+                return reply
         c: Any = self.client
         if not ev.script.readonly:
             return c.evalsha(ev.script.sha, *eval_args(ev)) if use_sha else c.eval(ev.script.source, *eval_args(ev))
@@ -198,6 +218,34 @@ class SyncIO:
             node = c.get_node_from_key(ev.keys[0]) if ev.keys else c.get_random_node()
             return c.execute_command(*script_args(ev, use_sha), target_nodes=node)
         return c.execute_command(*script_args(ev, use_sha))
+
+    def _node_lane(self, key: str) -> ScriptLane | None:
+        """The script lane of the primary serving ``key``'s slot, over that node's own pool; None
+        before the cluster client knows its slot map or when no node serves the slot. A refreshed
+        slot map makes new node objects: a node's lane is made again for its new object."""
+        c: Any = self.client
+        try:
+            node = c.get_node_from_key(key)
+        except REDIS_ERRORS:
+            return None
+        if node is None:
+            return None
+        got = self._lanes.get(node.name)
+        if got is not None and got[0] is node:
+            return got[1]
+        with self._lanes_lock:
+            got = self._lanes.get(node.name)
+            if got is not None and got[0] is node:
+                return got[1]
+            try:
+                pool = c.get_redis_connection(node).connection_pool
+            except REDIS_ERRORS:
+                return None
+            lane = ScriptLane(pool, fast_packer())  # (the cluster client's nodes pack in Python)
+            self._lanes[node.name] = (node, lane)
+        if got is not None:
+            got[1].close()  # the old node object's connection back to its pool
+        return lane
 
     def _batch(self, batch: Batch) -> list[Any]:
         if not batch.requests:
@@ -461,4 +509,8 @@ class SyncIO:
         """Close the client's connections."""
         if self._lane is not None:
             self._lane.close()
+        with self._lanes_lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for _, lane in lanes:
+            lane.close()
         self.client.close()
