@@ -78,10 +78,15 @@ def stop_process(proc: subprocess.Popen[Any]) -> None:
 class _Proc:
     """A benchmark process that prints ``listening on URL``."""
 
-    def __init__(self, *args: str) -> None:
-        root = str(Path(__file__).resolve().parent.parent)
+    def __init__(self, *args: str, root: str | None = None) -> None:
+        """``root``: the tree whose code the process runs (first on its path, and its working
+        directory; default this one's, and the caller's directory)."""
+        cwd = root
+        root = root or str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(
+            list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
+        )
         self.url = ""
         self.lines: list[str] = []
         ready = threading.Event()
