@@ -32,8 +32,9 @@ Figures per set-up (store x engine shape x gateways x size):
   latency plus that): p50/p99 in the closed loop (at saturation: mostly queueing behind the
   512 in flight, ~512 / turns/s), and **paced**: after the closed pass, 1,000 of the N
   sessions (all of them when fewer; spread over the N) do one more turn each, released at
-  half the turns/s the closed pass reached (open loop, evenly spaced): the latency a turn sees
-  while N sessions are live and the gateway is half loaded. Beside them, the gateway's own
+  half the turns/s the closed pass reached (open loop, evenly spaced; with 2 gateways the
+  requests alternate between them): the latency a turn sees while N sessions are live and
+  the gateways are half loaded. Beside them, the gateway's own
   view: the mean ms per request of its ``tracestore_gateway_latency_seconds`` parts
   (``total``: request in, answer out; ``engine``; ``tracestore``: store calls on the path).
 * **errors**: failed turns by HTTP status (or client exception); a session stops at its
@@ -313,7 +314,10 @@ async def _closed(urls: list[str], sessions: list[_Session], turns: int) -> tupl
 
 
 async def _paced(urls: list[str], sample: list[_Session], turn: int, rate: float) -> _Tally:
-    """One more turn (turn index ``turn``) of each session of ``sample``, started ``1/rate`` s apart."""
+    """One more turn (turn index ``turn``) of each session of ``sample``, started ``1/rate`` s apart,
+    the gateways taken in turn request by request (a round-robin load balancer: every sample
+    session's turn has the same index, so routing by the index, as the closed pass does, would
+    send the whole paced pass to one of the gateways, loaded then as both were in the closed pass)."""
     tally = _Tally()
     async with _client() as http:
         tasks = []
@@ -322,7 +326,7 @@ async def _paced(urls: list[str], sample: list[_Session], turn: int, rate: float
             delay = t0 + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_turn(http, urls[turn % len(urls)], s, tally)))
+            tasks.append(asyncio.create_task(_turn(http, urls[(turn + i) % len(urls)], s, tally)))
         await asyncio.gather(*tasks)
     return tally
 
