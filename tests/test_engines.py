@@ -488,6 +488,29 @@ def test_a_paths_ids_json_is_kept_per_buffer_and_each_turn_writes_only_its_new_i
     assert small.nbytes <= 100
 
 
+def test_the_kept_id_texts_take_about_their_length_in_memory() -> None:
+    """The texts ``_SentIds`` keeps are bounded by their length (``nbytes``), so they must take about
+    that much memory: orjson's own bytes keep the capacity it reserved (3-5x the length of an id
+    array's JSON), so 16 MB of kept texts took ~80 MB of a gateway's memory before they were copied."""
+    import tracemalloc
+
+    from tracestore.gateway.engines import base
+    from tracestore.traces import TokenIds
+
+    sent = base._SentIds()
+    paths = [TokenIds(range(i * 10_000, i * 10_000 + 3_000)) for i in range(40)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for p in paths:
+            sent.text(*p.shared())
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert sent.nbytes == sum(len(v[2]) for v in sent._texts.values()) and len(sent._texts) == 40
+    assert held < 1.5 * sent.nbytes, (held, sent.nbytes)  # (orjson's bytes as they were: ~4x)
+
+
 def test_engine_bodies_carry_a_stored_paths_ids_as_the_same_json_without_a_list() -> None:
     """The ids of a stored path (int32 ``TokenIds``) go into the engines' JSON bodies as a numpy view
     and come out as the same JSON array as a list; extending one shares its buffer."""
