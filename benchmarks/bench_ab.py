@@ -49,6 +49,7 @@ from benchmarks.bench_gateway_scale import (
     _closed,
     _cpu_s,
     _document,
+    _Gateway,
     _raise_nofile,
     _sessions,
     _Store,
@@ -148,26 +149,12 @@ class _Build:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(self.root)], check=False)
 
 
-class _BuildGateway:
-    """A ``tracestore gateway`` process of ``build`` (its tree first on the path, and its cwd)."""
-
-    def __init__(self, build: _Build, engine: str, url: str) -> None:
-        cmd = [sys.executable, "-m", "tracestore.cli", "gateway", "--engine", engine, "--engine-api", "sglang"]
-        run = f"ab-{build.name}-{uuid.uuid4().hex[:6]}"
-        self.proc = _Proc(*cmd, "--url", url, "--run", run, "--port", "0", root=str(build.root))
-        self.url = self.proc.url
-        self.pid = self.proc.proc.pid
-
-    def stop(self) -> None:
-        self.proc.stop()
-
-
 def _gateway_pass(build: _Build, kind: str, engine: _Proc, size: tuple[int, int], docs: list[str]) -> dict[str, Any]:
     store = _Store(kind)
     try:
-        gw = _BuildGateway(build, engine.url, store.url)
+        gw = _Gateway(engine.url, store.url, f"ab-{build.name}-{uuid.uuid4().hex[:6]}", "sglang", root=str(build.root))
         try:
-            _warm([gw], docs)  # type: ignore[list-item]  # (a gateway: url and pid)
+            _warm([gw], docs)
             g0, s0 = _cpu_s(gw.pid), sum(map(_cpu_s, store.pids))
             tally, took = asyncio.run(_closed([gw.url], _sessions(size[0], docs, f"ab-{build.name}"), size[1]))
             g1, s1 = _cpu_s(gw.pid), sum(map(_cpu_s, store.pids))

@@ -33,10 +33,9 @@ LEVELS_QUICK = (1, 16, 512)
 
 
 def _level(gw: scale._Gateway, engine: _Proc, store: scale._Store, docs: list[str], inflight: int) -> dict[str, Any]:
-    scale.INFLIGHT = inflight  # (the closed pass's bound, read when it runs)
     n = max(100, min(1000, 40 * inflight))  # sessions: 3 turns each; at least 300 turns a level
     cpu0 = (scale._cpu_s(gw.pid), sum(map(scale._cpu_s, store.pids)), scale._cpu_s(engine.proc.pid))
-    tally, took = asyncio.run(scale._closed([gw.url], scale._sessions(n, docs, f"conc{inflight}"), 3))
+    tally, took = asyncio.run(scale._closed([gw.url], scale._sessions(n, docs, f"conc{inflight}"), 3, inflight))
     cpu1 = (scale._cpu_s(gw.pid), sum(map(scale._cpu_s, store.pids)), scale._cpu_s(engine.proc.pid))
     done = max(1, len(tally.latency))
     gw_ms, store_ms, engine_ms = (round(1000 * (b - a) / done, 3) for a, b in zip(cpu0, cpu1, strict=True))
@@ -57,7 +56,6 @@ def run(quick: bool) -> dict[str, Any]:
     docs = [scale._document(scale.DOC_TOKENS, random.Random(i)) for i in range(32)]
     engine = _Proc(sys.executable, "-m", "benchmarks.instant_engine", "--port", "0")
     store = scale._Store("embedded")
-    saved = scale.INFLIGHT
     rows = []
     try:
         gw = scale._Gateway(engine.url, store.url, f"conc-{uuid.uuid4().hex[:6]}", "sglang")
@@ -76,7 +74,6 @@ def run(quick: bool) -> dict[str, Any]:
         finally:
             gw.stop()
     finally:
-        scale.INFLIGHT = saved
         store.stop()
         engine.stop()
     first, last = rows[0]["cpu_ms_per_turn"], rows[-1]["cpu_ms_per_turn"]

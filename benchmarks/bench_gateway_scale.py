@@ -159,9 +159,10 @@ def _raise_nofile() -> int:
 class _Gateway:
     """A ``tracestore gateway`` process."""
 
-    def __init__(self, engine: str, url: str, run: str, api: str) -> None:
+    def __init__(self, engine: str, url: str, run: str, api: str, root: str | None = None) -> None:
+        """``root``: the tree whose ``tracestore`` it runs (default this one's; see ``_Proc``)."""
         cmd = [sys.executable, "-m", "tracestore.cli", "gateway", "--engine", engine, "--engine-api", api]
-        self.proc = _Proc(*cmd, "--url", url, "--run", run, "--port", "0")
+        self.proc = _Proc(*cmd, "--url", url, "--run", run, "--port", "0", root=root)
         self.url = self.proc.url
         self.pid = self.proc.proc.pid
 
@@ -287,16 +288,16 @@ async def _turn(http: aiohttp.ClientSession, url: str, s: _Session, tally: _Tall
     return True
 
 
-def _client() -> aiohttp.ClientSession:
+def _client(limit: int = INFLIGHT) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=INFLIGHT, force_close=False), timeout=aiohttp.ClientTimeout(total=600)
+        connector=aiohttp.TCPConnector(limit=limit, force_close=False), timeout=aiohttp.ClientTimeout(total=600)
     )
 
 
-async def _closed(urls: list[str], sessions: list[_Session], turns: int) -> tuple[_Tally, float]:
-    """Every session's ``turns`` turns, all sessions at once, at most INFLIGHT requests in flight."""
+async def _closed(urls: list[str], sessions: list[_Session], turns: int, inflight: int = INFLIGHT) -> tuple[_Tally, float]:
+    """Every session's ``turns`` turns, all sessions at once, at most ``inflight`` requests in flight."""
     tally = _Tally()
-    sem = asyncio.Semaphore(INFLIGHT)
+    sem = asyncio.Semaphore(inflight)
 
     async def one(s: _Session, http: aiohttp.ClientSession) -> None:
         for t in range(turns):
@@ -306,7 +307,7 @@ async def _closed(urls: list[str], sessions: list[_Session], turns: int) -> tupl
                 tally.skipped += turns - t - 1
                 return
 
-    async with _client() as http:
+    async with _client(inflight) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(s, http) for s in sessions))
         took = time.perf_counter() - t0
