@@ -8,13 +8,15 @@ retries on a new connection. ``cuts`` counts the replies dropped. ``arm(skip=n)`
 through first (to cut the second request of an operation, e.g. the purge
 after a release). ``arm(times=None)`` keeps cutting every reply (each retry's
 too, so the client's retries run out) until ``disarm()``. Replies are counted per ``recv``; the tests use one
-client and small replies, so one reply is one chunk.
+client and small replies, so one reply is one chunk. ``hold_first_reply_s``: hold the first
+reply of every new connection that long (a slow handshake: redis-py's connect waits for it).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,6 +38,7 @@ class CutProxy:
         self._times: int | None = 1
         self.cuts = 0
         self.connections = 0
+        self.hold_first_reply_s = 0.0
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -72,11 +75,15 @@ class CutProxy:
             threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, is_reply: bool) -> None:
+        first = is_reply
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
+                if first and self.hold_first_reply_s:
+                    time.sleep(self.hold_first_reply_s)
+                first = False
                 if is_reply and self._armed.is_set():
                     with self._lock:
                         if self._armed.is_set() and self._skip > 0:

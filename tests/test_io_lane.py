@@ -327,3 +327,45 @@ def test_sync_cluster_scripts_take_a_lane_per_primary_and_a_moved_reply_goes_the
     finally:
         st.close()
     assert all(conns[n] not in pools[n]._in_use_connections for n in lanes)  # noqa: SLF001 - given back
+
+
+def test_async_a_call_during_a_reconnect_waits_for_the_handshake(standalone_url: str, arun: Any) -> None:
+    """A connection being reconnected reads its handshake's replies (CLIENT SETINFO's OKs) while
+    redis-py already counts it connected: a call arriving then must not send on it, or the lane's
+    reader takes the handshake's replies for its own (seen under load: ``open_session`` got
+    ``OK``, a reply of another command; a reply of the right shape would have been taken
+    silently)."""
+    from tests._netcut import CutProxy
+
+    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+
+    async def go(proxy: CutProxy) -> None:
+        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            lane_id = await lane.call(("CLIENT", "ID"))
+            failures = lane._gen  # noqa: SLF001
+            assert await direct.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
+            proxy.hold_first_reply_s = 0.5  # the new connection's handshake is slow
+            first = asyncio.ensure_future(lane.call(("ECHO", "first")))
+            for _ in range(2000):  # until the first call reconnects: the lock held, the streams open
+                lock, conn = lane._lock, lane._conn  # noqa: SLF001
+                if lock is not None and lock.locked() and conn is not None and conn.is_connected:
+                    break
+                await asyncio.sleep(0.002)
+            else:
+                raise AssertionError("the lane did not reconnect")
+            got = await asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(5)))
+            assert got == [f"during-{i}".encode() for i in range(5)]
+            assert await first == b"first"
+            assert lane._gen == failures + 1  # noqa: SLF001 - the kill's failure, no other: one reader at a time
+            assert await lane.call(("CLIENT", "ID")) != lane_id
+            await _aturn(st, "s", "hello there", " hi")  # the store's scripts on the new connection
+        finally:
+            await st.close()
+            await direct.close()
+
+    with CutProxy(host, int(port)) as proxy:
+        arun(go(proxy))

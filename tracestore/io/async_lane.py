@@ -78,7 +78,7 @@ class AsyncScriptLane:
       and dropped.
     """
 
-    __slots__ = ("_pool", "_conn", "_pid", "_packer", "_waiting", "_reader", "_lock", "_gen", "_out")
+    __slots__ = ("_pool", "_conn", "_pid", "_packer", "_waiting", "_reader", "_lock", "_gen", "_out", "_ready")
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -90,6 +90,9 @@ class AsyncScriptLane:
         self._lock: asyncio.Lock | None = None
         self._gen = 0  # counts the connection's failures: a late failure report fails nothing newer
         self._out: list[bytes] | None = None  # the commands to write at the end of this loop iteration
+        # True once the connection's connect() (with its handshake) is over; redis-py counts a
+        # connection connected while its handshake still reads its replies (see _connection).
+        self._ready = False
 
     @property
     def pool_node(self) -> Any:
@@ -130,19 +133,30 @@ class AsyncScriptLane:
         return await conn.retry.call_with_retry(attempt, failed)
 
     async def _connection(self) -> Any:
+        """The lane's connection, connected and past its handshake (None: it has no writer).
+
+        redis-py counts a connection connected as soon as its socket is open, while its
+        ``connect()`` still sends the handshake (``CLIENT SETINFO``, ``SELECT``) and reads its
+        replies. A call sent then would have the lane's reader take those replies for its own,
+        and the handshake read the calls' (two readers on one stream): a call waits on the lock
+        instead, until the connect is over.
+        """
         conn = self._conn
-        if conn is not None and self._pid == os.getpid() and conn.is_connected:
+        if conn is not None and self._ready and self._pid == os.getpid() and conn.is_connected:
             return conn
         if self._lock is None or self._pid != os.getpid():
             self._lock = asyncio.Lock()
         async with self._lock:
             conn = self._conn
             if conn is None or self._pid != os.getpid():
+                self._ready = False
                 self._conn, self._waiting, self._reader = None, deque(), None
                 conn = await self._pool.get_connection()
                 self._conn, self._pid = conn, os.getpid()
-            elif not conn.is_connected:
+            elif not (self._ready and conn.is_connected):
+                self._ready = False
                 await conn.connect()
+            self._ready = True
         return conn if getattr(conn, "_writer", None) is not None else None
 
     async def _send(self, conn: Any, packed: list[list[bytes]]) -> list[Any]:
@@ -192,7 +206,10 @@ class AsyncScriptLane:
                 reply = buffered() if buffered is not None else _WAIT
                 if reply is _WAIT:  # none read yet: redis-py waits for it (under its read timeout)
                     try:
-                        reply = await conn.read_response()
+                        # not disconnected by redis-py on an error: _fail closes the connection if
+                        # this reader's calls are its current ones (a reader cancelled late must
+                        # not close the connection reconnected meanwhile)
+                        reply = await conn.read_response(disconnect_on_error=False)
                     except ResponseError as err:
                         reply = err
                 elif isinstance(reply, ConnectionError):
@@ -220,6 +237,7 @@ class AsyncScriptLane:
             waiting = self._waiting
             reader, self._waiting, self._reader = self._reader, deque(), None
             self._gen += 1
+            self._ready = False
             self._out = None  # (its flush finds the generation changed and writes nothing)
             if reader is not None and reader is not asyncio.current_task():
                 reader.cancel()
@@ -235,6 +253,7 @@ class AsyncScriptLane:
         conn, self._conn = self._conn, None
         reader, self._waiting, self._reader = self._reader, deque(), None
         self._gen += 1  # a flush still due writes nothing to a connection given back
+        self._ready = False
         self._out = None
         if reader is not None:  # calls in flight: their replies are never read
             reader.cancel()
