@@ -7,7 +7,6 @@ answer the client gets (stop markers cut, reasoning and tool calls parsed).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,13 +22,11 @@ from .liveness import Liveness
 from .metrics import Metrics
 from .prompts import PromptMode
 from .retries import Retries
+from .sidtable import SidTable
 from .startup import TemplateFeatures
 from .stream import cut
 from .tokenizer import ChatTokenizer
 from .tracing import Spans
-
-#: How many session ids a gateway remembers as opened (LRU).
-OPENED_CACHE = 200_000
 
 
 @dataclass
@@ -55,12 +52,18 @@ class Services:
     liveness: Liveness | None = None
     #: Attempts in flight and replays of recorded turns (a retry of a turn is one turn).
     retries: Retries = field(default_factory=Retries)
-    opened: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    routes: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    #: Sessions this process has opened (a fixed-size table: :mod:`.sidtable`).
+    opened: SidTable = field(default_factory=SidTable)
+    #: Where each session last ran, as the index of its engine in ``engines`` (multi-engine only).
+    routes: SidTable | None = None
     _rr: int = 0
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.tok.stop_token_ids)
+        self._names = list(self.engines)
+        self._index = {name: i for i, name in enumerate(self._names)}
+        if len(self.engines) > 1 and self.routes is None:
+            self.routes = SidTable(values=True)
 
     async def open_once(self, sid: str, owner: str) -> None:
         """Open the session for ``owner`` the first time this process records a turn of it (a
@@ -71,24 +74,20 @@ class Services:
             await self.db(self.store.open_session(sid, owner))
         except SessionExists:
             pass
-        self.opened[sid] = None
-        if len(self.opened) > OPENED_CACHE:
-            self.opened.popitem(last=False)
+        self.opened.add(sid)
 
     def route_hint(self, sid: str) -> str | None:
         """The engine ``sid`` will most likely run on (the only one, or where it last ran), for its
         lease record; None when unknown."""
-        if len(self.engines) == 1:
-            return next(iter(self.engines))
-        return self.routes.get(sid)
+        if self.routes is None:
+            return self._names[0] if len(self._names) == 1 else None
+        at = self.routes.get(sid)
+        return None if at is None else self._names[at]
 
     def routed(self, sid: str, engine: str) -> None:
-        """Remember where ``sid`` runs (LRU of :data:`OPENED_CACHE`)."""
-        if len(self.engines) > 1:
-            self.routes[sid] = engine
-            self.routes.move_to_end(sid)
-            if len(self.routes) > OPENED_CACHE:
-                self.routes.popitem(last=False)
+        """Remember where ``sid`` runs (its slot of a fixed-size table: :mod:`.sidtable`)."""
+        if self.routes is not None and (at := self._index.get(engine)) is not None:
+            self.routes.put(sid, at)
 
     def sampling(self, req: ChatRequest, max_tokens: int) -> Sampling:
         """The engine's sampling parameters for ``req`` with a budget of ``max_tokens``."""
@@ -138,4 +137,4 @@ def build_answer(
     return Answer(text, tuple(calls), finish, stop_string, ids, lps, prompt_tokens, version, split.reasoning)
 
 
-__all__ = ["OPENED_CACHE", "Services", "build_answer"]
+__all__ = ["Services", "build_answer"]

@@ -1,0 +1,102 @@
+"""The gateway's tables of sessions it has seen take fixed memory (issue 28: memory per idle session).
+
+A gateway remembers per session that it opened it and which engine it last
+ran on; both were LRU dicts (~185 bytes a session each, up to 200,000
+sessions). :class:`~tracestore.gateway.sidtable.SidTable` is a fixed-size
+direct-mapped table of digests. The unit tests pin its semantics (a slot taken
+over forgets the other session; values; discard) and its memory; the gateway
+test runs real turns through a gateway in front of two engine URLs and checks
+that the route hint is where the router placed each session.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests._gateway import CliServer
+from tracestore import TraceStore
+from tracestore.gateway import GATEWAY, GatewayConfig, start_gateway
+from tracestore.gateway.sidtable import SLOTS, SidTable
+
+
+def test_membership_values_discard_and_a_slot_taken_over() -> None:
+    t = SidTable(slots=1024, values=True)
+    assert "a" not in t and t.get("a") is None and 3 not in t
+    t.put("a", 7)
+    t.add("b")
+    assert "a" in t and "b" in t and t.get("a") == 7
+    t.discard("a")
+    assert "a" not in t and t.get("a") is None and "b" in t
+    t.discard("never")  # nothing
+    one = SidTable(slots=1)  # every session takes the one slot: the last one keeps it
+    one.add("x")
+    one.add("y")
+    assert "y" in one and "x" not in one
+    with pytest.raises(TypeError, match="values=True"):
+        one.put("x", 1)
+    with pytest.raises(ValueError, match="power of two"):
+        SidTable(slots=1000)
+
+
+def test_its_memory_does_not_grow_with_the_sessions_an_lru_dict_did() -> None:
+    sids = [f"agent-{uuid.uuid4().hex}" for _ in range(50_000)]
+    tracemalloc.start()
+    try:
+        table = SidTable(values=True)
+        base = tracemalloc.get_traced_memory()[0]
+        for i, sid in enumerate(sids):
+            table.put(sid, i % 4)
+        grown = tracemalloc.get_traced_memory()[0] - base
+        lru: OrderedDict[str, None] = OrderedDict()
+        base = tracemalloc.get_traced_memory()[0]
+        for sid in sids:
+            lru[sid] = None
+        lru_grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert table.nbytes == SLOTS * 10
+    assert grown < 4096, grown  # nothing per session (the ids are the caller's)
+    assert lru_grown > 50_000 * 40, lru_grown  # what the dict took for the same ids
+    kept = sum(sid in table for sid in sids)
+    assert kept > 0.9 * len(sids), kept  # 50k sessions in 262k slots: ~9% share a slot
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[CliServer]:
+    e = CliServer("engine", "--port", "0", "--seed", "5").start()
+    yield e
+    e.stop()
+
+
+@pytest.mark.backends("valkey")
+def test_the_route_hint_is_where_the_router_placed_each_session(url: str, run_id: str, engine: CliServer) -> None:
+    # the same engine process under two names: the router places sessions on both
+    port = engine.url.rsplit(":", 1)[1]
+    names = (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
+    server = start_gateway(GatewayConfig(engines=names, url=url, run=run_id))
+    try:
+        services = server.app[GATEWAY].services
+        assert services.routes is not None and services.route_hint("nobody") is None
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        sids = [f"h-{i}-{uuid.uuid4().hex[:6]}" for i in range(8)]
+        for sid in sids:
+            client.chat.completions.create(
+                model="tracestore-reference", messages=[{"role": "user", "content": "reach 7 from 3"}],
+                max_tokens=4, extra_body={"session_id": sid},
+            )
+        store = TraceStore.connect(url, run=run_id)
+        try:
+            placed = store.router(list(names)).table(sids).routes
+        finally:
+            store.close()
+        assert {services.route_hint(sid) for sid in sids} <= set(names)
+        assert {sid: services.route_hint(sid) for sid in sids} == placed
+        assert all(sid in services.opened for sid in sids)
+    finally:
+        server.stop()
