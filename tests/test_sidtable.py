@@ -1,4 +1,4 @@
-"""The gateway's tables of sessions it has seen take fixed memory (issue 28: memory per idle session).
+"""What a gateway keeps per session and per turn takes fixed memory (issue 28: memory per idle session).
 
 A gateway remembers per session that it opened it and which engine it last
 ran on; both were LRU dicts (~185 bytes a session each, up to 200,000
@@ -6,7 +6,8 @@ sessions). :class:`~tracestore.gateway.sidtable.SidTable` is a fixed-size
 direct-mapped table of digests. The unit tests pin its semantics (a slot taken
 over forgets the other session; values; discard) and its memory; the gateway
 test runs real turns through a gateway in front of two engine URLs and checks
-that the route hint is where the router placed each session.
+that the route hint is where the router placed each session. The latency
+samples a gateway keeps for its reports (``Recent``) are rings of C doubles.
 """
 
 from __future__ import annotations
@@ -100,3 +101,28 @@ def test_the_route_hint_is_where_the_router_placed_each_session(url: str, run_id
         assert all(sid in services.opened for sid in sids)
     finally:
         server.stop()
+
+
+def test_recent_keeps_the_last_samples_in_a_ring_of_fixed_size() -> None:
+    from tracestore.gateway.metrics import Recent
+
+    r = Recent(keep=4)
+    assert r.pct("total", 0.5) is None
+    for x in (9.0, 8.0, 7.0, 6.0, 1.0, 2.0):  # the 9 and the 8 go: 7 6 1 2 are kept
+        r.add("total", x)
+    assert r.pct("total", 0.0) == 1.0 and r.pct("total", 0.99) == 7.0 and r.pct("total", 0.5) == 6.0
+    with pytest.raises(ValueError, match="positive"):
+        Recent(keep=0)
+    big = Recent()
+    tracemalloc.start()
+    try:
+        for i in range(20_000):  # past keep: the ring is full, a sample takes its slot
+            big.add("total", i * 1e-6)
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(20_000):
+            big.add("total", i * 1e-6)
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert grown < 1024, grown
+    assert big.pct("total", 0.0) == 10_000 * 1e-6  # the last 10,000 of 0..19,999
