@@ -369,3 +369,49 @@ def test_async_a_call_during_a_reconnect_waits_for_the_handshake(standalone_url:
 
     with CutProxy(host, int(port)) as proxy:
         arun(go(proxy))
+
+
+def test_async_a_connect_cut_short_by_a_cancelled_caller_is_started_again(standalone_url: str, arun: Any) -> None:
+    """The caller whose call reconnects the lane is cancelled while the handshake's replies are
+    still coming: the next call must not take the half-done connection as ready (its handshake's
+    replies unread, its ``SELECT`` maybe never sent) but connect afresh and get its own reply.
+    (redis-py 8 closes the socket of a cancelled connect itself; the lane does not rely on it:
+    the project allows redis-py from 5.2.)"""
+    from tests._netcut import CutProxy
+
+    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+
+    async def go(proxy: CutProxy) -> None:
+        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            lane_id = await lane.call(("CLIENT", "ID"))
+            assert await direct.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
+            proxy.hold_first_reply_s = 0.5  # the new connection's handshake is slow
+            first = asyncio.ensure_future(lane.call(("ECHO", "first")))
+            for _ in range(2000):  # until it reconnects: the lock held, the streams open
+                lock, conn = lane._lock, lane._conn  # noqa: SLF001
+                if lock is not None and lock.locked() and conn is not None and conn.is_connected and not lane._ready:  # noqa: SLF001
+                    break
+                await asyncio.sleep(0.002)
+            else:
+                raise AssertionError("the lane did not reconnect")
+            await asyncio.sleep(0.05)  # inside the held handshake
+            assert not first.done() and not lane._ready, (first, lane._conn)  # noqa: SLF001
+            first.cancel()  # mid-handshake
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert not lane._ready  # noqa: SLF001
+            proxy.hold_first_reply_s = 0.0
+            got = await asyncio.gather(*(lane.call(("ECHO", f"after-{i}")) for i in range(5)))
+            assert got == [f"after-{i}".encode() for i in range(5)]
+            assert await lane.call(("CLIENT", "ID")) not in (lane_id, None)
+            await _aturn(st, "s", "hello there", " hi")  # the store's scripts on the new connection
+        finally:
+            await st.close()
+            await direct.close()
+
+    with CutProxy(host, int(port)) as proxy:
+        arun(go(proxy))

@@ -155,7 +155,15 @@ class AsyncScriptLane:
                 self._conn, self._pid = conn, os.getpid()
             elif not (self._ready and conn.is_connected):
                 self._ready = False
-                await conn.connect()
+                if conn.is_connected:  # a connect cut short (its caller cancelled): its handshake's
+                    await conn.disconnect(nowait=True)  # replies may be unread; start it again
+                try:
+                    await conn.connect()
+                except BaseException:
+                    # not left "connected" with its handshake half done (older redis-py closes
+                    # the socket on its own errors only, not on a cancellation)
+                    await conn.disconnect(nowait=True)
+                    raise
             self._ready = True
         return conn if getattr(conn, "_writer", None) is not None else None
 
@@ -196,7 +204,12 @@ class AsyncScriptLane:
         try:
             conn._writer.writelines(out)  # noqa: SLF001
         except Exception as exc:  # noqa: BLE001 - every waiting call learns of it
-            asyncio.ensure_future(self._fail(ConnectionError(f"writing to the script lane: {exc!r}")))
+            asyncio.ensure_future(self._fail_gen(gen, ConnectionError(f"writing to the script lane: {exc!r}")))
+
+    async def _fail_gen(self, gen: int, exc: BaseException) -> None:
+        """:meth:`_fail`, unless the connection failed (and was replaced) since generation ``gen``."""
+        if gen == self._gen:
+            await self._fail(exc)
 
     async def _read(self, conn: Any, waiting: _Waiting) -> None:
         buffered = _buffered_replies(conn)
