@@ -66,8 +66,9 @@ class Services:
             self.routes = SidTable(values=True)
 
     async def open_once(self, sid: str, owner: str) -> None:
-        """Open the session for ``owner`` the first time this process records a turn of it (a
-        request refused earlier opens nothing; an open session is left as it is)."""
+        """Open the session for ``owner`` the first time this process records a turn of it, or
+        again once :attr:`opened` forgot it (a request refused earlier opens nothing; an open
+        session is left as it is: ``SessionExists`` is ignored)."""
         if sid in self.opened:
             return
         try:
