@@ -488,6 +488,32 @@ def test_a_paths_ids_json_is_kept_per_buffer_and_each_turn_writes_only_its_new_i
     assert small.nbytes <= 100
 
 
+def test_an_engine_calls_body_joins_the_kept_ids_text_into_the_json_of_the_rest() -> None:
+    """``json_body``: the body of both engines' calls parses to the very object orjson would have
+    written, for a stored path's ids (the kept text joined in), a list, an empty path and no other
+    field; the SGLang and vLLM payloads name the ids' field their engine reads."""
+    import orjson
+
+    from tracestore.gateway.engines.base import EngineRequest, Sampling, extend_ids, json_body
+    from tracestore.gateway.engines.sglang import SGLangEngine
+    from tracestore.gateway.engines.vllm import VLLMEngine
+    from tracestore.traces import TokenIds
+
+    rest = {"rid": "r-1", "sampling_params": {"max_new_tokens": 8, "stop": ["\u00e9\n"]}, "stream": False}
+    path = extend_ids(TokenIds(range(300)), [5, 6, 7])
+    for ids in (path, list(path), TokenIds(), [], (1, 2)):
+        for fields in (rest, {}):
+            body = json_body("input_ids", ids, fields)
+            assert orjson.loads(body) == {"input_ids": list(ids), **fields}, (type(ids), fields)
+    sampling = Sampling(max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=(2,), stop=("x",))
+    req = EngineRequest(input_ids=path, sampling=sampling, rid="r-2")
+    sg = orjson.loads(SGLangEngine.payload(req, stream=True))
+    assert sg["input_ids"] == list(path) and sg["rid"] == "r-2" and sg["stream"] is True
+    assert sg["sampling_params"]["max_new_tokens"] == 8 and sg["sampling_params"]["stop"] == ["x"]
+    vl = orjson.loads(VLLMEngine.payload(req))
+    assert vl["prompt"] == list(path) and vl["request_id"] == "r-2" and vl["stop_token_ids"] == [2]
+
+
 def test_the_kept_id_texts_take_about_their_length_in_memory() -> None:
     """The texts ``_SentIds`` keeps are bounded by their length (``nbytes``), so they must take about
     that much memory: orjson's own bytes keep the capacity it reserved (3-5x the length of an id

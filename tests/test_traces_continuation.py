@@ -473,3 +473,36 @@ def test_recorders_alternate_and_survive_a_reopen(store_factory: Callable[..., T
     stores[1].drop_session_data(sid)
     stores[1].redis.delete(stores[1].keys.dead(sid))
     conversation(5)  # same first message shape, other answers: nothing of the old epoch may leak
+
+
+def test_base_for_compares_a_text_once_and_answers_each_text_by_its_own_compare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn asks ``base_for`` of its key twice (the digest, then the lookup): the second answer
+    is the first one's, without comparing the history again; any other text or continuation is
+    compared afresh (an equal but distinct string too), and each gets its own answer."""
+    from tracestore.traces import continuation as c
+    from tracestore.traces.continuation import Checkpoint
+    from tracestore.traces.types import Node
+
+    calls: list[int] = []
+    real = c._starts_with
+
+    def counted(text: str, pieces: tuple[str, ...], end: int) -> bool:
+        calls.append(end)
+        return real(text, pieces, end)
+
+    monkeypatch.setattr(c, "_starts_with", counted)
+    prompt, response = SYS + U1, R1
+    a = Checkpoint(Node("a" * 16, None, len(prompt), 3, 0, 1, None), None, TokenIds([1, 2, 3]))
+    b = Checkpoint(Node("b" * 16, "a" * 16, len(prompt + response), 1, 0, 1, None), None, TokenIds([1, 2, 3, 4]))
+    cont = Continuation("e1", (prompt, response), (a, b))
+    later = prompt + response + "<|user|>and 3+3?<|end|>"
+    assert cont.base_for(later) is b and len(calls) == 1
+    assert cont.base_for(later) is b and len(calls) == 1  # the same text again: no compare
+    edited = prompt + "5<|end|>"
+    assert cont.base_for(edited) is a and len(calls) == 3  # the deepest fails, then its parent
+    twin = "".join([later[:5], later[5:]])  # equal, another object: compared, same answer
+    assert twin is not later and cont.base_for(twin) is b and len(calls) == 4
+    other = Continuation("e2", (prompt, response), (a, b))
+    assert other.base_for(twin) is b and len(calls) == 5  # another continuation: compared
+    assert cont.base_for("nothing in common") is None and len(calls) == 7
+    assert cont.base_for("nothing in common") is None and len(calls) == 7

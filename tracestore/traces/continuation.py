@@ -53,17 +53,29 @@ class Continuation(NamedTuple):
     checkpoints: tuple[Checkpoint, ...]
 
     def base_for(self, text: str) -> Checkpoint | None:
-        """The deepest checkpoint whose key is a prefix of ``text`` (text compares only)."""
+        """The deepest checkpoint whose key is a prefix of ``text`` (text compares only; the last
+        answer is kept, since a turn asks it twice of one key: its digest, then its lookup)."""
+        global _LAST
+        last = _LAST
+        if last[0] is self and last[1] is text:  # both immutable: the same answer
+            return last[2]
+        found = None
         for cp in self.checkpoints[::-1]:
             if _starts_with(text, self.pieces, cp.node.end):
-                return cp
-        return None
+                found = cp
+                break
+        _LAST = (self, text, found)
+        return found
 
     @property
     def nbytes(self) -> int:
         """Approximate memory held (its size in the node cache)."""
         ids = max((len(cp.ids) for cp in self.checkpoints), default=0)
         return 200 * (1 + len(self.checkpoints)) + sum(map(len, self.pieces)) + 4 * ids
+
+
+#: :meth:`Continuation.base_for`'s last (continuation, text, answer): one tuple, replaced whole.
+_LAST: tuple[Any, Any, Checkpoint | None] = (None, None, None)
 
 
 def _starts_with(text: str, pieces: tuple[str, ...], end: int) -> bool:

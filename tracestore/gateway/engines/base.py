@@ -314,7 +314,8 @@ class _SentIds:
         more = orjson.dumps(np.frombuffer(buf[count:n], dtype=np.int32), option=JSON_OPTS)  # a copy of the new ids
         # kept: an exact-size copy (orjson's own bytes keep the capacity it reserved, 3-10x their
         # length for an id array: kept as they are, 8.6 MB of texts took ~90 MB)
-        out = memoryview(more).tobytes() if count == 0 else text[:-1] + b"," + more[1:]
+        # (one copy of the kept text: ``text[:-1] + b"," + more[1:]`` made three, ~0.2 MB each at 32k)
+        out = memoryview(more).tobytes() if count == 0 else b"".join((memoryview(text)[:-1], b",", memoryview(more)[1:]))
         self._drop(key, got[0] if got is not None else None)
         if len(out) <= self.max_bytes:
             ref = got[0] if got is not None else weakref.ref(buf, functools.partial(self._drop, key))
@@ -356,6 +357,19 @@ def ids_json(ids: Sequence[int]) -> Any:
 JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
+def json_body(ids_field: str, ids: Sequence[int], rest: dict[str, Any]) -> bytes:
+    """``{ids_field: ids, **rest}`` as the JSON bytes of an engine call (:data:`JSON_OPTS`).
+
+    A stored path's ids (``TokenIds``) go in as :func:`ids_json`'s kept text, joined in one copy:
+    orjson copies a ``Fragment`` into a buffer it grows by copies, and the text of a 32k context
+    is ~0.2 MB. Other ids are dumped with ``rest``."""
+    if not isinstance(ids, TokenIds):
+        return orjson.dumps({ids_field: ids_json(ids), **rest}, option=JSON_OPTS)
+    text = _SENT.text(*ids.shared())
+    tail = orjson.dumps(rest, option=JSON_OPTS)  # b"{...}"
+    return b"".join((b'{"%s":' % ids_field.encode(), text, b"," if len(tail) > 2 else b"", memoryview(tail)[1:]))
+
+
 def extend_ids(ids: Sequence[int], more: Sequence[int]) -> Sequence[int]:
     """``ids`` followed by ``more``: a stored path's ``TokenIds`` extended in O(len(more)) (no
     Python int per id of the path), anything else as a new list."""
@@ -386,5 +400,6 @@ __all__ = [
     "engine_class",
     "extend_ids",
     "ids_json",
+    "json_body",
     "register",
 ]

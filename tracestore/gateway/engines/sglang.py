@@ -33,14 +33,13 @@ import aiohttp
 import orjson
 
 from .base import (
-    JSON_OPTS,
     Chunk,
     EngineInfo,
     EngineLost,
     EngineOutput,
     EngineRejected,
     EngineRequest,
-    ids_json,
+    json_body,
     register,
 )
 from .http import EngineHTTP, detail, gone, json_object, post, probe, sse_events
@@ -80,17 +79,14 @@ class SGLangEngine:
             sp["ignore_eos"] = True
         if s.seed is not None:
             sp["sampling_seed"] = s.seed
-        return orjson.dumps(
-            {
-                "rid": req.rid,
-                "input_ids": ids_json(req.input_ids),
-                "sampling_params": sp,
-                "return_logprob": True,
-                "return_routed_experts": req.routed_experts,
-                "stream": stream,
-            },
-            option=JSON_OPTS,
-        )
+        rest = {
+            "rid": req.rid,
+            "sampling_params": sp,
+            "return_logprob": True,
+            "return_routed_experts": req.routed_experts,
+            "stream": stream,
+        }
+        return json_body("input_ids", req.input_ids, rest)
 
     @staticmethod
     def chunk(reply: dict[str, Any]) -> Chunk:

@@ -54,17 +54,15 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import aiohttp
-import orjson
 
 from .base import (
-    JSON_OPTS,
     Chunk,
     EngineInfo,
     EngineLost,
     EngineOutput,
     EngineRejected,
     EngineRequest,
-    ids_json,
+    json_body,
     register,
 )
 from .http import EngineHTTP, detail, json_object, post, probe, sse_events
@@ -108,7 +106,6 @@ class VLLMEngine:
         """The JSON body of a streamed ``/v1/completions`` call."""
         s = req.sampling
         body: dict[str, Any] = {
-            "prompt": ids_json(req.input_ids),
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
@@ -126,7 +123,7 @@ class VLLMEngine:
             body["stop"] = list(s.stop)
         if s.seed is not None:
             body["seed"] = s.seed
-        return orjson.dumps(body, option=JSON_OPTS)
+        return json_body("prompt", req.input_ids, body)
 
     def chunk(self, data: bytes, last_id: int | None) -> Chunk | None:
         """One SSE payload as a :class:`Chunk` (None for a chunk without a choice: the usage).

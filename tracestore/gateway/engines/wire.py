@@ -238,8 +238,10 @@ class EngineHTTP:
         self, conn: _Conn, path: str, body: bytes, timeout: aiohttp.ClientTimeout, deadline: float | None
     ) -> Reply:
         conn.headers_done = asyncio.get_running_loop().create_future()
-        conn.transport.write(
-            b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % ((self.prefix + path).encode(), self._head, len(body), body)
+        # the head and the body in one call, not one bytes made of both (a copy of a 32k context's
+        # ~0.2 MB of ids: uvloop writes the two with one writev; asyncio's own loop joins them)
+        conn.transport.writelines(
+            (b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % ((self.prefix + path).encode(), self._head, len(body)), body)
         )
         wait = timeout.sock_read or None
         if deadline is not None:
