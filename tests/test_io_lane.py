@@ -329,6 +329,22 @@ def test_sync_cluster_scripts_take_a_lane_per_primary_and_a_moved_reply_goes_the
     assert all(conns[n] not in pools[n]._in_use_connections for n in lanes)  # noqa: SLF001 - given back
 
 
+async def _reconnecting_slowly(lane: AsyncScriptLane, direct: Any, proxy: Any) -> tuple[Any, asyncio.Future[Any]]:
+    """Kill the lane's connection, hold the new one's first reply (its handshake) for 0.5 s at
+    ``proxy``, and send a call: (the old connection's id, that call) once the call is reconnecting,
+    mid-handshake (the lane's lock held, the socket open, the lane not ready)."""
+    lane_id = await lane.call(("CLIENT", "ID"))
+    assert await direct.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
+    proxy.hold_first_reply_s = 0.5
+    first = asyncio.ensure_future(lane.call(("ECHO", "first")))
+    for _ in range(2000):
+        lock, conn = lane._lock, lane._conn  # noqa: SLF001
+        if lock is not None and lock.locked() and conn is not None and conn.is_connected and not lane._ready:  # noqa: SLF001
+            return lane_id, first
+        await asyncio.sleep(0.002)
+    raise AssertionError("the lane did not reconnect")
+
+
 def test_async_a_call_during_a_reconnect_waits_for_the_handshake(standalone_url: str, arun: Any) -> None:
     """A connection being reconnected reads its handshake's replies (CLIENT SETINFO's OKs) while
     redis-py already counts it connected: a call arriving then must not send on it, or the lane's
@@ -345,18 +361,8 @@ def test_async_a_call_during_a_reconnect_waits_for_the_handshake(standalone_url:
         try:
             lane = st._io._lane  # noqa: SLF001
             assert isinstance(lane, AsyncScriptLane)
-            lane_id = await lane.call(("CLIENT", "ID"))
             failures = lane._gen  # noqa: SLF001
-            assert await direct.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
-            proxy.hold_first_reply_s = 0.5  # the new connection's handshake is slow
-            first = asyncio.ensure_future(lane.call(("ECHO", "first")))
-            for _ in range(2000):  # until the first call reconnects: the lock held, the streams open
-                lock, conn = lane._lock, lane._conn  # noqa: SLF001
-                if lock is not None and lock.locked() and conn is not None and conn.is_connected:
-                    break
-                await asyncio.sleep(0.002)
-            else:
-                raise AssertionError("the lane did not reconnect")
+            lane_id, first = await _reconnecting_slowly(lane, direct, proxy)
             got = await asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(5)))
             assert got == [f"during-{i}".encode() for i in range(5)]
             assert await first == b"first"
@@ -387,17 +393,7 @@ def test_async_a_connect_cut_short_by_a_cancelled_caller_is_started_again(standa
         try:
             lane = st._io._lane  # noqa: SLF001
             assert isinstance(lane, AsyncScriptLane)
-            lane_id = await lane.call(("CLIENT", "ID"))
-            assert await direct.redis.execute_command("CLIENT", "KILL", "ID", lane_id) == 1
-            proxy.hold_first_reply_s = 0.5  # the new connection's handshake is slow
-            first = asyncio.ensure_future(lane.call(("ECHO", "first")))
-            for _ in range(2000):  # until it reconnects: the lock held, the streams open
-                lock, conn = lane._lock, lane._conn  # noqa: SLF001
-                if lock is not None and lock.locked() and conn is not None and conn.is_connected and not lane._ready:  # noqa: SLF001
-                    break
-                await asyncio.sleep(0.002)
-            else:
-                raise AssertionError("the lane did not reconnect")
+            lane_id, first = await _reconnecting_slowly(lane, direct, proxy)
             await asyncio.sleep(0.05)  # inside the held handshake
             assert not first.done() and not lane._ready, (first, lane._conn)  # noqa: SLF001
             first.cancel()  # mid-handshake

@@ -13,14 +13,15 @@ one is kept), in sets of :data:`WAYS` slots: a session's digest picks its set,
 and a session new to a full set takes the slot of the set's oldest. So a
 session is forgotten only when :data:`WAYS` newer ones arrived in its set:
 sessions in use at once keep their slots until they are many (10,000 in
-65,536 sets: about 1 in 10^6 sets has more than 4; 50,000: ~1 in 1,300),
+65,536 sets: about 1 set in 1.6 million has more than 4; 50,000: ~1 in 900),
 and past that the table forgets at random as a full LRU forgot its oldest
 (direct-mapped, one slot per digest, two sessions in use in one slot forgot
-each other every turn: ~4% of 10,000 sessions). Both uses only lose a round
-trip by it (an open of an open session is a no-op; an unknown route is only
-a missing hint: the lease then names no engine, as on a session's first turn). Two ids share a digest with probability 2^-64 (Python's
-SipHash of the string, keyed per process): the table then answers for the
-other.
+each other every turn: ~4% of 10,000 sessions shared a slot). Both uses
+only lose a round trip by it (an open of an open session is a no-op; an
+unknown route is only a missing hint: the lease then names no engine, as on
+a session's first turn). Two ids share a digest with probability 2^-64
+(Python's SipHash of the string, keyed per process): the table then answers
+for the other.
 """
 
 from __future__ import annotations

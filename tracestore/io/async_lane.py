@@ -155,13 +155,12 @@ class AsyncScriptLane:
                 self._conn, self._pid = conn, os.getpid()
             elif not (self._ready and conn.is_connected):
                 self._ready = False
-                if conn.is_connected:  # a connect cut short (its caller cancelled): its handshake's
-                    await conn.disconnect(nowait=True)  # replies may be unread; start it again
                 try:
                     await conn.connect()
                 except BaseException:
-                    # not left "connected" with its handshake half done (older redis-py closes
-                    # the socket on its own errors only, not on a cancellation)
+                    # a connect cut short (its caller cancelled) is not left "connected" with its
+                    # handshake's replies unread: the next call connects afresh (the lane does not
+                    # rely on redis-py closing it)
                     await conn.disconnect(nowait=True)
                     raise
             self._ready = True
