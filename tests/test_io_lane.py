@@ -377,6 +377,44 @@ def test_async_a_call_during_a_reconnect_waits_for_the_handshake(standalone_url:
         arun(go(proxy))
 
 
+def test_async_calls_waiting_for_a_reconnect_go_out_together(standalone_url: str, arun: Any) -> None:
+    """The calls that arrive while the lane reconnects wake together when the handshake is over
+    and go out in one write, each with its own reply (waiting on the lock, each woke the next
+    after its own turn: one write per loop iteration, ~20 writes for these 40 calls)."""
+    from tests._netcut import CutProxy
+
+    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+
+    async def go(proxy: CutProxy) -> None:
+        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            _, first = await _reconnecting_slowly(lane, direct, proxy)
+            writer = lane._conn._writer  # noqa: SLF001 - the new connection's, mid-handshake
+            writes = []
+            write = writer.writelines
+
+            def counted(data: Any) -> None:
+                writes.append(b"".join(map(bytes, data)))
+                write(data)
+
+            writer.writelines = counted
+            got = await asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(40)))
+            assert got == [f"during-{i}".encode() for i in range(40)]
+            assert await first == b"first"
+            ours = [w for w in writes if b"during-" in w]
+            assert len(ours) == 1, [w.count(b"during-") for w in ours]
+            assert ours[0].count(b"during-") == 40
+        finally:
+            await st.close()
+            await direct.close()
+
+    with CutProxy(host, int(port)) as proxy:
+        arun(go(proxy))
+
+
 def test_async_a_connect_cut_short_by_a_cancelled_caller_is_started_again(standalone_url: str, arun: Any) -> None:
     """The caller whose call reconnects the lane is cancelled while the handshake's replies are
     still coming: the next call must not take the half-done connection as ready (its handshake's
