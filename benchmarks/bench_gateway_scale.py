@@ -41,7 +41,11 @@ Figures per set-up (store x engine shape x gateways x size):
   first failed turn (its remaining turns are counted as skipped).
 * **RSS per idle session**: the gateways' RSS (``VmRSS``) 2 s after the closed pass (every
   session idle) minus before it, over N. A warm-up (512 sessions x 2 turns) runs first, so the
-  buffers of 512 requests in flight are already counted in "before".
+  buffers of 512 requests in flight are already counted in "before". The 10,000-session pass
+  runs twice (new sessions each time): the first also pays one-time growth (the node cache, at its
+  bound since the 1,000 x 20 pass, changes from a few large entries to many small ones; the kept
+  id texts of ``engines/base.py`` grow toward theirs), the second is the cost of one more idle
+  session with every bounded structure full, and is the figure the goal reads (both are reported).
 * **store**: ``INFO memory`` ``used_memory`` delta (all primaries) per session, and ``INFO
   commandstats`` calls per turn: every command, those the Lua scripts run included (commandstats
   counts them), the gateways' background reads (the seal watcher, heartbeats) too, the driver's
@@ -94,7 +98,7 @@ from benchmarks.profile_parts import aggregate_file
 from tracestore.servers import EmbeddedServer, LocalCluster
 
 INFLIGHT = 512
-SIZES_FULL = ((1000, 3), (1000, 20), (10000, 3))
+SIZES_FULL = ((1000, 3), (1000, 20), (10000, 3), (10000, 3))  # 10k twice: see RSS per idle session
 SIZES_QUICK = ((200, 3),)
 SETUPS_FULL = tuple((b, s, n) for b in ("embedded", "cluster") for s in ("sglang", "vllm") for n in (1, 2))
 SETUPS_QUICK = (("embedded", "sglang", 1), ("embedded", "sglang", 2))
@@ -414,15 +418,16 @@ def _setup(store: _Store, engine: _Proc, shape: str, n_gw: int, sizes: tuple[tup
     rows = []
     try:
         _warm(gws, docs)
-        for n, turns in sizes:
-            row: dict[str, Any] = {"store": store.kind, "engine": shape, "gateways": n_gw}
-            row.update(_size(store, gws, engine, docs, n, turns, paced, f"{run_id}-{n}x{turns}"))
+        for i, (n, turns) in enumerate(sizes):
+            again = sizes[:i].count((n, turns))  # a size run again: its "pass" (0 the first)
+            row: dict[str, Any] = {"store": store.kind, "engine": shape, "gateways": n_gw, "pass": again}
+            row.update(_size(store, gws, engine, docs, n, turns, paced, f"{run_id}-{n}x{turns}-{again}"))
             if row["errors_total"]:
                 row["gateway_log_tail"] = [ln for g in gws for ln in g.proc.lines[-5:]]
             rows.append(row)
             lc, lp = row["latency_closed"], row["latency_paced"]
             print(
-                f"   {store.kind:8} {shape:6} {n_gw} gw {n:>5} x {turns:<2}: {row['turns_per_s']:7.1f} turns/s, gateway CPU "
+                f"   {store.kind:8} {shape:6} {n_gw} gw {n:>5} x {turns:<2}{' again' if again else ''}: {row['turns_per_s']:7.1f} turns/s, gateway CPU "
                 f"{row['cpu_ms_per_turn']['gateways']:.3f} ms/turn (driver {row['driver_core_share']:.2f} core), latency closed "
                 f"p50/p99 {lc.get('p50_ms')}/{lc.get('p99_ms')} ms, paced p50/p99 {lp.get('p50_ms')}/{lp.get('p99_ms')} ms, "
                 f"errors {row['errors_total']}, RSS/idle session {row['gateway_rss_per_idle_session_bytes']:.0f} B, store "
@@ -470,14 +475,18 @@ def _goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if big:
         worst_p99 = max(r["latency_paced"].get("p99_ms", float("inf")) for r in big)
         errs = sum(r["errors_total"] for r in big)
-        rss = max(r["gateway_rss_per_idle_session_bytes"] for r in big)
+        last = max(r["pass"] for r in big)  # every bounded structure full by then (module docstring)
+        rss = max(r["gateway_rss_per_idle_session_bytes"] for r in big if r["pass"] == last)
+        first = max(r["gateway_rss_per_idle_session_bytes"] for r in big if r["pass"] == 0)
         out["10k_sessions_2_gateways_errors"] = {"value": errs, "goal": "0", "met": errs == 0}
         out["10k_sessions_2_gateways_paced_p99_ms"] = {"value": worst_p99, "goal": "<= 50", "met": worst_p99 <= 50}
         out["10k_sessions_2_gateways_rss_per_idle_session_b"] = {"value": rss, "goal": "<= 2048", "met": rss <= 2048}
+        out["10k_sessions_2_gateways_rss_per_idle_session_b"]["first_10k_pass"] = first
     if one:
         out["one_gateway_turns_per_s"] = {"value": max(one), "goal": ">= 2000", "met": max(one) >= 2000}
     for name, g in out.items():
-        print(f"   goal {name}: {g['value']} (goal {g['goal']}): {'met' if g['met'] else 'NOT met'}", flush=True)
+        extra = f" (first 10k pass: {g['first_10k_pass']})" if "first_10k_pass" in g else ""
+        print(f"   goal {name}: {g['value']}{extra} (goal {g['goal']}): {'met' if g['met'] else 'NOT met'}", flush=True)
     return out
 
 
