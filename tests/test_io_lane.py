@@ -415,6 +415,49 @@ def test_async_calls_waiting_for_a_reconnect_go_out_together(standalone_url: str
         arun(go(proxy))
 
 
+def test_async_calls_waiting_on_a_connect_cut_short_go_out_together_on_the_next(
+    standalone_url: str, arun: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller reconnecting the lane is cancelled mid-handshake while 40 calls wait for it:
+    one of them connects afresh, and all 40 go out in one write on the new connection, each
+    with its own reply (they queued on the lock again: ~20 writes)."""
+    from tests._netcut import CutProxy
+
+    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+    writes: list[bytes] = []
+    write = asyncio.StreamWriter.writelines
+
+    def counted(self: asyncio.StreamWriter, data: Any) -> None:
+        writes.append(b"".join(map(bytes, data)))
+        write(self, data)
+
+    async def go(proxy: CutProxy) -> None:
+        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            _, first = await _reconnecting_slowly(lane, direct, proxy)
+            monkeypatch.setattr(asyncio.StreamWriter, "writelines", counted)
+            waiting = asyncio.ensure_future(asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(40))))
+            await asyncio.sleep(0.05)  # all 40 wait for the handshake
+            assert not waiting.done() and not lane._ready  # noqa: SLF001
+            proxy.hold_first_reply_s = 0.0
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert await waiting == [f"during-{i}".encode() for i in range(40)]
+            ours = [w for w in writes if b"during-" in w]
+            assert len(ours) == 1, [w.count(b"during-") for w in ours]
+        finally:
+            monkeypatch.undo()
+            await st.close()
+            await direct.close()
+
+    with CutProxy(host, int(port)) as proxy:
+        arun(go(proxy))
+
+
 def test_async_a_connect_cut_short_by_a_cancelled_caller_is_started_again(standalone_url: str, arun: Any) -> None:
     """The caller whose call reconnects the lane is cancelled while the handshake's replies are
     still coming: the next call must not take the half-done connection as ready (its handshake's

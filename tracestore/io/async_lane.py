@@ -151,11 +151,11 @@ class AsyncScriptLane:
             return conn
         if self._lock is None or self._pid != os.getpid():
             self._lock, self._settled = asyncio.Lock(), None
-        settled = self._settled
-        if settled is not None and not settled.is_set() and self._lock.locked():
+        # (again after a connect that failed or was cancelled: the next one's waiters wake together too)
+        while (settled := self._settled) is not None and not settled.is_set() and self._lock.locked():
             await settled.wait()
             conn = self._conn
-            if conn is not None and self._ready and conn.is_connected:
+            if conn is not None and self._ready and self._pid == os.getpid() and conn.is_connected:
                 return conn if getattr(conn, "_writer", None) is not None else None
         async with self._lock:
             self._settled = settled = asyncio.Event()
