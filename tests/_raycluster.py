@@ -134,6 +134,24 @@ def freeze_in_flight(
     raise AssertionError(f"{worker} never held a lease on a session of its own tag")
 
 
+def remove_frozen_node(cluster: Any, node: Any) -> None:
+    """Remove ``node`` of ``cluster`` after :func:`freeze_in_flight` stopped its processes.
+
+    Ray kills the raylet and its workers, but not the agents the raylet started (its dashboard
+    and runtime-env agents): stopped, they outlived every full run, orphaned. They are killed
+    here (SIGKILL ends a stopped process; a SIGTERM would wait for a SIGCONT).
+    """
+    procs = worker_processes(node)
+    cluster.remove_node(node, allow_graceful=False)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive, f"processes of the removed node still alive: {alive}"
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (the kernel's choice)."""
     with socket.socket() as s:

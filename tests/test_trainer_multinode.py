@@ -38,7 +38,7 @@ import pytest
 import ray
 from click.testing import CliRunner
 
-from tests._raycluster import Nodes, freeze_in_flight
+from tests._raycluster import Nodes, freeze_in_flight, remove_frozen_node
 from tests.test_trainer_e2e import FAST
 from tracestore import TraceStore
 from tracestore.cli import main as cli
@@ -281,7 +281,7 @@ def _lose_w0_mid_run(nodes: Nodes, cluster_url: str, tmp_path: Any) -> tuple[Rep
     def kill_node() -> None:  # while step 3 trains and the producer refills the buffer
         try:
             frozen["lease"], frozen["sid"] = freeze_in_flight(victim, cluster_url, cfg.run, "w0", settle_s=4.0)
-            nodes.cluster.remove_node(victim, allow_graceful=False)
+            remove_frozen_node(nodes.cluster, victim)
         except BaseException as exc:
             errors.append(exc)
 
