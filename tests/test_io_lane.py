@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -345,74 +345,84 @@ async def _reconnecting_slowly(lane: AsyncScriptLane, direct: Any, proxy: Any) -
     raise AssertionError("the lane did not reconnect")
 
 
+Body = Callable[[AsyncTraceStore, AsyncTraceStore, AsyncScriptLane, Any], Awaitable[None]]
+
+
+def _behind_proxy(standalone_url: str, arun: Any, body: Body) -> None:
+    """Run ``body(st, direct, lane, proxy)``: a store whose lane reaches the server through a
+    :class:`CutProxy` (that can hold the handshake), a store connected directly (to kill the
+    lane's connection), and the lane; both stores closed after it."""
+    from tests._netcut import CutProxy
+
+    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+
+    async def go(proxy: CutProxy) -> None:
+        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
+        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
+        try:
+            lane = st._io._lane  # noqa: SLF001
+            assert isinstance(lane, AsyncScriptLane)
+            await body(st, direct, lane, proxy)
+        finally:
+            await st.close()
+            await direct.close()
+
+    with CutProxy(host, int(port)) as proxy:
+        arun(go(proxy))
+
+
+def _writes_of_echoes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """From now on, the bytes of every stream write that carries an ``ECHO during-...`` call."""
+    writes: list[bytes] = []
+    write = asyncio.StreamWriter.writelines
+
+    def counted(self: asyncio.StreamWriter, data: Any) -> None:
+        out = b"".join(map(bytes, data))
+        if b"during-" in out:
+            writes.append(out)
+        write(self, data)
+
+    monkeypatch.setattr(asyncio.StreamWriter, "writelines", counted)
+    return writes
+
+
 def test_async_a_call_during_a_reconnect_waits_for_the_handshake(standalone_url: str, arun: Any) -> None:
     """A connection being reconnected reads its handshake's replies (CLIENT SETINFO's OKs) while
     redis-py already counts it connected: a call arriving then must not send on it, or the lane's
     reader takes the handshake's replies for its own (seen under load: ``open_session`` got
     ``OK``, a reply of another command; a reply of the right shape would have been taken
     silently)."""
-    from tests._netcut import CutProxy
 
-    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+    async def body(st: AsyncTraceStore, direct: AsyncTraceStore, lane: AsyncScriptLane, proxy: Any) -> None:
+        failures = lane._gen  # noqa: SLF001
+        lane_id, first = await _reconnecting_slowly(lane, direct, proxy)
+        got = await asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(5)))
+        assert got == [f"during-{i}".encode() for i in range(5)]
+        assert await first == b"first"
+        assert lane._gen == failures + 1  # noqa: SLF001 - the kill's failure, no other: one reader at a time
+        assert await lane.call(("CLIENT", "ID")) != lane_id
+        await _aturn(st, "s", "hello there", " hi")  # the store's scripts on the new connection
 
-    async def go(proxy: CutProxy) -> None:
-        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
-        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
-        try:
-            lane = st._io._lane  # noqa: SLF001
-            assert isinstance(lane, AsyncScriptLane)
-            failures = lane._gen  # noqa: SLF001
-            lane_id, first = await _reconnecting_slowly(lane, direct, proxy)
-            got = await asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(5)))
-            assert got == [f"during-{i}".encode() for i in range(5)]
-            assert await first == b"first"
-            assert lane._gen == failures + 1  # noqa: SLF001 - the kill's failure, no other: one reader at a time
-            assert await lane.call(("CLIENT", "ID")) != lane_id
-            await _aturn(st, "s", "hello there", " hi")  # the store's scripts on the new connection
-        finally:
-            await st.close()
-            await direct.close()
-
-    with CutProxy(host, int(port)) as proxy:
-        arun(go(proxy))
+    _behind_proxy(standalone_url, arun, body)
 
 
-def test_async_calls_waiting_for_a_reconnect_go_out_together(standalone_url: str, arun: Any) -> None:
+def test_async_calls_waiting_for_a_reconnect_go_out_together(
+    standalone_url: str, arun: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The calls that arrive while the lane reconnects wake together when the handshake is over
     and go out in one write, each with its own reply (waiting on the lock, each woke the next
     after its own turn: one write per loop iteration, ~20 writes for these 40 calls)."""
-    from tests._netcut import CutProxy
 
-    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+    async def body(st: AsyncTraceStore, direct: AsyncTraceStore, lane: AsyncScriptLane, proxy: Any) -> None:
+        _, first = await _reconnecting_slowly(lane, direct, proxy)
+        writes = _writes_of_echoes(monkeypatch)
+        got = await asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(40)))
+        assert got == [f"during-{i}".encode() for i in range(40)]
+        assert await first == b"first"
+        assert len(writes) == 1, [w.count(b"during-") for w in writes]
+        assert writes[0].count(b"during-") == 40
 
-    async def go(proxy: CutProxy) -> None:
-        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
-        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
-        try:
-            lane = st._io._lane  # noqa: SLF001
-            assert isinstance(lane, AsyncScriptLane)
-            _, first = await _reconnecting_slowly(lane, direct, proxy)
-            writer = lane._conn._writer  # noqa: SLF001 - the new connection's, mid-handshake
-            writes = []
-            write = writer.writelines
-
-            def counted(data: Any) -> None:
-                writes.append(b"".join(map(bytes, data)))
-                write(data)
-
-            writer.writelines = counted
-            got = await asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(40)))
-            assert got == [f"during-{i}".encode() for i in range(40)]
-            assert await first == b"first"
-            ours = [w for w in writes if b"during-" in w]
-            assert len(ours) == 1, [w.count(b"during-") for w in ours]
-            assert ours[0].count(b"during-") == 40
-        finally:
-            await st.close()
-            await direct.close()
-
-    with CutProxy(host, int(port)) as proxy:
-        arun(go(proxy))
+    _behind_proxy(standalone_url, arun, body)
 
 
 def test_async_calls_waiting_on_a_connect_cut_short_go_out_together_on_the_next(
@@ -421,41 +431,22 @@ def test_async_calls_waiting_on_a_connect_cut_short_go_out_together_on_the_next(
     """The caller reconnecting the lane is cancelled mid-handshake while 40 calls wait for it:
     one of them connects afresh, and all 40 go out in one write on the new connection, each
     with its own reply (they queued on the lock again: ~20 writes)."""
-    from tests._netcut import CutProxy
 
-    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
-    writes: list[bytes] = []
-    write = asyncio.StreamWriter.writelines
+    async def body(st: AsyncTraceStore, direct: AsyncTraceStore, lane: AsyncScriptLane, proxy: Any) -> None:
+        _, first = await _reconnecting_slowly(lane, direct, proxy)
+        writes = _writes_of_echoes(monkeypatch)
+        waiting = asyncio.ensure_future(asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(40))))
+        await asyncio.sleep(0.05)  # all 40 wait for the handshake
+        assert not waiting.done() and not lane._ready  # noqa: SLF001
+        proxy.hold_first_reply_s = 0.0
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await waiting == [f"during-{i}".encode() for i in range(40)]
+        assert len(writes) == 1, [w.count(b"during-") for w in writes]
+        assert writes[0].count(b"during-") == 40
 
-    def counted(self: asyncio.StreamWriter, data: Any) -> None:
-        writes.append(b"".join(map(bytes, data)))
-        write(self, data)
-
-    async def go(proxy: CutProxy) -> None:
-        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
-        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
-        try:
-            lane = st._io._lane  # noqa: SLF001
-            assert isinstance(lane, AsyncScriptLane)
-            _, first = await _reconnecting_slowly(lane, direct, proxy)
-            monkeypatch.setattr(asyncio.StreamWriter, "writelines", counted)
-            waiting = asyncio.ensure_future(asyncio.gather(*(lane.call(("ECHO", f"during-{i}")) for i in range(40))))
-            await asyncio.sleep(0.05)  # all 40 wait for the handshake
-            assert not waiting.done() and not lane._ready  # noqa: SLF001
-            proxy.hold_first_reply_s = 0.0
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
-            assert await waiting == [f"during-{i}".encode() for i in range(40)]
-            ours = [w for w in writes if b"during-" in w]
-            assert len(ours) == 1, [w.count(b"during-") for w in ours]
-        finally:
-            monkeypatch.undo()
-            await st.close()
-            await direct.close()
-
-    with CutProxy(host, int(port)) as proxy:
-        arun(go(proxy))
+    _behind_proxy(standalone_url, arun, body)
 
 
 def test_async_a_connect_cut_short_by_a_cancelled_caller_is_started_again(standalone_url: str, arun: Any) -> None:
@@ -464,31 +455,19 @@ def test_async_a_connect_cut_short_by_a_cancelled_caller_is_started_again(standa
     replies unread, its ``SELECT`` maybe never sent) but connect afresh and get its own reply.
     (redis-py 8 closes the socket of a cancelled connect itself; the lane does not rely on it:
     the project allows redis-py from 5.2.)"""
-    from tests._netcut import CutProxy
 
-    host, port = standalone_url.removeprefix("redis://").split("/")[0].split(":")
+    async def body(st: AsyncTraceStore, direct: AsyncTraceStore, lane: AsyncScriptLane, proxy: Any) -> None:
+        lane_id, first = await _reconnecting_slowly(lane, direct, proxy)
+        await asyncio.sleep(0.05)  # inside the held handshake
+        assert not first.done() and not lane._ready, (first, lane._conn)  # noqa: SLF001
+        first.cancel()  # mid-handshake
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert not lane._ready  # noqa: SLF001
+        proxy.hold_first_reply_s = 0.0
+        got = await asyncio.gather(*(lane.call(("ECHO", f"after-{i}")) for i in range(5)))
+        assert got == [f"after-{i}".encode() for i in range(5)]
+        assert await lane.call(("CLIENT", "ID")) not in (lane_id, None)
+        await _aturn(st, "s", "hello there", " hi")  # the store's scripts on the new connection
 
-    async def go(proxy: CutProxy) -> None:
-        st = await AsyncTraceStore.connect(proxy.url, run=f"lane-{uuid.uuid4().hex[:8]}")
-        direct = await AsyncTraceStore.connect(standalone_url, run="lane-kill")
-        try:
-            lane = st._io._lane  # noqa: SLF001
-            assert isinstance(lane, AsyncScriptLane)
-            lane_id, first = await _reconnecting_slowly(lane, direct, proxy)
-            await asyncio.sleep(0.05)  # inside the held handshake
-            assert not first.done() and not lane._ready, (first, lane._conn)  # noqa: SLF001
-            first.cancel()  # mid-handshake
-            with pytest.raises(asyncio.CancelledError):
-                await first
-            assert not lane._ready  # noqa: SLF001
-            proxy.hold_first_reply_s = 0.0
-            got = await asyncio.gather(*(lane.call(("ECHO", f"after-{i}")) for i in range(5)))
-            assert got == [f"after-{i}".encode() for i in range(5)]
-            assert await lane.call(("CLIENT", "ID")) not in (lane_id, None)
-            await _aturn(st, "s", "hello there", " hi")  # the store's scripts on the new connection
-        finally:
-            await st.close()
-            await direct.close()
-
-    with CutProxy(host, int(port)) as proxy:
-        arun(go(proxy))
+    _behind_proxy(standalone_url, arun, body)
