@@ -10,6 +10,8 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# worker processes of `make test` (pytest-xdist); PYTEST_WORKERS=0 runs the suite in one process
+PYTEST_WORKERS ?= 2
 
 .PHONY: install train demo test test-model-long fuzz lint bench clean
 
@@ -35,7 +37,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check tracestore trainer tests benchmarks
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 ## The trace model test's long random profile (not part of `make test`, which runs its
 ## fixed-seed profile): 3,000 random programs per backend, up to an hour; a failure prints

@@ -67,6 +67,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    # `make test` runs in pytest-xdist workers (``--dist loadgroup``): every test that starts Ray runs
+    # on one worker, one after another, so that two local Ray clusters never share the machine (each
+    # wants most of it, and a Ray CLI or ``address="auto"`` could find the other's); the rest is shared.
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in keep:
+            if item.get_closest_marker("ray") is not None:
+                item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
