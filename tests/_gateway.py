@@ -199,4 +199,16 @@ def lease_outcomes(st: TraceStore, sid: str) -> list[str | None]:
     return [o for _, _, o in sorted(recs, key=lambda x: (x[0], x[1]))]
 
 
-__all__ = ["CliServer", "Reply", "RunDump", "dump_run", "http", "lease_outcomes"]
+def settled_outcomes(st: TraceStore, sid: str, timeout_s: float = 30.0) -> list[str | None]:
+    """:func:`lease_outcomes` once none is unsettled (or after ``timeout_s``): a gateway settles
+    a completed turn's lease in the background after it answers, so right after the answer the
+    last lease may not be settled yet (seen under the load of a parallel suite)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = lease_outcomes(st, sid)
+        if None not in got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+__all__ = ["CliServer", "Reply", "RunDump", "dump_run", "http", "lease_outcomes", "settled_outcomes"]
