@@ -160,6 +160,8 @@ class _Tracestore:
         self.store = store
         self.rt = _RoundTrips(store)
         self.cpu = 0.0
+        #: (request, reply) bytes per call of its last block, read by its :class:`_Floor`
+        self.call_bytes = (64, 64)
 
     def turn(self, sid: str, t: _Turn, i: int) -> None:
         c0 = time.thread_time()
@@ -179,29 +181,26 @@ class _Floor:
     tracestore's sync client is built on), carrying as many bytes each way as tracestore's
     ``lookup`` + ``record_turn`` of the same block did, and no other work: no validation,
     hashing, packing, keys, cache or reply parsing. Its ``cpu`` is measured as
-    :class:`_Tracestore`'s is; ``size`` (request and reply bytes per call) is set from
-    tracestore's block just before this one runs it.
+    :class:`_Tracestore`'s is; the sizes are ``of``'s calls in the block it ran just before.
+    It has no export: the loop skips it in that phase.
     """
 
     name = "floor"
     ECHO = "return string.rep('x', tonumber(ARGV[2]))"
 
-    def __init__(self, r: Any) -> None:
+    def __init__(self, r: Any, of: _Tracestore) -> None:
         self.r = r
+        self.of = of
         self.sha = r.script_load(self.ECHO)
         self.cpu = 0.0
-        self.size = (64, 64)
 
     def turn(self, sid: str, t: _Turn, i: int) -> None:
-        sent, got = self.size
+        sent, got = self.of.call_bytes
         blob = b"x" * max(1, sent - 130)  # ~130 bytes of a request are its framing (EVALSHA, sha, lengths)
         c0 = time.thread_time()
         for _ in range(2):
             self.r.evalsha(self.sha, 0, blob, got)
         self.cpu += time.thread_time() - c0
-
-    def export(self, sid: str, key: str) -> int:
-        return -1
 
 
 class _Baseline:
@@ -279,7 +278,9 @@ def _run_side_by_side(
                     for sid, turns in chunks[ctx][j]:
                         if i < TURNS:
                             system.turn(sid, turns[i], i)
-                        elif not isinstance(system, _Floor):
+                        elif isinstance(system, _Floor):
+                            continue
+                        else:
                             last = turns[-1]
                             n = system.export(sid, last.prompt + last.response)
                             assert n == sum(len(t.delta) + len(t.out) for t in turns)
@@ -287,11 +288,9 @@ def _run_side_by_side(
                     now, usec_after = probe()
                     sent, got = now[0] - before[0] - info_cost[0], now[1] - before[1] - info_cost[1]
                     wire = sent + got
-                    if isinstance(system, _Tracestore):  # the floor of this block carries as many bytes
-                        for other in systems:
-                            if isinstance(other, _Floor):
-                                n_calls = 2 * len(chunks[ctx][j])
-                                other.size = (max(1, round(sent / n_calls)), max(1, round(got / n_calls)))
+                    if isinstance(system, _Tracestore):  # what its floor sends and gets next
+                        n_calls = 2 * len(chunks[ctx][j])
+                        system.call_bytes = (max(1, round(sent / n_calls)), max(1, round(got / n_calls)))
                     a = acc[ctx][system.name][phase]
                     a[0] += took
                     a[1] += len(chunks[ctx][j])
@@ -312,9 +311,11 @@ def _run_side_by_side(
                     "per_s": round(n / took, 1),
                 }
                 if name == "floor":
-                    if phase != "export":
-                        res[phase]["wire_bytes"] = round(wire / n, 1)
-                        res[phase]["client_cpu_us"] = round(1e6 * client / n, 1)
+                    if phase == "export":  # it exports nothing
+                        del res[phase]
+                        continue
+                    res[phase]["wire_bytes"] = round(wire / n, 1)
+                    res[phase]["client_cpu_us"] = round(1e6 * client / n, 1)
                 elif name == "tracestore":
                     res[phase]["wire_bytes"] = round(wire / n, 1)
                     res[phase]["round_trips"] = round(rts / n, 2)
@@ -405,6 +406,7 @@ def run(quick: bool) -> dict[str, Any]:
         "contexts": {},
     }
     server = EmbeddedServer().start()
+    floor_redis = redis.Redis.from_url(server.url)  # the floors' own connection
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         run_id = f"bench-{uuid.uuid4().hex[:6]}"
@@ -417,9 +419,10 @@ def run(quick: bool) -> dict[str, Any]:
             sessions = {f"c{context}-s{i}": _session(context, seed=i) for i in range(n)}
             # one client (session server) per context: each has its own node cache
             stores[context] = store = TraceStore.connect(server.url, run=run_id)
+            ts = _Tracestore(store)
             systems = [
-                _Tracestore(store),
-                _Floor(redis.Redis.from_url(server.url)),
+                ts,
+                _Floor(floor_redis, ts),
                 _Baseline("actor", SessionServerClient(actor)),
                 _Baseline("in_process_trie", SessionServerClient(TextTrieStore())),
             ]
@@ -469,6 +472,7 @@ def run(quick: bool) -> dict[str, Any]:
             )
             store.close()
     finally:
+        floor_redis.close()
         ray.shutdown()
         server.stop()
     c = figures["contexts"]
