@@ -160,6 +160,8 @@ USAGE_ERRORS: list[str] = [
     "train --mode fast --url redis://{standalone}",
     "train --agents sdk --url redis://{standalone}",
     "train --workers 0 --url redis://{standalone}",
+    "train --prompts-per-step 0 --url redis://{standalone}",
+    "train --group-size 1 --url redis://{standalone}",
     "train --durability-timeout 0 --url redis://{standalone}",
     "train --worker-resources GPU --url redis://{standalone}",
     "gateway --engine http://127.0.0.1:1 --url redis://{standalone} --run a/b",

@@ -24,7 +24,7 @@ CLI_OPTIONS = frozenset(
     {
         "mode", "agents", "steps", "url", "run", "out", "resume", "seed", "workers", "sync_every",
         "checkpoint_every", "ray_address", "placement", "worker_resources", "learner_resources",
-        "on_weight_update",
+        "on_weight_update", "prompts_per_step", "group_size", "gateways",
     }
 )
 _RESOURCE = re.compile(r"([A-Za-z_][A-Za-z0-9_.:-]*)=([0-9]*\.?[0-9]+)\Z")
@@ -63,6 +63,9 @@ class TrainConfig:
     workers: int = 2
     prompts_per_step: int = 4
     group_size: int = 8
+    #: With ``agents="http"``: session gateway processes the agents' sessions are spread over
+    #: (each session sticks to one; each gateway keeps its sessions' routed experts).
+    gateways: int = 1
     max_calls: int = 3
     max_new_tokens: int = 8
     lr: float = 2e-3
@@ -134,6 +137,7 @@ class TrainConfig:
             raise ConfigError(f"--steps must be at least 1, got {self.steps}")
         for name in (
             "workers",
+            "gateways",
             "prompts_per_step",
             "group_size",
             "max_calls",
@@ -147,7 +151,11 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{option_name(name)} must be at least 1, got {getattr(self, name)}")
         if self.group_size < 2:
-            raise ConfigError("group_size must be at least 2 (GRPO compares samples of a prompt)")
+            raise ConfigError(
+                f"{option_name('group_size')} must be at least 2 (GRPO compares samples of a prompt), got {self.group_size}"
+            )
+        if self.gateways > 1 and self.agents != "http":
+            raise ConfigError(f"--gateways {self.gateways} only applies with --agents http (local agents use none)")
         if self.placement not in PLACEMENTS:
             raise ConfigError(
                 f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}"

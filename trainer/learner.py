@@ -25,7 +25,7 @@ import torch
 
 from tracestore import GatePoisoned, Group, NotDrained, TraceStore
 
-from .actors import Handle, Workers, lower_priority, node_id
+from .actors import Workers, bulk_idle, lower_priority, node_id
 from .batch import Batch, BatchBuilder
 from .checkpoint import CheckpointState, load_model, write_checkpoint
 from .clock import Backoff, Stopwatch
@@ -59,18 +59,24 @@ class Learner:
     """A Ray actor (one thread)."""
 
     def __init__(
-        self, cfg: TrainConfig, workers: Workers, gateway: Handle | None = None, gateway_url: str | None = None
+        self,
+        cfg: TrainConfig,
+        workers: Workers,
+        gateways: Workers | None = None,
+        gateway_urls: dict[str, str] | None = None,
     ) -> None:
-        lower_priority()  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
+        lower_priority(idle=bulk_idle(cfg))  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
         self.cfg = cfg
-        # routed experts are borrowed from the workers, and from the gateway with --agents http
-        holders: Workers = {GATEWAY_HOLDER: gateway} if gateway is not None else {}
+        # routed experts are borrowed from the workers, and from the gateways with --agents http
+        holders: Workers = dict(gateways or {})
         set_determinism(cfg.seed)
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
         self.pool = WorkerPool(self.store, workers)
         self.store_time = Stopwatch()
         self.busy = Stopwatch()
-        self.evaluate = Evaluator(cfg, self.store, self.pool, self.store_time, gateway_url)
+        # evaluation samples go through the first gateway (their experts are not trained on)
+        eval_url = gateway_urls[GATEWAY_HOLDER] if gateway_urls else None
+        self.evaluate = Evaluator(cfg, self.store, self.pool, self.store_time, eval_url)
         self.batches = BatchBuilder(self.store, self.pool, self.store_time, holders)
         self.model = new_policy(TOK.vocab_size, seed=cfg.seed, max_len=256)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)

@@ -33,11 +33,11 @@ from tracestore.replay import claim_retry
 from tracestore.replay import put_many as rb_put_many
 from tracestore.scripts import Op, gather
 
-from .actors import Workers, lower_priority, node_id
+from .actors import Workers, bulk_idle, lower_priority, node_id
 from .clock import Backoff, Stopwatch
 from .config import TASK, TrainConfig
 from .dispatch import WorkerPool
-from .http_agents import GATEWAY_HOLDER, HttpStats
+from .http_agents import HttpStats, gateway_of
 from .sample import Sample, from_payload, group_status, to_payload
 from .task import make_problem
 
@@ -78,11 +78,13 @@ class ProducerStats:
 class Producer:
     """A Ray actor (two threads: :meth:`run_forever` and :meth:`stop` run at once)."""
 
-    def __init__(self, cfg: TrainConfig, workers: Workers, start_step: int, gateway_url: str | None = None) -> None:
-        lower_priority()  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
+    def __init__(
+        self, cfg: TrainConfig, workers: Workers, start_step: int, gateway_urls: dict[str, str] | None = None
+    ) -> None:
+        lower_priority(idle=bulk_idle(cfg))  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
         self.cfg = cfg
-        #: With --agents http: the session gateway the agents call (else workers run them).
-        self.gateway_url = gateway_url
+        #: With --agents http: the session gateways the agents call, by name (else workers run them).
+        self.gateway_urls = gateway_urls
         self.http = HttpStats()
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
         self.pool = WorkerPool(self.store, workers)
@@ -96,7 +98,7 @@ class Producer:
         self.store_time = Stopwatch()
         self.busy = Stopwatch()
         self._stop = threading.Event()
-        if gateway_url is None:  # every worker vouches for its own tag: when it dies, gc reclaims it
+        if gateway_urls is None:  # every worker vouches for its own tag: when it dies, gc reclaims it
             self.pool.gather(
                 {w: h.keep_alive.remote(self._rollout_tag(w), cfg.owner_ttl_s) for w, h in workers.items()}
             )
@@ -161,7 +163,7 @@ class Producer:
         ctx = self.store.context
         # the workers heartbeat their own tags (keep_alive): when one dies, gc reclaims its tag;
         # HTTP agents' sessions have no worker to vouch for them, so the producer does
-        tags = [self.tag, *([self._rollout_tag(HTTP)] if self.gateway_url is not None else [])]
+        tags = [self.tag, *([self._rollout_tag(HTTP)] if self.gateway_urls is not None else [])]
         with self.store_time():
             calls: list[Op[Any]] = [
                 heartbeat_many(ctx, tags, HEARTBEAT_TTL_S),
@@ -198,7 +200,7 @@ class Producer:
         calls that settle the workers' last leases and take the sessions back
         (for :meth:`_put` to run with the put: they share its first round trip).
         """
-        if self.gateway_url is not None:
+        if self.gateway_urls is not None:
             over_http, back_http = self._roll_out_http(samples, version)
             return over_http, set(), back_http
         with self.store_time():
@@ -218,17 +220,19 @@ class Producer:
     def _roll_out_http(self, samples: Sequence[Sample], version: int) -> tuple[dict[str, Sample], list[Op[Any]]]:
         """Run ``samples`` as HTTP agents through the gateway, owned by ``rollout:http.<nonce>`` meanwhile.
 
-        The gateway routes each session to an engine (sticky) and keeps its
-        routed experts, so the samples carry the gateway's holder as ``worker``.
+        Each session goes to one gateway, the same every step (``gateway_of``); the gateway
+        routes it to an engine (sticky) and keeps its routed experts, so the samples carry that
+        gateway's holder as ``worker``.
         Returns them and the transfer that takes them back (run by :meth:`_put`).
         """
         from .http_agents import run_over_http
 
-        assert self.gateway_url is not None
-        placed = [dataclasses.replace(s, worker=GATEWAY_HOLDER) for s in samples]
+        assert self.gateway_urls is not None
+        names = list(self.gateway_urls)
+        placed = [dataclasses.replace(s, worker=gateway_of(s.sid, names)) for s in samples]
         with self.store_time():
             self._hand_over(HTTP, placed, version)
-        out, seen = run_over_http(self.gateway_url, placed, self.cfg, self._rollout_tag(HTTP))
+        out, seen = run_over_http(self.gateway_urls, placed, self.cfg, self._rollout_tag(HTTP))
         self.http.add(seen)
         back: list[Op[Any]] = [transfer(self.store.context, [s.sid for s in out], self._rollout_tag(HTTP), self.tag)]
         return {s.sid: s for s in out}, back
@@ -332,7 +336,7 @@ class Producer:
             claimed=self.claimed,
             store_s=self.store_time.seconds,
             busy_s=self.busy.seconds,
-            http=self.http if self.gateway_url is not None else None,
+            http=self.http if self.gateway_urls is not None else None,
             lost_workers=tuple(self.pool.lost),
         )
 

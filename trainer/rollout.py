@@ -36,7 +36,7 @@ from tracestore.ray import HolderStats, RefHolder
 from tracestore.scripts import Op
 from tracestore.session import Request, Response
 
-from .actors import lower_priority, node_id, serve_host
+from .actors import bulk_idle, lower_priority, node_id, serve_host
 from .agent import NoReply, Outcome, Reply, TurnRequest, drive_many, play
 from .chat import render, strip_stop
 from .clock import Backoff, Stopwatch
@@ -408,7 +408,7 @@ class RolloutWorker:
     """A Ray actor (threaded: the learner borrows refs and pushes weights while it runs)."""
 
     def __init__(self, cfg: TrainConfig, name: str) -> None:
-        lower_priority()  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
+        lower_priority(idle=bulk_idle(cfg))  # bulk work: the gateway's event loop goes first (actors.BULK_NICENESS)
         self.cfg = cfg
         set_determinism(cfg.seed)
         self.store = TraceStore.connect(cfg.url, run=cfg.run)

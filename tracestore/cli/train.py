@@ -292,6 +292,26 @@ def train_options(f: Any) -> Any:
         click.option("--seed", type=int, default=None, help="Seed (default 0)."),
         click.option("--workers", type=int, default=None, help="Rollout workers (default 2)."),
         click.option(
+            "--prompts-per-step",
+            type=int,
+            default=None,
+            help="Prompts a step samples (default 4). With --agents http each turn reaches the "
+            "gateway as one burst of prompts x group size requests (docs/capacity.md).",
+        ),
+        click.option(
+            "--gateways",
+            type=int,
+            default=None,
+            help="With --agents http: session gateway processes (default 1). Each session sticks to "
+            "one; a step's burst of requests is split between them (docs/capacity.md).",
+        ),
+        click.option(
+            "--group-size",
+            type=int,
+            default=None,
+            help="Samples per prompt, the group GRPO compares (default 8, at least 2).",
+        ),
+        click.option(
             "--sync-every",
             type=int,
             default=None,
