@@ -27,7 +27,7 @@ install: $(STAMP)
 ## The main job on the embedded default server: a short run of the reference RL trainer,
 ## its agents calling a session gateway over HTTP with the openai SDK (--agents local: in process).
 train: $(STAMP)
-	$(VENV)/bin/tracestore train --agents http
+	$(VENV)/bin/tracestore train --agents http --gateways 2
 
 ## The scripted tour of every part, one table each.
 demo: $(STAMP)

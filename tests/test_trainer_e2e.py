@@ -122,15 +122,19 @@ def test_short_run_leaks_nothing(
         assert json.load(f) == json.loads(json.dumps(report.to_json()))
 
 
-@pytest.mark.parametrize(("server", "mode"), [("standalone", "disaggregated"), ("cluster", "colocated")])
+@pytest.mark.parametrize(
+    ("server", "mode", "gateways"), [("standalone", "disaggregated", 1), ("cluster", "colocated", 2)]
+)
 def test_http_agents_through_the_gateway_leak_nothing(
-    request: pytest.FixtureRequest, tmp_path: Any, server: str, mode: str
+    request: pytest.FixtureRequest, tmp_path: Any, server: str, mode: str, gateways: int
 ) -> None:
-    """--agents http: openai-SDK agents with tool calls, a gateway actor, engines on the workers."""
+    """--agents http: openai-SDK agents with tool calls, gateway actors (one, or two sharing the
+    sessions), engines on the workers."""
     url = request.getfixturevalue(f"{server}_url")
-    report = run(_cfg(url, str(tmp_path), mode, agents="http"))
+    report = run(_cfg(url, str(tmp_path), mode, agents="http", gateways=gateways))
     _check_nothing_leaked(report, url)
     assert report.agents == "http" and report.gate_cycles == 4
+    assert [r for r in report.placement if r.startswith("gateway")] == ["gateway", "gateway-1"][:gateways]
     # every turn went through the gateway (evaluation too), none was given up
     assert report.gateway_requests is not None and report.gateway_requests >= report.turns > 0
     assert report.agent_turns_given_up == 0 and report.gateway_410s == 0
@@ -302,6 +306,14 @@ def test_bad_configuration_is_refused_with_a_clear_message(tmp_path: Any) -> Non
     assert r.exit_code == 2 and "--run 'a/b' is not a run id" in r.output
     r = _cli("--sync-every", "0")
     assert r.exit_code == 2 and "--sync-every must be at least 1" in r.output
+    r = _cli("--prompts-per-step", "0")
+    assert r.exit_code == 2 and "--prompts-per-step must be at least 1, got 0" in r.output
+    r = _cli("--gateways", "2", "--agents", "local")
+    assert r.exit_code == 2 and "--gateways 2 only applies with --agents http" in r.output
+    r = _cli("--gateways", "0", "--agents", "http")
+    assert r.exit_code == 2 and "--gateways must be at least 1, got 0" in r.output
+    r = _cli("--group-size", "1")
+    assert r.exit_code == 2 and "--group-size must be at least 2 (GRPO compares samples of a prompt), got 1" in r.output
     r = _cli("--resume", "--out", str(tmp_path / "nothing"))
     assert r.exit_code == 2 and "no checkpoint" in r.output
     r = _cli("--on-weight-update", "drop")

@@ -5,6 +5,8 @@ Pure: the report is built from the roles' stats as the driver collects them.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tracestore import GateStatus
 from tracestore.ray import HolderStats
 from tracestore.trainer.config import TrainConfig
@@ -67,8 +69,6 @@ def test_store_time_outside_busy_blocks_never_makes_a_share_above_one() -> None:
 def test_the_gateway_overhead_is_reported_by_part() -> None:
     """With HTTP agents the report splits the gateway's own time (its p50 per part), gives the
     engine call's p50 and the event loop's time on a core and waiting for one; local agents: None."""
-    import dataclasses
-
     from tracestore.gateway.metrics import Metrics, Recent, Timing
     from tracestore.gateway.server import GatewayStats
     from tracestore.trainer.gateway_actor import GatewayActorStats
@@ -93,3 +93,45 @@ def test_the_gateway_overhead_is_reported_by_part() -> None:
     assert rows["gateway loop on a core / waiting for one (s)"] == "2 / 3"
     local = _report(_end((0.0, 1.0), (0.0, 1.0), (0.0, 1.0)), steps_done=20)
     assert local["gateway_overhead_parts_p50_ms"] is None and local["gateway_loop_run_s"] is None
+
+
+def test_the_stats_of_several_gateways_merge_into_one() -> None:
+    """--gateways N: counts, holders and the loops' times are summed; the p50s are those of the
+    gateway with the highest p50 overhead, the p99 the highest; one gateway is itself."""
+    from tracestore.gateway.server import GatewayStats
+    from tracestore.trainer.gateway_actor import GatewayActorStats, merged
+
+    def one(requests: int, p50: float, p99: float, refs: int) -> GatewayActorStats:
+        holder = HolderStats(sessions=refs, refs=refs, bytes=10 * refs, events=1, dropped=2, reconciles=0)
+        gw = GatewayStats(
+            requests, {"200": requests, "503": 1}, 0, p50, p99, 2 * p50, {"admit": p50 / 2}, loop_run_s=1.0, loop_wait_s=0.5
+        )
+        return GatewayActorStats(gw, holder, tokens_discarded=3, turns_continued=1)
+
+    a, b = one(100, 0.004, 0.050, 1), one(80, 0.006, 0.020, 2)
+    assert merged([]) is None and merged([a]) is a
+    m = merged([a, b])
+    assert m is not None
+    assert m.gateway.requests == 180 and m.gateway.by_status == {"200": 180, "503": 2}
+    assert m.gateway.overhead_p50_s == 0.006 and m.gateway.parts_p50_s == {"admit": 0.003}
+    assert m.gateway.total_p50_s == 0.012 and m.gateway.overhead_p99_s == 0.050
+    assert m.gateway.loop_run_s == 2.0 and m.gateway.loop_wait_s == 1.0
+    assert m.holder.refs == 3 and m.holder.bytes == 30 and m.holder.dropped == 4
+    assert m.tokens_discarded == 6 and m.turns_continued == 2
+    no_sched = dataclasses.replace(b, gateway=dataclasses.replace(b.gateway, loop_run_s=None, loop_wait_s=None))
+    m2 = merged([a, no_sched])
+    assert m2 is not None and m2.gateway.loop_run_s is None  # not a sum of what one could not read
+
+
+def test_each_session_sticks_to_one_gateway() -> None:
+    """The producer places a session on the same gateway every step (its experts are in that
+    gateway's holder); the names are gateway, gateway-1, ...; the sessions spread over all."""
+    from tracestore.trainer.http_agents import gateway_name, gateway_of
+
+    names = [gateway_name(i) for i in range(3)]
+    assert names == ["gateway", "gateway-1", "gateway-2"]
+    sids = [f"s-{i}" for i in range(300)]
+    placed = [gateway_of(s, names) for s in sids]
+    assert placed == [gateway_of(s, names) for s in sids]
+    assert all(placed.count(n) > 60 for n in names)
+    assert {gateway_of(s, names[:1]) for s in sids} == {"gateway"}

@@ -9,7 +9,9 @@ them with :meth:`GatewayActor.get_refs`, as it does from local workers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tracestore import TraceStore
@@ -42,15 +44,15 @@ def _counter(gw: Gateway, name: str, labels: dict[str, str]) -> int:
 class GatewayActor:
     """A Ray actor (threaded: the learner borrows refs while agents are served)."""
 
-    def __init__(self, cfg: TrainConfig, engines: list[str]) -> None:
+    def __init__(self, cfg: TrainConfig, engines: list[str], name: str = "gateway") -> None:
         self.store = TraceStore.connect(cfg.url, run=cfg.run)
-        self.holder = RefHolder(self.store, name="holder-gateway")
+        self.holder = RefHolder(self.store, name=f"holder-{name}")
         config = GatewayConfig(
             engines=tuple(engines),
             url=cfg.url,
             run=cfg.run,
-            owner="rollout:gateway",
-            name="gateway",
+            owner=f"rollout:{name}",
+            name=name,  # the holder of its leases: one per gateway process
             lease_ttl_s=cfg.lease_ttl_s,
             on_weight_update=cfg.on_weight_update,
             hold_timeout_s=cfg.hold_timeout_s,
@@ -86,3 +88,36 @@ class GatewayActor:
         self.server.stop()
         self.holder.close(destroy_group=True)
         self.store.close()
+
+
+def merged(stats: Sequence[GatewayActorStats]) -> GatewayActorStats | None:
+    """The stats of ``--gateways N`` as one (None: no gateway): counts and the loops' times summed;
+    the latency percentiles are those of the gateway whose p50 overhead is the highest (a
+    percentile of the union would need every sample), the p99 the highest of all."""
+    if len(stats) <= 1:
+        return stats[0] if stats else None
+    slow = max(stats, key=lambda s: s.gateway.overhead_p50_s or 0.0)
+    gws = [s.gateway for s in stats]
+
+    def total(xs: list[float | None]) -> float | None:
+        return None if any(x is None for x in xs) else sum(x for x in xs if x is not None)
+
+    p99s = [g.overhead_p99_s for g in gws if g.overhead_p99_s is not None]
+    gateway = GatewayStats(
+        requests=sum(g.requests for g in gws),
+        by_status=dict(sum((Counter(g.by_status) for g in gws), Counter())),
+        in_flight=sum(g.in_flight for g in gws),
+        overhead_p50_s=slow.gateway.overhead_p50_s,
+        overhead_p99_s=max(p99s) if p99s else None,
+        total_p50_s=slow.gateway.total_p50_s,
+        parts_p50_s=dict(slow.gateway.parts_p50_s),
+        loop_run_s=total([g.loop_run_s for g in gws]),
+        loop_wait_s=total([g.loop_wait_s for g in gws]),
+    )
+    holder = HolderStats(**{f.name: sum(getattr(s.holder, f.name) for s in stats) for f in fields(HolderStats)})
+    return GatewayActorStats(
+        gateway,
+        holder,
+        tokens_discarded=sum(s.tokens_discarded for s in stats),
+        turns_continued=sum(s.turns_continued for s in stats),
+    )

@@ -24,10 +24,12 @@ goes back to the buffer, as with local agents).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,18 @@ from .sample import Sample
 MODEL = "tracestore-reference"
 #: The name samples carry as ``worker`` when their routed experts are in the gateway's holder.
 GATEWAY_HOLDER = "gateway"
+
+
+def gateway_name(i: int) -> str:
+    """The name of the ``i``-th gateway of ``--gateways N`` (its holder's and its role's):
+    ``gateway``, then ``gateway-1``, ``gateway-2``..."""
+    return GATEWAY_HOLDER if i == 0 else f"{GATEWAY_HOLDER}-{i}"
+
+
+def gateway_of(sid: str, names: Sequence[str]) -> str:
+    """The gateway of ``names`` that serves session ``sid``: the same one every step (CRC-32 of the
+    id), so that every turn's routed experts are in the holder its sample names."""
+    return names[zlib.crc32(sid.encode()) % len(names)]
 @dataclass
 class HttpStats:
     """What the agents saw: requests sent, turns that came back, each turn's latency."""
@@ -112,27 +126,37 @@ async def _episode(client: Any, sample: Sample, cfg: TrainConfig, owner: str, te
 
 
 def run_over_http(
-    url: str, samples: Sequence[Sample], cfg: TrainConfig, owner: str, temperature: float = 1.0
+    url: str | Mapping[str, str], samples: Sequence[Sample], cfg: TrainConfig, owner: str, temperature: float = 1.0
 ) -> tuple[list[Sample], HttpStats]:
-    """Continue every sample through the gateway at ``url``, all at once; the samples and what was seen."""
+    """Continue every sample through the gateway at ``url``, all at once; the samples and what was seen.
+
+    ``url`` may map gateway names to URLs (``--gateways N``): each sample then goes to the
+    gateway its ``worker`` names.
+    """
     import openai
 
     stats = HttpStats()
+    urls = {"": url} if isinstance(url, str) else dict(url)
 
     async def main() -> list[Sample]:
         # aiohttp, not the SDK's default httpx transport: it writes a request's headers and body in
         # one send, where httpx yields to the loop between them (anyio's checkpoint after each
         # write), so the gateway's handler, started on the headers, waited for the other agents
         # of this loop to run before the body came (p50 15 ms counted in its own time, "parse")
-        async with (
-            openai.DefaultAioHttpClient() as http,
-            openai.AsyncOpenAI(
-                base_url=url + "/v1", api_key="unused", max_retries=cfg.http_retries, timeout=120, http_client=http
-            ) as client,
-        ):
-            return list(await asyncio.gather(*(_episode(client, s, cfg, owner, temperature, stats) for s in samples)))
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {}
+            for name, u in urls.items():
+                http = await stack.enter_async_context(openai.DefaultAioHttpClient())
+                clients[name] = await stack.enter_async_context(openai.AsyncOpenAI(
+                    base_url=u + "/v1", api_key="unused", max_retries=cfg.http_retries, timeout=120, http_client=http
+                ))
+            one = clients.get("")
+            return list(await asyncio.gather(*(
+                _episode(one if one is not None else clients[s.worker or ""], s, cfg, owner, temperature, stats)
+                for s in samples
+            )))
 
     return asyncio.run(main()), stats
 
 
-__all__ = ["CALC_TOOLS", "GATEWAY_HOLDER", "HttpStats", "run_over_http", "to_openai"]
+__all__ = ["CALC_TOOLS", "GATEWAY_HOLDER", "HttpStats", "gateway_name", "gateway_of", "run_over_http", "to_openai"]

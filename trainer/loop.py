@@ -16,7 +16,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import ray
@@ -298,17 +298,16 @@ def unreachable(cfg: TrainConfig) -> str | None:
 
 @dataclass(frozen=True)
 class Actors:
-    """The run's Ray actors (``gateway``: the session gateway, with ``--agents http``)."""
+    """The run's Ray actors (``gateways``: the session gateways by name, with ``--agents http``)."""
 
     workers: Workers
     learner: Handle
     producer: Handle
-    gateway: Handle | None = None
+    gateways: Workers = field(default_factory=dict)
 
     def all(self) -> list[Handle]:
         """Every actor, producer first."""
-        gw = [self.gateway] if self.gateway is not None else []
-        return [self.producer, self.learner, *gw, *self.workers.values()]
+        return [self.producer, self.learner, *self.gateways.values(), *self.workers.values()]
 
 
 class Driver:
@@ -396,17 +395,20 @@ class Driver:
         workers = {
             w: self._spawn(w, RolloutWorker, 3, p.worker_options(w), cfg, w) for w in p.workers
         }
-        gateway, url = None, None
-        if cfg.agents == "http":  # the workers serve engines; agents reach them through the gateway
+        gateways: Workers = {}
+        urls: dict[str, str] | None = None
+        if cfg.agents == "http":  # the workers serve engines; agents reach them through the gateways
             from .gateway_actor import GatewayActor
+            from .http_agents import gateway_name
 
             engines = ray.get([w.serve_http.remote() for w in workers.values()])
-            gateway = self._spawn("gateway", GatewayActor, 4, p.driver_options(), cfg, engines)
-            url = ray.get(gateway.url.remote())
-        learner = self._spawn("learner", Learner, 1, p.learner_options(), cfg, workers, gateway, url)
+            for name in map(gateway_name, range(cfg.gateways)):
+                gateways[name] = self._spawn(name, GatewayActor, 4, p.driver_options(), cfg, engines, name)
+            urls = dict(zip(gateways, ray.get([g.url.remote() for g in gateways.values()]), strict=True))
+        learner = self._spawn("learner", Learner, 1, p.learner_options(), cfg, workers, gateways, urls)
         first: int = ray.get(learner.init.remote(self.state))
-        producer = self._spawn("producer", Producer, 2, p.driver_options(), cfg, workers, first, url)
-        actors = Actors(workers, learner, producer, gateway)
+        producer = self._spawn("producer", Producer, 2, p.driver_options(), cfg, workers, first, urls)
+        actors = Actors(workers, learner, producer, gateways)
         self._locate(actors)
         return actors, first
 
@@ -421,9 +423,7 @@ class Driver:
         from .actors import alive_nodes
 
         labels = {n.id: n.label for n in alive_nodes()}
-        roles = {"producer": actors.producer, "learner": actors.learner, **actors.workers}
-        if actors.gateway is not None:
-            roles["gateway"] = actors.gateway
+        roles = {"producer": actors.producer, "learner": actors.learner, **actors.workers, **actors.gateways}
         ids = ray.get([h.node_id.remote() for h in roles.values()])
         self.placement = {role: labels.get(i, i[:8]) for role, i in zip(roles, ids, strict=True)}
 
@@ -464,7 +464,7 @@ class Driver:
         producer = ray.get(actors.producer.stats.remote())
         drained = drain_run(self.store)
         pool = WorkerPool(self.store, actors.workers)
-        workers, gateway, per_node = self._wait_for_holders(pool, actors.gateway)
+        workers, gateway, per_node = self._wait_for_holders(pool, actors.gateways)
         return EndState(
             counts=store_counts(self.store),
             gate=self.store.gate.status(),
@@ -481,10 +481,10 @@ class Driver:
         )
 
     def _wait_for_holders(
-        self, pool: WorkerPool, gateway: Handle | None
+        self, pool: WorkerPool, gateways: Workers
     ) -> tuple[list[WorkerStats], GatewayActorStats | None, dict[str, int]]:
-        """The live workers' (and the gateway's) stats once their holders hold no ref and every
-        node's object store is empty.
+        """The live workers' (and the gateways', merged) stats once their holders hold no ref and
+        every node's object store is empty.
 
         The holders drop refs as their event consumers see the releases, and
         the raylets' view of their object stores catches up within a few
@@ -495,7 +495,11 @@ class Driver:
         deadline = time.monotonic() + self.cfg.holder_drain_s
         while True:
             stats: list[WorkerStats] = list(pool.call("stats").values())
-            gw: GatewayActorStats | None = ray.get(gateway.stats.remote()) if gateway is not None else None
+            gw: GatewayActorStats | None = None
+            if gateways:
+                from .gateway_actor import merged
+
+                gw = merged(ray.get([g.stats.remote() for g in gateways.values()]))
             used = object_store_used_per_node()
             refs = sum(w.holder.refs for w in stats) + (gw.holder.refs if gw is not None else 0)
             if (refs == 0 and not any(used.values())) or time.monotonic() > deadline:
@@ -508,8 +512,7 @@ class Driver:
         The consumer groups of holders that died with their workers are
         removed here (nobody else would, until gc finds them idle).
         """
-        if actors.gateway is not None:  # before the engines it serves
-            ray.get(actors.gateway.close.remote())
+        ray.get([g.close.remote() for g in actors.gateways.values()])  # before the engines they serve
         WorkerPool(self.store, actors.workers).call("close")
         ray.get(actors.producer.close.remote())
         ray.get(actors.learner.close.remote())

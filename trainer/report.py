@@ -132,6 +132,9 @@ class Report:
     tokens_discarded: int
     turns_continued: int
     # HTTP agents (None with local agents)
+    #: Gateway processes (``--gateways``); with more than one, the p50s and parts below are
+    #: those of the gateway whose p50 overhead is the highest, the counts and times their sums.
+    gateways: int | None
     gateway_requests: int | None
     gateway_503s_retried: int | None
     gateway_410s: int | None
@@ -244,6 +247,7 @@ def build_report(
         tokens_generated=sum(w.tokens_generated for w in end.workers),
         tokens_discarded=sum(w.tokens_discarded for w in end.workers) + (gw.tokens_discarded if gw is not None else 0),
         turns_continued=sum(w.turns_continued for w in end.workers) + (gw.turns_continued if gw is not None else 0),
+        gateways=cfg.gateways if gw is not None else None,
         gateway_requests=gw.gateway.requests if gw is not None else None,
         gateway_503s_retried=(by_status.get("503", 0) - http.gave_up) if gw is not None and http is not None else None,
         gateway_410s=by_status.get("410", 0) if gw is not None else None,
@@ -333,6 +337,7 @@ REPORT_ROWS: list[tuple[str, str]] = [
     ("turns continued across a weight update", "turns_continued"),
     ("aborted groups claimed back", "aborted_groups_claimed"),
     ("agents", "agents"),
+    ("gateways", "gateways"),
     ("gateway requests", "gateway_requests"),
     ("gateway 503s retried by the SDK", "gateway_503s_retried"),
     ("gateway 410s", "gateway_410s"),
