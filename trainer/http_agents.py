@@ -53,6 +53,8 @@ def gateway_of(sid: str, names: Sequence[str]) -> str:
     """The gateway of ``names`` that serves session ``sid``: the same one every step (CRC-32 of the
     id), so that every turn's routed experts are in the holder its sample names."""
     return names[zlib.crc32(sid.encode()) % len(names)]
+
+
 @dataclass
 class HttpStats:
     """What the agents saw: requests sent, turns that came back, each turn's latency."""

@@ -299,17 +299,17 @@ def train_options(f: Any) -> Any:
             "gateway as one burst of prompts x group size requests (docs/capacity.md).",
         ),
         click.option(
+            "--group-size",
+            type=int,
+            default=None,
+            help="Samples per prompt, the group GRPO compares (default 8, at least 2).",
+        ),
+        click.option(
             "--gateways",
             type=int,
             default=None,
             help="With --agents http: session gateway processes (default 1). Each session sticks to "
             "one; a step's burst of requests is split between them (docs/capacity.md).",
-        ),
-        click.option(
-            "--group-size",
-            type=int,
-            default=None,
-            help="Samples per prompt, the group GRPO compares (default 8, at least 2).",
         ),
         click.option(
             "--sync-every",
